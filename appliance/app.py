@@ -1,0 +1,249 @@
+"""The composition root: one object that starts the appliance in dependency order.
+
+Owns ``Appliance``: it opens the store, replays the log into the run's state, recovers what a
+crash left behind, loads the engine and the trainer at the stored policy version, starts the
+proxy, the live projection, the rollout controller and the scheduler, and on exit stops them in
+reverse order (every background loop cancelled and awaited). Nothing else constructs these
+parts for a real run, so tests that build an ``Appliance`` exercise the production wiring.
+
+Recovery rules on start: rollouts that were running when the process died are recorded as
+failed ("interrupted"); finished rollouts that no step consumed stay available for training;
+the engine and trainer load the checkpoint of the last ``PolicyVersionPublished``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from types import TracebackType
+
+from appliance.chat.tokenizer import Tokenizer
+from appliance.config import ApplianceConfig
+from appliance.controller import RolloutController
+from appliance.engines.tiny_model import build_tiny_model
+from appliance.engines.torch_engine import TorchEngine
+from appliance.errors import ConfigError
+from appliance.proxy.calls import CallService, ServingGate
+from appliance.proxy.server import ProxyServer, ProxySettings, build_app
+from appliance.rollouts import RolloutRegistry
+from appliance.scheduler.decide import SchedulePolicy
+from appliance.scheduler.live import LiveState
+from appliance.scheduler.runner import SchedulerRunner
+from appliance.training import TrainingService
+from harness_adapters.base import HarnessAdapter
+from harness_adapters.python import PythonAdapter
+from harness_adapters.tasks import arithmetic_tasks
+from store.events import ApplianceStarted, ApplianceStopped, RolloutFinished, TrainStepCompleted
+from store.eventstore import EventStore
+from store.projections import RunState
+from trainer.checkpoints import CheckpointStore
+from trainer.policy import PolicyTrainer
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[TrainStepCompleted, RunState], None]
+
+
+def resolve_model(config: ApplianceConfig) -> tuple[str, Path]:
+    """The model's display name and local directory (building the tiny model if needed)."""
+    if config.model == "tiny":
+        return "tiny", build_tiny_model(config.models_dir / "tiny", seed=config.seed)
+    path = Path(config.model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model {config.model!r} is neither 'tiny' nor a local model directory with config.json"
+        )
+    return path.name, path
+
+
+class Appliance:
+    def __init__(
+        self,
+        config: ApplianceConfig,
+        *,
+        adapter: HarnessAdapter | None = None,
+        on_step: StepCallback | None = None,
+    ) -> None:
+        if config.engine != "torch":
+            raise ConfigError(f"unknown engine {config.engine!r}; available: torch")
+        self.config = config
+        self._adapter = adapter
+        self._on_step = on_step
+        self._stack = AsyncExitStack()
+        self._stop_reason = "stopped"
+        self._stop_requested = False
+        self.runner: SchedulerRunner | None = None
+
+    # The parts, available after ``__aenter__``.
+    store: EventStore
+    engine: TorchEngine
+    proxy: ProxyServer
+    live: LiveState
+    controller: RolloutController
+    registry: RolloutRegistry
+    training: TrainingService
+    model_name: str
+
+    @property
+    def proxy_url(self) -> str:
+        return self.proxy.url
+
+    async def __aenter__(self) -> Appliance:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is not None:
+            self._stop_reason = f"error: {type(exc).__name__}: {exc}"
+        await self._stack.aclose()
+
+    async def _start(self) -> None:
+        config = self.config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.model_name, model_dir = await asyncio.to_thread(resolve_model, config)
+
+        self.store = await EventStore.open(config.db_path)
+        self._stack.push_async_callback(self.store.close)
+        self._stack.push_async_callback(self._record_stop)
+        state = RunState.from_events(await self.store.read())
+        await self._recover(state)
+
+        tokenizer = Tokenizer.from_model_dir(model_dir)
+        self.engine = TorchEngine(
+            model_dir, device=config.device, max_batch_size=config.max_batch_size, num_threads=config.threads
+        )
+        await self.engine.start()
+        self._stack.push_async_callback(self.engine.close)
+
+        trainer = await asyncio.to_thread(
+            PolicyTrainer,
+            model_dir,
+            lr=config.lr,
+            grad_clip=config.grad_clip,
+            device=config.device,
+            temperature=config.temperature or 1.0,
+        )
+        self.training = training = TrainingService(
+            trainer=trainer,
+            checkpoints=CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints),
+            store=self.store,
+            engine=self.engine,
+        )
+        if state.policy_version > 0:
+            await training.restore(state.policy_version)
+
+        gate = ServingGate()
+        self.registry = RolloutRegistry(tokenizer)
+        calls = CallService(
+            engine=self.engine,
+            store=self.store,
+            tokenizer=tokenizer,
+            gate=gate,
+            max_tokens_default=config.max_tokens,
+        )
+        settings = ProxySettings(
+            model_name=self.model_name,
+            max_tokens_default=config.max_tokens,
+            max_tokens_cap=config.max_tokens_cap,
+            temperature_override=config.temperature,
+        )
+        self.proxy = ProxyServer(build_app(calls, self.registry, settings), config.host, config.port)
+        await self.proxy.start()
+        self._stack.push_async_callback(self.proxy.close)
+        if config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("the proxy listens on %s: any host that can reach it can call the model", config.host)
+
+        await self.store.append(
+            [
+                ApplianceStarted(
+                    ts=time.time(),
+                    run_id=state.run_id or uuid.uuid4().hex,
+                    model=self.model_name,
+                    engine=config.engine,
+                    resumed_from_version=state.policy_version,
+                    resumed_from_step=state.step,
+                    config=config.to_json(),
+                )
+            ]
+        )
+        self.live = LiveState(self.store, state, state.position)
+        follower = asyncio.create_task(self.live.follow(), name="live projection")
+        self._stack.push_async_callback(_cancel_and_wait, follower)
+        await self.live.wait_for(self.store.last_position)
+
+        groups_so_far = len({view.group for view in state.rollouts.values()})
+        self.controller = RolloutController(
+            store=self.store,
+            registry=self.registry,
+            adapter=self._adapter or PythonAdapter(config.agent),
+            tasks=arithmetic_tasks(seed=config.seed, start=groups_so_far),
+            proxy_url=lambda: self.proxy.url,
+            model_name=self.model_name,
+            policy_version=lambda: self.engine.policy_version,
+            timeout_s=config.rollout_timeout_s,
+            next_group_index=groups_so_far,
+        )
+        self._stack.push_async_callback(self.controller.close)
+        self.runner = SchedulerRunner(
+            policy=SchedulePolicy(
+                batch_groups=config.batch_groups, group_size=config.group_size, max_steps=config.max_steps
+            ),
+            live=self.live,
+            controller=self.controller,
+            training=training,
+            gate=gate,
+            on_step=self._on_step,
+        )
+        if self._stop_requested:
+            self.runner.request_stop()
+
+    async def _recover(self, state: RunState) -> None:
+        """Record as failed every rollout a previous process left running."""
+        interrupted = [
+            RolloutFinished(
+                ts=time.time(),
+                rollout=view.rollout,
+                status="failed",
+                error="interrupted: the appliance stopped while the rollout was running",
+            )
+            for view in state.running()
+        ]
+        if interrupted:
+            positions = await self.store.append(interrupted)
+            for event, position in zip(interrupted, positions, strict=True):
+                state.apply(event, position)
+            log.info("recovered %d interrupted rollouts", len(interrupted))
+
+    async def _record_stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.store.append([ApplianceStopped(ts=time.time(), reason=self._stop_reason)])
+
+    def request_stop(self) -> None:
+        """Ask the scheduler to stop after what it is doing now (safe from a signal handler)."""
+        self._stop_requested = True
+        if self.runner is not None:
+            self.runner.request_stop()
+
+    async def run(self) -> str:
+        """Run the scheduler until it stops; returns the reason."""
+        assert self.runner is not None, "use 'async with Appliance(...)' first"
+        self._stop_reason = await self.runner.run()
+        return self._stop_reason
+
+
+async def _cancel_and_wait(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,200 @@
+"""Rendering conversations to token ids, splicing in the exact ids of earlier sampled turns.
+
+Owns the one place where text becomes prompt tokens. A prompt is the concatenation of one
+segment per turn (the first system message and the tool list share a segment, and so do
+consecutive tool results), each tokenized on its own, then the generation prompt. Every segment
+starts with ``<|im_start|>`` and ends with ``<|im_end|>\n``; special tokens are never merged
+with their neighbours, so the concatenation tokenizes exactly like the whole text the model's
+chat template renders (tests hold ``render_text`` to the Jinja template, and the ids to the
+whole-text tokenization).
+
+Two invariants make a multi-call rollout one exact token sequence:
+
+* An assistant turn that this conversation sampled earlier is not re-rendered from its text:
+  its segment is the generation prompt, the sampled ids, and the closing tokens. The lookup is
+  keyed by a digest of the whole prompt that produced it plus the turn's key (content and tool
+  calls as the proxy returned them), so a turn is only spliced where it was actually sampled.
+* Rendering is incremental: a ``Conversation`` keeps the last request's segments and their
+  running digests, so a new request tokenizes only the messages it adds.
+
+The renderer knows nothing about HTTP, engines or rollouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.chat.messages import Message
+from appliance.chat.template import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
+from appliance.chat.tokenizer import Tokenizer
+
+GENERATION_PROMPT = f"{IM_START}assistant\n"
+
+SegmentKey = tuple[Any, ...]
+
+
+def _pack(ids: Sequence[int]) -> bytes:
+    return b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+
+
+def _system_text(system: Message | None, tools: Sequence[dict[str, Any]]) -> str:
+    content = system.content if system is not None else ""
+    listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return f"{IM_START}system\n{content}{TOOLS_PREAMBLE}{listing}{TOOLS_POSTAMBLE}{IM_END}\n"
+
+
+def _assistant_tool_text(message: Message) -> str:
+    parts = [f"{IM_START}assistant"]
+    if message.content:
+        parts.append("\n" + message.content)
+    for call in message.tool_calls:
+        parts.append(f'\n<tool_call>\n{{"name": "{call.name}", "arguments": {call.arguments}}}\n</tool_call>')
+    parts.append(f"{IM_END}\n")
+    return "".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one segment renders: its cache key, its text, and the message if it may be spliced."""
+
+    key: SegmentKey
+    text: str
+    assistant: Message | None = None
+
+
+def plan_segments(messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[_Plan]:
+    """One plan per segment, in order, mirroring the chat template's branches."""
+    plans: list[_Plan] = []
+    rest = list(messages)
+    if tools:
+        system = rest.pop(0) if rest and rest[0].role == "system" else None
+        tools_json = json.dumps(list(tools), ensure_ascii=False, sort_keys=True)
+        plans.append(
+            _Plan(("tools", system.key if system else None, tools_json), _system_text(system, tools))
+        )
+    elif rest and rest[0].role == "system":
+        system = rest.pop(0)
+        plans.append(_Plan(("system", system.key), f"{IM_START}system\n{system.content}{IM_END}\n"))
+    i = 0
+    while i < len(rest):
+        message = rest[i]
+        if message.role == "tool":
+            # Consecutive tool results share one user turn, and so one segment: a boundary
+            # between them would fall inside a pre-token ("</tool_response>" + "\n" merge).
+            j = i
+            while j < len(rest) and rest[j].role == "tool":
+                j += 1
+            run = rest[i:j]
+            body = "".join(f"\n<tool_response>\n{m.content}\n</tool_response>" for m in run)
+            plans.append(_Plan(("tool", tuple(m.key for m in run)), f"{IM_START}user{body}{IM_END}\n"))
+            i = j
+            continue
+        if message.role == "assistant":
+            text = (
+                _assistant_tool_text(message)
+                if message.tool_calls
+                else f"{IM_START}assistant\n{message.content}{IM_END}\n"
+            )
+            plans.append(_Plan(("assistant", message.key), text, assistant=message))
+        else:
+            plans.append(
+                _Plan((message.role, message.key), f"{IM_START}{message.role}\n{message.content}{IM_END}\n")
+            )
+        i += 1
+    return plans
+
+
+def render_text(messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> str:
+    """The prompt as text, generation prompt included (what the Jinja template renders)."""
+    return "".join(p.text for p in plan_segments(messages, tools)) + GENERATION_PROMPT
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    prompt_ids: list[int]
+    #: Digest of ``prompt_ids``; a sampled response is remembered under it.
+    digest: bytes
+    #: Prompt tokens taken verbatim from earlier sampled turns.
+    spliced_tokens: int
+    #: Prompt tokens tokenized for this request (the incremental cost).
+    tokenized_tokens: int
+    #: Assistant turns in the request that were not sampled here and were rendered from text.
+    unmatched_assistant_turns: int
+
+
+@dataclass(slots=True)
+class _Segment:
+    key: SegmentKey
+    ids: list[int]
+    spliced: int
+    #: Running digest of every token up to and including this segment.
+    hasher: Any
+
+
+@dataclass(slots=True)
+class Conversation:
+    """Per-rollout render state: the sampled turns and the last request's segments."""
+
+    tokenizer: Tokenizer
+    _sampled: dict[tuple[bytes, Any], tuple[int, ...]] = field(default_factory=dict)
+    _segments: list[_Segment] = field(default_factory=list)
+    _gen_prompt: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._gen_prompt = self.tokenizer.encode(GENERATION_PROMPT)
+
+    def remember(self, digest: bytes, message: Message, response_ids: Sequence[int]) -> None:
+        """Record that ``response_ids``, sampled after the prompt with ``digest``, became ``message``."""
+        self._sampled[(digest, message.key)] = tuple(response_ids)
+
+    def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> RenderedPrompt:
+        plans = plan_segments(messages, tools)
+        reused = 0
+        while (
+            reused < len(plans)
+            and reused < len(self._segments)
+            and plans[reused].key == self._segments[reused].key
+        ):
+            reused += 1
+        segments = self._segments[:reused]
+        hasher = segments[-1].hasher.copy() if segments else hashlib.blake2b(digest_size=16)
+        tokenized = 0
+        unmatched = 0
+        for plan in plans[reused:]:
+            ids: list[int] | None = None
+            spliced = 0
+            if plan.assistant is not None:
+                at_turn = hasher.copy()
+                at_turn.update(_pack(self._gen_prompt))
+                sampled = self._sampled.get((at_turn.digest(), plan.assistant.key))
+                if sampled is not None:
+                    closing = (
+                        []
+                        if sampled and sampled[-1] == self.tokenizer.im_end_id
+                        else [self.tokenizer.im_end_id]
+                    )
+                    ids = [*self._gen_prompt, *sampled, *closing, *self.tokenizer.encode("\n")]
+                    spliced = len(sampled)
+                else:
+                    unmatched += 1
+            if ids is None:
+                ids = self.tokenizer.encode(plan.text)
+                tokenized += len(ids)
+            hasher = hasher.copy()
+            hasher.update(_pack(ids))
+            segments.append(_Segment(plan.key, ids, spliced, hasher))
+        self._segments = segments
+        final = hasher.copy()
+        final.update(_pack(self._gen_prompt))
+        prompt_ids = [t for s in segments for t in s.ids] + self._gen_prompt
+        return RenderedPrompt(
+            prompt_ids=prompt_ids,
+            digest=final.digest(),
+            spliced_tokens=sum(s.spliced for s in segments),
+            tokenized_tokens=tokenized,
+            unmatched_assistant_turns=unmatched,
+        )

@@ -1,0 +1,47 @@
+"""The tokenizer as the proxy uses it: text <-> ids, nothing else.
+
+Owns loading a model directory's ``tokenizer.json`` with the ``tokenizers`` library (no
+transformers import on the request path) and the special ids the chat format needs. Encoding
+never adds special tokens of its own: the chat renderer writes every special token explicitly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from appliance.chat.template import IM_END
+from appliance.errors import ConfigError
+
+
+class Tokenizer:
+    def __init__(self, backend: _HFTokenizer) -> None:
+        self._backend = backend
+        im_end = backend.token_to_id(IM_END)
+        if im_end is None:
+            raise ConfigError(f"the tokenizer has no {IM_END} token; only ChatML models are supported")
+        #: The id that ends an assistant turn; generation stops on it.
+        self.im_end_id: int = im_end
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> Tokenizer:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"no tokenizer.json in {model_dir}")
+        return cls(_HFTokenizer.from_file(str(path)))
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids: list[int] | tuple[int, ...]) -> str:
+        text: str = self._backend.decode(list(ids), skip_special_tokens=False)
+        return text
+
+    @property
+    def vocab_size(self) -> int:
+        size: int = self._backend.get_vocab_size(with_added_tokens=True)
+        return size

@@ -1,0 +1,125 @@
+"""The rollout controller: admits rollouts, runs their harnesses, and records how they end.
+
+Owns the lifecycle of every rollout from ``RolloutCreated`` to ``RolloutFinished``: it draws the
+next task, registers the rollout's credentials with the proxy, runs the adapter under a timeout,
+records a reward the adapter returned, and records failures with their reason. Every rollout it
+starts ends with exactly one ``RolloutFinished`` event, whether the agent succeeds, crashes,
+times out, or the appliance stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from appliance.rollouts import ActiveRollout, RolloutRegistry
+from harness_adapters.base import ClientConfig, HarnessAdapter, Task
+from store.events import RewardReported, RolloutCreated, RolloutFinished
+from store.eventstore import EventStore
+
+log = logging.getLogger(__name__)
+
+
+class RolloutController:
+    def __init__(
+        self,
+        *,
+        store: EventStore,
+        registry: RolloutRegistry,
+        adapter: HarnessAdapter,
+        tasks: Iterator[Task],
+        proxy_url: Callable[[], str],
+        model_name: str,
+        policy_version: Callable[[], int],
+        timeout_s: float,
+        next_group_index: int = 0,
+    ) -> None:
+        self._store = store
+        self._registry = registry
+        self._adapter = adapter
+        self._tasks = tasks
+        self._proxy_url = proxy_url
+        self._model_name = model_name
+        self._policy_version = policy_version
+        self._timeout_s = timeout_s
+        self._next_group = next_group_index
+        self._running: set[asyncio.Task[None]] = set()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    async def start_group(self, size: int) -> str:
+        """Start ``size`` rollouts of the next task; returns the group id once they are durable."""
+        group = f"g{self._next_group:06d}"
+        self._next_group += 1
+        task = next(self._tasks)
+        version = self._policy_version()
+        now = time.time()
+        created = [
+            RolloutCreated(
+                ts=now,
+                rollout=f"{group}-r{j}",
+                task_id=task.id,
+                group=group,
+                task=task.data,
+                policy_version=version,
+                adapter=self._adapter.name,
+            )
+            for j in range(size)
+        ]
+        await self._store.append(created)
+        for event in created:
+            active = self._registry.register(event.rollout, task_id=task.id, group=group, task=task.data)
+            runner = asyncio.create_task(self._run(active, task), name=f"rollout {event.rollout}")
+            self._running.add(runner)
+            runner.add_done_callback(self._running.discard)
+        return group
+
+    async def _run(self, active: ActiveRollout, task: Task) -> None:
+        rollout = active.rollout
+        base = f"{self._proxy_url()}/rollouts/{rollout}"
+        client = ClientConfig(
+            rollout_id=rollout,
+            base_url=base + "/v1",
+            api_key=active.token,
+            reward_url=base + "/reward",
+            model=self._model_name,
+        )
+        started = time.perf_counter()
+        status, error = "finished", ""
+        cancelled = False
+        try:
+            reward = await asyncio.wait_for(self._adapter.run(task, client), self._timeout_s)
+            if reward is not None:
+                await self._store.append(
+                    [RewardReported(ts=time.time(), rollout=rollout, reward=float(reward), source="adapter")]
+                )
+        except TimeoutError:
+            status, error = "failed", f"timed out after {self._timeout_s:g} s"
+        except asyncio.CancelledError:
+            status, error, cancelled = "failed", "cancelled: the appliance stopped", True
+        except Exception as exc:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"[-2000:]
+            log.warning("rollout %s failed: %s", rollout, error)
+        finally:
+            self._registry.unregister(rollout)
+        finished = RolloutFinished(
+            ts=time.time(),
+            rollout=rollout,
+            status=status,
+            error=error,
+            duration_s=time.perf_counter() - started,
+        )
+        await self._store.append([finished])
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def close(self) -> None:
+        """Cancel every running rollout and wait until each has recorded its end."""
+        tasks = list(self._running)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

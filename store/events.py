@@ -1,0 +1,174 @@
+"""Event types: the vocabulary of the log.
+
+Owns the frozen dataclasses that are appended to the store, their registry (type name -> class)
+and their schema versions. It does not own how events are encoded (``store.codec``) or stored
+(``store.eventstore``), nor what state they fold into (``store.projections``).
+
+Invariant: an event, once appended, never changes. A new field gets a default; a changed meaning
+gets a new ``version`` and an upcaster next to the class, so old logs still replay.
+
+Token ids and log-probabilities are ``tuple[int, ...]`` / ``tuple[float, ...]``; the codec packs
+every field annotated with :data:`TokenIds` or :data:`Floats` as binary, never as JSON lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeAlias
+
+TokenIds: TypeAlias = tuple[int, ...]
+Floats: TypeAlias = tuple[float, ...]
+JsonObject: TypeAlias = dict[str, Any]
+
+EVENT_TYPES: dict[str, type[Event]] = {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Base of every event. ``type`` and ``version`` identify the schema of the payload."""
+
+    type: ClassVar[str] = "Event"
+    version: ClassVar[int] = 1
+    #: Seconds since the epoch at which the event was created (not when it became durable).
+    ts: float
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Not bare ``super()``: its ``__class__`` cell names the class ``dataclass(slots=True)``
+        # discarded, which the subclasses of the final ``Event`` do not derive from.
+        super(Event, cls).__init_subclass__(**kwargs)
+        name = cls.__dict__.get("type", cls.__name__)
+        existing = EVENT_TYPES.get(name)
+        # ``dataclass(slots=True)`` builds a second class with the same qualified name: that one
+        # replaces the first. Any other clash is a programming error.
+        if existing is not None and existing.__qualname__ != cls.__qualname__:
+            raise TypeError(f"event type {name!r} is registered twice")
+        cls.type = name
+        EVENT_TYPES[name] = cls
+
+    @property
+    def rollout_id(self) -> str | None:
+        """The rollout this event belongs to, or None for run-level events."""
+        value = getattr(self, "rollout", None)
+        return value if isinstance(value, str) else None
+
+
+# --- run lifecycle -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApplianceStarted(Event):
+    """The process started (or restarted) on this store."""
+
+    run_id: str
+    model: str
+    engine: str
+    #: The policy version the engine and trainer were loaded at (0 on a fresh run).
+    resumed_from_version: int
+    #: The training step the run stands at after replay.
+    resumed_from_step: int
+    config: JsonObject = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApplianceStopped(Event):
+    """The process stopped cleanly (a crash leaves no such event)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseChanged(Event):
+    """The scheduler moved the machine between phases ("generate", "train", "idle")."""
+
+    phase: str
+    policy_version: int
+
+
+# --- rollouts ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutCreated(Event):
+    """A rollout was admitted: one run of the harness on one task."""
+
+    rollout: str
+    task_id: str
+    #: Rollouts of one group share a task and are compared with each other (GRPO).
+    group: str
+    task: JsonObject
+    #: The policy version being served when the rollout started.
+    policy_version: int
+    adapter: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LLMCallCompleted(Event):
+    """One model call made by a harness through the proxy, with the exact tokens involved."""
+
+    rollout: str
+    call_id: str
+    #: Which API surface the harness used ("openai.chat", ...).
+    surface: str
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    #: Log-probability of each response token under the sampling distribution.
+    response_logprobs: Floats
+    #: The policy version that sampled the response tokens.
+    policy_version: int
+    finish_reason: str
+    #: The request body as the harness sent it (JSON), for audit and the dashboard.
+    request: JsonObject
+    #: The text the harness received.
+    response_text: str
+    #: Seconds: waiting for the engine, then generating.
+    queue_s: float
+    total_s: float
+    user_agent: str = ""
+    #: How many leading prompt tokens were spliced from earlier sampled turns (not re-rendered).
+    spliced_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RewardReported(Event):
+    """A reward for a whole rollout (the last one reported counts)."""
+
+    rollout: str
+    reward: float
+    source: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutFinished(Event):
+    """The harness ended. ``status`` is "finished" or "failed"; a failure carries its reason."""
+
+    rollout: str
+    status: str
+    error: str = ""
+    duration_s: float = 0.0
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainStepCompleted(Event):
+    """A gradient step consumed these rollouts; each rollout is trained on at most once."""
+
+    step: int
+    rollouts: tuple[str, ...]
+    samples: int
+    tokens: int
+    #: Groups whose rewards were all equal (zero advantage): counted, trained on as zero.
+    zero_variance_groups: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyVersionPublished(Event):
+    """New weights are durable on disk and were (or will be, on restart) loaded by the engine."""
+
+    policy_version: int
+    step: int
+    #: Path of the checkpoint holding these weights, relative to the run directory.
+    checkpoint: str

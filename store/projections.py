@@ -1,0 +1,168 @@
+"""Projections: the state of a run, folded from its events.
+
+Owns :class:`RunState` and :class:`RolloutView`, and the rules that turn events into them. It does
+no I/O and knows nothing of SQLite: callers read events (``EventStore.read``/``subscribe``) and
+feed them to :meth:`RunState.apply`.
+
+Invariant: the state is a pure function of the event sequence. Folding the same events gives the
+same state, whether all at once after a restart or one by one as they commit. Events about a
+rollout that was never created are ignored rather than raised on, so a fold never fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from statistics import fmean
+from typing import Any
+
+from store.codec import StoredEvent
+from store.events import (
+    ApplianceStarted,
+    Event,
+    JsonObject,
+    LLMCallCompleted,
+    PhaseChanged,
+    PolicyVersionPublished,
+    RewardReported,
+    RolloutCreated,
+    RolloutFinished,
+    TrainStepCompleted,
+)
+
+STATUSES = ("running", "finished", "failed")
+
+
+@dataclass
+class RolloutView:
+    """One rollout as the scheduler, trainer and dashboard see it."""
+
+    rollout: str
+    task_id: str
+    group: str
+    task: JsonObject
+    adapter: str
+    #: The policy version being served when the rollout was created.
+    created_version: int
+    status: str = "running"
+    calls: list[LLMCallCompleted] = field(default_factory=list)
+    #: The last reward reported, or None if none was.
+    reward: float | None = None
+    error: str = ""
+    #: The training step that consumed this rollout, or None while it is untrained.
+    trained_step: int | None = None
+
+
+@dataclass
+class RunState:
+    """The whole run: policy version, training progress and every rollout, in creation order."""
+
+    run_id: str = ""
+    policy_version: int = 0
+    step: int = 0
+    checkpoint: str = ""
+    phase: str = "idle"
+    #: How many times the appliance started on this store (1 + restarts).
+    starts: int = 0
+    #: Position of the last event applied (0 when positions are not known).
+    position: int = 0
+    rollouts: dict[str, RolloutView] = field(default_factory=dict)
+    steps: list[TrainStepCompleted] = field(default_factory=list)
+
+    @classmethod
+    def from_events(cls, events: Iterable[Event | StoredEvent]) -> RunState:
+        """Fold ``events`` (bare, or with their positions) into a fresh state."""
+        state = cls()
+        for item in events:
+            if isinstance(item, StoredEvent):
+                state.apply(item.event, item.position)
+            else:
+                state.apply(item)
+        return state
+
+    def apply(self, event: Event, position: int = 0) -> None:
+        """Fold one event into the state."""
+        self.position = max(self.position, position)
+        match event:
+            case ApplianceStarted():
+                self.run_id = event.run_id
+                self.starts += 1
+            case PhaseChanged():
+                self.phase = event.phase
+            case PolicyVersionPublished():
+                self.policy_version = event.policy_version
+                self.checkpoint = event.checkpoint
+            case RolloutCreated():
+                self.rollouts[event.rollout] = RolloutView(
+                    rollout=event.rollout,
+                    task_id=event.task_id,
+                    group=event.group,
+                    task=event.task,
+                    adapter=event.adapter,
+                    created_version=event.policy_version,
+                )
+            case LLMCallCompleted():
+                if view := self.rollouts.get(event.rollout):
+                    view.calls.append(event)
+            case RewardReported():
+                if view := self.rollouts.get(event.rollout):
+                    view.reward = event.reward
+            case RolloutFinished():
+                if view := self.rollouts.get(event.rollout):
+                    view.status = event.status
+                    view.error = event.error
+            case TrainStepCompleted():
+                self.step = event.step
+                self.steps.append(event)
+                for rollout in event.rollouts:
+                    if view := self.rollouts.get(rollout):
+                        view.trained_step = event.step
+            case _:
+                pass  # ApplianceStopped and types this fold does not track
+
+    def running(self) -> list[RolloutView]:
+        """Rollouts whose harness has not ended, in creation order."""
+        return [view for view in self.rollouts.values() if view.status == "running"]
+
+    def ready_groups(self) -> dict[str, list[RolloutView]]:
+        """Groups whose rollouts have all ended and none was trained on, by first creation.
+
+        A ready group may hold failed or unrewarded rollouts: filter them with :meth:`trainable`.
+        """
+        groups: dict[str, list[RolloutView]] = {}
+        for view in self.rollouts.values():
+            groups.setdefault(view.group, []).append(view)
+        return {
+            name: views
+            for name, views in groups.items()
+            if all(v.status != "running" and v.trained_step is None for v in views)
+        }
+
+    @staticmethod
+    def trainable(view: RolloutView) -> bool:
+        """A rollout can be trained on once it finished cleanly and has a reward."""
+        return view.status == "finished" and view.reward is not None
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers for the CLI ``status`` command and the dashboard."""
+        counts = dict.fromkeys(STATUSES, 0)
+        for view in self.rollouts.values():
+            counts[view.status] = counts.get(view.status, 0) + 1
+        last_rewards: list[float] = []
+        if self.steps:
+            for rollout in self.steps[-1].rollouts:
+                trained = self.rollouts.get(rollout)
+                if trained is not None and trained.reward is not None:
+                    last_rewards.append(trained.reward)
+        calls = [call for view in self.rollouts.values() for call in view.calls]
+        return {
+            "run_id": self.run_id,
+            "phase": self.phase,
+            "policy_version": self.policy_version,
+            "step": self.step,
+            "steps": len(self.steps),
+            "rollouts": counts,
+            "mean_reward": fmean(last_rewards) if last_rewards else None,
+            "calls": len(calls),
+            "tokens_sampled": sum(len(call.response_ids) for call in calls),
+        }

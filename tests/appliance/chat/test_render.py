@@ -1,0 +1,127 @@
+"""The renderer against the model's own chat template, and the splicing of sampled turns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from appliance.chat.messages import Message, ToolCall, messages_from_openai
+from appliance.chat.render import GENERATION_PROMPT, Conversation, render_text
+from appliance.chat.tokenizer import Tokenizer
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+
+CONVERSATIONS: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = [
+    ([{"role": "user", "content": "hi"}], []),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}], []),
+    (
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "add 1 and 2"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "a",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                    },
+                    {
+                        "id": "b",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'},
+                    },
+                ],
+            },
+            {"role": "tool", "tool_call_id": "a", "content": "3"},
+            {"role": "tool", "tool_call_id": "b", "content": "7"},
+            {"role": "assistant", "content": "3 and 7"},
+            {"role": "user", "content": "thanks"},
+        ],
+        [ADD],
+    ),
+    ([{"role": "user", "content": "no system, with tools"}], [ADD]),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_model_dir)
+
+
+@pytest.mark.parametrize(("raw", "tools"), CONVERSATIONS)
+def test_render_text_equals_the_jinja_template(
+    tiny_model_dir: Path, raw: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> None:
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template_tools: Any = tools or None
+    expected = hf.apply_chat_template(raw, tools=template_tools, add_generation_prompt=True, tokenize=False)
+    assert render_text(messages_from_openai(raw), tools) == expected
+
+
+@pytest.mark.parametrize(("raw", "tools"), CONVERSATIONS)
+def test_segment_tokenization_equals_whole_text_tokenization(
+    tokenizer: Tokenizer, raw: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> None:
+    messages = messages_from_openai(raw)
+    rendered = Conversation(tokenizer).render(messages, tools)
+    assert rendered.prompt_ids == tokenizer.encode(render_text(messages, tools))
+    assert rendered.spliced_tokens == 0
+
+
+def test_sampled_turn_is_spliced_token_for_token(tokenizer: Tokenizer) -> None:
+    conversation = Conversation(tokenizer)
+    history = [Message("system", "S"), Message("user", "What is 2 + 3?")]
+    first = conversation.render(history)
+    # Token ids a model might sample: text whose re-tokenization differs (split digits).
+    five = tokenizer.encode("5")
+    sampled = [*five, *tokenizer.encode(" "), tokenizer.im_end_id]
+    reply = Message("assistant", tokenizer.decode(sampled[:-1]))
+    conversation.remember(first.digest, reply, sampled)
+
+    second = conversation.render([*history, reply, Message("user", "Sure?")])
+    assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+    after = second.prompt_ids[len(first.prompt_ids) :]
+    assert after[: len(sampled)] == sampled
+    assert second.spliced_tokens == len(sampled)
+    assert second.unmatched_assistant_turns == 0
+
+
+def test_turn_is_not_spliced_under_another_prefix(tokenizer: Tokenizer) -> None:
+    conversation = Conversation(tokenizer)
+    first = conversation.render([Message("user", "a")])
+    reply = Message("assistant", "x")
+    conversation.remember(first.digest, reply, [*tokenizer.encode("x"), tokenizer.im_end_id])
+    other = conversation.render([Message("user", "b"), reply, Message("user", "c")])
+    assert other.spliced_tokens == 0
+    assert other.unmatched_assistant_turns == 1
+
+
+def test_rendering_is_incremental(tokenizer: Tokenizer) -> None:
+    conversation = Conversation(tokenizer)
+    history = [Message("system", "S " * 200), Message("user", "long question " * 50)]
+    first = conversation.render(history)
+    assert first.tokenized_tokens == len(first.prompt_ids) - len(tokenizer.encode(GENERATION_PROMPT))
+    reply = Message("assistant", "ok")
+    conversation.remember(first.digest, reply, [*tokenizer.encode("ok"), tokenizer.im_end_id])
+    follow_up = Message("user", "next")
+    second = conversation.render([*history, reply, follow_up])
+    # Only the new user turn was tokenized; the long history and the sampled turn were reused.
+    assert second.tokenized_tokens == len(tokenizer.encode("<|im_start|>user\nnext<|im_end|>\n"))
+
+
+def test_tool_call_turn_splices_when_echoed_back(tokenizer: Tokenizer) -> None:
+    conversation = Conversation(tokenizer)
+    history = [Message("user", "add 1 2")]
+    first = conversation.render(history, [ADD])
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    sampled = [*tokenizer.encode(text), tokenizer.im_end_id]
+    reply = Message("assistant", "", (ToolCall("call_1", "add", '{"a": 1, "b": 2}'),))
+    conversation.remember(first.digest, reply, sampled)
+    echoed = Message("assistant", "", (ToolCall("client-rewrote-id", "add", '{"a": 1, "b": 2}'),))
+    second = conversation.render([*history, echoed, Message("tool", "3", tool_call_id="x")], [ADD])
+    assert second.prompt_ids[: len(first.prompt_ids) + len(sampled)] == first.prompt_ids + sampled

@@ -1,0 +1,141 @@
+"""The proxy through real clients: the openai SDK for the happy path, raw HTTP for bad input."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from appliance.app import Appliance
+from appliance.rollouts import ActiveRollout
+from store.events import LLMCallCompleted, RewardReported
+from tests.support import make_config
+
+
+@pytest.fixture
+async def app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Appliance]:
+    async with Appliance(make_config(tmp_path, tiny_model_dir)) as appliance:
+        yield appliance
+
+
+def rollout(app: Appliance, name: str = "r1") -> ActiveRollout:
+    return app.registry.register(name, task_id="t", group="g", task={})
+
+
+def base(app: Appliance, active: ActiveRollout) -> str:
+    return f"{app.proxy_url}/rollouts/{active.rollout}"
+
+
+async def calls_recorded(app: Appliance) -> list[LLMCallCompleted]:
+    return [
+        s.event
+        for s in await app.store.read(types={"LLMCallCompleted"})
+        if isinstance(s.event, LLMCallCompleted)
+    ]
+
+
+async def test_chat_completion_through_the_openai_sdk(app: Appliance) -> None:
+    active = rollout(app)
+    async with AsyncOpenAI(base_url=base(app, active) + "/v1", api_key=active.token, max_retries=0) as client:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [app.model_name]
+        response = await client.chat.completions.create(
+            model=app.model_name, messages=[{"role": "user", "content": "What is 1 + 2?"}], max_tokens=6
+        )
+    (call,) = await calls_recorded(app)
+    choice = response.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == len(call.prompt_ids)
+    assert response.usage.completion_tokens == len(call.response_ids) <= 6
+    assert call.rollout == "r1"
+    assert call.surface == "openai.chat"
+    assert call.request["messages"] == [{"role": "user", "content": "What is 1 + 2?"}]
+    assert len(call.response_logprobs) == len(call.response_ids)
+    assert call.policy_version == 0
+    assert "OpenAI" in call.user_agent or "openai" in call.user_agent.lower()
+    assert (choice.message.content or "") in call.response_text
+
+
+async def test_reward_endpoint_records_an_event(app: Appliance) -> None:
+    active = rollout(app)
+    async with aiohttp.ClientSession() as http:
+        ok = await http.post(
+            base(app, active) + "/reward",
+            json={"reward": 0.5},
+            headers={"Authorization": f"Bearer {active.token}"},
+        )
+        assert ok.status == 200
+        bad = await http.post(
+            base(app, active) + "/reward", json={"reward": "high"}, headers={"x-api-key": active.token}
+        )
+        assert bad.status == 400
+    rewards = [s.event for s in await app.store.read(types={"RewardReported"})]
+    assert [(r.rollout, r.reward) for r in rewards if isinstance(r, RewardReported)] == [("r1", 0.5)]
+
+
+GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        ({"messages": GOOD["messages"]}, 400, "model"),
+        ({"model": "m"}, 400, "messages"),
+        ({"model": "m", "messages": []}, 400, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+        ({**GOOD, "temperature": "hot"}, 400, "temperature"),
+        ({**GOOD, "max_tokens": -1}, 400, "max_tokens"),
+        ({**GOOD, "n": 3}, 400, "n"),
+        ({**GOOD, "stream": True}, 400, "stream"),
+        ({**GOOD, "tools": [{"type": "function", "function": {}}]}, 400, "tools[0]"),
+        ({**GOOD, "messages": [{"role": "user", "content": "1 2 3 4 5 6 7 8 9 " * 400}]}, 400, "messages"),
+        (b"x" * (5 * 1024 * 1024), 413, None),
+    ],
+)
+async def test_bad_input_gets_an_openai_error_and_nothing_is_recorded(
+    app: Appliance, body: Any, status: int, param: str | None
+) -> None:
+    active = rollout(app)
+    headers = {"Authorization": f"Bearer {active.token}", "Content-Type": "application/json"}
+    url = base(app, active) + "/v1/chat/completions"
+    async with aiohttp.ClientSession() as http:
+        kwargs: dict[str, Any] = {"data": body} if isinstance(body, bytes) else {"json": body}
+        response = await http.post(url, headers=headers, **kwargs)
+        payload = await response.json()
+        assert response.status == status, payload
+        assert set(payload["error"]) >= {"message", "type", "param", "code"}
+        assert payload["error"]["message"]
+        assert payload["error"]["param"] == param
+        # The appliance keeps serving after the bad request.
+        again = await http.post(url, headers=headers, json=GOOD)
+        assert again.status == 200
+    assert len(await calls_recorded(app)) == 1
+
+
+async def test_auth_and_unknown_rollouts(app: Appliance) -> None:
+    mine, other = rollout(app, "mine"), rollout(app, "other")
+    async with aiohttp.ClientSession() as http:
+        cases = [
+            (base(app, mine), None, 401),
+            (base(app, mine), "wrong", 401),
+            (base(app, mine), other.token, 401),
+            (f"{app.proxy_url}/rollouts/nope", mine.token, 404),
+        ]
+        for url, token, status in cases:
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            response = await http.post(url + "/v1/chat/completions", json=GOOD, headers=headers)
+            payload = await response.json()
+            assert response.status == status
+            assert payload["error"]["type"] in ("authentication_error", "not_found_error")
+        unknown_route = await http.get(f"{app.proxy_url}/nothing-here")
+        assert unknown_route.status == 404
+        assert "error" in await unknown_route.json()
+    assert await calls_recorded(app) == []

@@ -1,0 +1,112 @@
+"""The whole appliance in process: real store, engine, proxy, openai client, trainer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from appliance.app import Appliance
+from appliance.chat.render import GENERATION_PROMPT
+from appliance.engines.base import GenerateRequest, GenerateResult
+from store.events import LLMCallCompleted, PolicyVersionPublished, RewardReported, TrainStepCompleted
+from store.eventstore import EventStore
+from tests.support import make_config
+from trainer.samples import build_samples
+
+
+@pytest.fixture
+async def appliance(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Appliance]:
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=2)) as app:
+        yield app
+
+
+async def wait_finished(app: Appliance, rollouts: int) -> None:
+    async with asyncio.timeout(60):
+        while sum(1 for v in app.live.state.rollouts.values() if v.status != "running") < rollouts:
+            await app.live.wait_change(app.live.position)
+
+
+async def test_runs_steps_and_records_everything(appliance: Appliance) -> None:
+    reason = await appliance.run()
+    assert reason == "reached step 2"
+    assert appliance.engine.policy_version == 2
+    events = [s.event for s in await appliance.store.read()]
+    steps = [e for e in events if isinstance(e, TrainStepCompleted)]
+    versions = [e.policy_version for e in events if isinstance(e, PolicyVersionPublished)]
+    assert [s.step for s in steps] == [1, 2]
+    assert versions == [1, 2]
+    trained = [r for s in steps for r in s.rollouts]
+    assert len(trained) == len(set(trained)) == 2 * 2 * 2  # steps x groups x group size
+    state = appliance.live.state
+    for rollout in trained:
+        view = state.rollouts[rollout]
+        assert view.status == "finished"
+        assert view.reward is not None
+        assert len(view.calls) == 2
+        assert all(call.prompt_ids and call.response_ids for call in view.calls)
+    rewards = [e for e in events if isinstance(e, RewardReported)]
+    assert {e.rollout for e in rewards} == set(trained)
+
+
+async def test_merged_sample_is_exactly_what_was_sampled_plus_rendered(appliance: Appliance) -> None:
+    seen: list[tuple[list[int], GenerateResult]] = []
+    real_generate = appliance.engine.generate
+
+    async def spy(request: GenerateRequest) -> GenerateResult:
+        result = await real_generate(request)
+        seen.append((list(request.prompt_ids), result))
+        return result
+
+    appliance.engine.generate = spy  # type: ignore[method-assign]
+    await appliance.controller.start_group(1)
+    await wait_finished(appliance, 1)
+
+    (view,) = appliance.live.state.rollouts.values()
+    assert view.status == "finished", view.error
+    calls = [
+        s.event
+        for s in await appliance.store.read(rollout=view.rollout)
+        if isinstance(s.event, LLMCallCompleted)
+    ]
+    assert len(calls) == len(seen) == 2
+    (sample,) = build_samples(calls)
+
+    (p1, r1), (p2, r2) = seen
+    first_turn = p1 + list(r1.token_ids)
+    assert p2[: len(first_turn)] == first_turn, "the second prompt must extend the first call exactly"
+    between = p2[len(first_turn) :]
+    assert list(sample.tokens) == first_turn + between + list(r2.token_ids)
+    sampled = [t for t, m in zip(sample.tokens, sample.loss_mask, strict=True) if m]
+    assert sampled == list(r1.token_ids) + list(r2.token_ids)
+    assert [lp for lp, m in zip(sample.logprobs, sample.loss_mask, strict=True) if m] == pytest.approx(
+        list(r1.logprobs) + list(r2.logprobs), abs=1e-6
+    )
+
+    # What lies between the two sampled turns is the proxy's own rendering: the turn's closing
+    # tokens, the harness's next message, and the generation prompt.
+    tokenizer = appliance.registry._tokenizer
+    im_end = tokenizer.im_end_id
+    closing = ([] if r1.token_ids[-1] == im_end else [im_end]) + tokenizer.encode("\n")
+    assert between[: len(closing)] == closing
+    assert between[-len(tokenizer.encode(GENERATION_PROMPT)) :] == tokenizer.encode(GENERATION_PROMPT)
+
+
+async def test_restart_resumes_from_stored_version(tmp_path: Path, tiny_model_dir: Path) -> None:
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1)) as app:
+        await app.run()
+        trained = {k: v.clone() for k, v in app.training.trainer.state_dict_for_engine().items()}
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=2)) as app:
+        assert app.engine.policy_version == 1
+        restored = app.training.trainer.state_dict_for_engine()
+        assert all((restored[k] == v).all() for k, v in trained.items())
+        assert await app.run() == "reached step 2"
+        assert app.engine.policy_version == 2
+    store = await EventStore.open(tmp_path / "run" / "events.sqlite", readonly=True)
+    try:
+        steps = [s.event for s in await store.read(types={"TrainStepCompleted"})]
+    finally:
+        await store.close()
+    assert [s.step for s in steps if isinstance(s, TrainStepCompleted)] == [1, 2]

@@ -1,0 +1,188 @@
+"""Codec: every event type round-trips, token fields are binary, upcasters run on old payloads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import typing
+from array import array
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from appliance.errors import StoreError
+from store import codec, events
+from store.codec import EncodedEvent, decode, encode, register_upcaster
+from store.events import EVENT_TYPES, Event, LLMCallCompleted, TokenIds, TrainStepCompleted
+
+# Values chosen to be exact in float32, so a round trip compares equal without rounding.
+_SAMPLES: dict[str, Any] = {
+    "str": "sample-é",
+    "int": 7,
+    "float": 0.5,
+    "TokenIds": (1, 2, 3, 2**31 - 1, -5),
+    "Floats": (-0.25, -1.5, 0.0),
+    "JsonObject": {"messages": [{"role": "user", "content": "hi"}], "n": 1},
+    "tuple[str, ...]": ("r1", "r2"),
+    "dict[str, float]": {"loss": 0.125, "kl": 0.0},
+}
+
+
+def _sample(cls: type[Event], **overrides: Any) -> Event:
+    """An instance of ``cls`` with a sample value for every field, chosen by its annotation."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        assert isinstance(f.type, str)
+        if f.name != "ts":
+            assert f.type in _SAMPLES, f"add a sample value for {f.type} ({cls.__name__}.{f.name})"
+            kwargs[f.name] = _SAMPLES[f.type]
+    return cls(ts=1700000000.25, **{**kwargs, **overrides})
+
+
+def _packed_fields(cls: type[Event]) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.type in ("TokenIds", "Floats")]
+
+
+def _roundtrip(event: Event) -> Event:
+    row = encode(event)
+    return decode(row.type, row.version, row.ts, row.data, row.blob)
+
+
+def _type_name(cls: type[Event]) -> str:
+    return cls.type
+
+
+@pytest.mark.parametrize("cls", [EVENT_TYPES[name] for name in sorted(EVENT_TYPES)], ids=_type_name)
+def test_every_event_type_round_trips(cls: type[Event]) -> None:
+    event = _sample(cls)
+    row = encode(event)
+    assert (row.type, row.version, row.ts) == (cls.type, cls.version, event.ts)
+    assert row.rollout == getattr(event, "rollout", None)
+    assert decode(row.type, row.version, row.ts, row.data, row.blob) == event
+
+    payload = json.loads(row.data)
+    packed = _packed_fields(cls)
+    assert "ts" not in payload
+    assert not set(packed) & payload.keys(), "token fields must not be in the JSON"
+    assert set(payload) == {f.name for f in dataclasses.fields(cls)} - set(packed) - {"ts"}
+    assert len(row.blob) == sum(4 + 4 * len(getattr(event, name)) for name in packed)
+
+
+def test_token_fields_are_packed_as_int32_and_float32_in_field_order() -> None:
+    event = _sample(LLMCallCompleted)
+    assert isinstance(event, LLMCallCompleted)
+    blob = encode(event).blob
+    prompt = event.prompt_ids
+    (count,) = struct.unpack_from("<I", blob, 0)
+    assert count == len(prompt)
+    assert struct.unpack_from(f"<{count}i", blob, 4) == prompt
+    offset = 4 + 4 * count + 4 + 4 * len(event.response_ids)
+    (n_logprobs,) = struct.unpack_from("<I", blob, offset)
+    assert struct.unpack_from(f"<{n_logprobs}f", blob, offset + 4) == event.response_logprobs
+    assert len(blob) == offset + 4 + 4 * n_logprobs
+
+
+def test_logprobs_come_back_rounded_to_float32() -> None:
+    logprobs = (-0.1, -2.718281828, -1e-9)
+    event = _sample(LLMCallCompleted, response_logprobs=logprobs)
+    decoded = _roundtrip(event)
+    assert isinstance(decoded, LLMCallCompleted)
+    assert decoded.response_logprobs != logprobs
+    assert decoded.response_logprobs == tuple(array("f", logprobs))
+    assert decoded.response_logprobs == pytest.approx(logprobs, rel=1e-6)
+
+
+def test_tuple_fields_come_back_as_tuples() -> None:
+    event = TrainStepCompleted(
+        ts=1.0, step=3, rollouts=("a", "b"), samples=2, tokens=10, zero_variance_groups=0
+    )
+    decoded = _roundtrip(event)
+    assert isinstance(decoded, TrainStepCompleted)
+    assert decoded.rollouts == ("a", "b") and isinstance(decoded.rollouts, tuple)
+    assert decoded == event
+
+
+def test_token_ids_outside_int32_are_refused() -> None:
+    event = _sample(LLMCallCompleted, prompt_ids=(2**31,))
+    with pytest.raises(StoreError, match="cannot encode LLMCallCompleted"):
+        encode(event)
+
+
+def test_unknown_type_is_a_readable_store_error() -> None:
+    with pytest.raises(StoreError, match=r"unknown event type 'NoSuchEvent'.*RewardReported"):
+        decode("NoSuchEvent", 1, 0.0, "{}", b"")
+
+
+def test_newer_version_is_refused() -> None:
+    row = encode(_sample(events.RewardReported))
+    with pytest.raises(StoreError, match="newer appliance"):
+        decode(row.type, row.version + 1, row.ts, row.data, row.blob)
+
+
+def test_corrupt_blob_is_a_store_error() -> None:
+    row = encode(_sample(LLMCallCompleted))
+    with pytest.raises(StoreError, match="cannot decode"):
+        decode(row.type, row.version, row.ts, row.data, row.blob + b"\x00")
+
+
+# --- upcasting ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Renamed(Event):
+    """Version 3 of an event whose v1 called ``label`` "name" and had no ``weight``."""
+
+    type: typing.ClassVar[str] = "TestRenamed"
+    version: typing.ClassVar[int] = 3
+    label: str
+    weight: float
+    ids: TokenIds
+
+
+del EVENT_TYPES[Renamed.type]  # registered only while a test uses the fixture below
+
+
+@pytest.fixture
+def upcasters(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Register ``Renamed`` and its upcasters for one test."""
+    monkeypatch.setitem(EVENT_TYPES, Renamed.type, Renamed)
+    monkeypatch.setattr(codec, "UPCASTERS", {})
+
+    @register_upcaster("TestRenamed", 1)
+    def _v1_v2(data: dict[str, Any]) -> dict[str, Any]:
+        return {"label": data["name"], "ids": data.get("ids", ())}
+
+    @register_upcaster("TestRenamed", 2)
+    def _v2_v3(data: dict[str, Any]) -> dict[str, Any]:
+        return {**data, "weight": 1.0}
+
+    yield
+
+
+@pytest.mark.usefixtures("upcasters")
+def test_upcasters_bring_old_payloads_to_the_current_version() -> None:
+    blob = struct.pack("<I2i", 2, 10, 11)
+    old = decode("TestRenamed", 1, 5.0, json.dumps({"name": "x"}), blob)
+    assert old == Renamed(ts=5.0, label="x", weight=1.0, ids=(10, 11))
+    current = Renamed(ts=6.0, label="y", weight=2.0, ids=())
+    assert _roundtrip(current) == current
+
+
+@pytest.mark.usefixtures("upcasters")
+def test_a_missing_upcaster_is_reported() -> None:
+    del codec.UPCASTERS[("TestRenamed", 2)]
+    with pytest.raises(StoreError, match=r"no upcaster registered for TestRenamed v2 -> v3"):
+        decode("TestRenamed", 1, 0.0, json.dumps({"name": "x"}), b"")
+
+
+@pytest.mark.usefixtures("upcasters")
+def test_registering_an_upcaster_twice_fails() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_upcaster("TestRenamed", 1)(lambda data: data)
+
+
+def test_encoded_event_is_plain_columns() -> None:
+    row = encode(events.ApplianceStopped(ts=2.0, reason="done"))
+    assert row == EncodedEvent("ApplianceStopped", 1, None, 2.0, '{"reason":"done"}', b"")

@@ -1,0 +1,163 @@
+"""RunState: a hand-written run folds into the expected state."""
+
+from __future__ import annotations
+
+from store import (
+    ApplianceStarted,
+    ApplianceStopped,
+    Event,
+    LLMCallCompleted,
+    PhaseChanged,
+    PolicyVersionPublished,
+    RewardReported,
+    RolloutCreated,
+    RolloutFinished,
+    RunState,
+    StoredEvent,
+    TrainStepCompleted,
+)
+
+
+def started(version: int) -> ApplianceStarted:
+    return ApplianceStarted(
+        ts=0.0,
+        run_id="run-1",
+        model="tiny",
+        engine="torch",
+        resumed_from_version=version,
+        resumed_from_step=version,
+    )
+
+
+def created(rollout: str, group: str, version: int = 0) -> RolloutCreated:
+    return RolloutCreated(
+        ts=0.0,
+        rollout=rollout,
+        task_id=f"task-{group}",
+        group=group,
+        task={"prompt": group},
+        policy_version=version,
+        adapter="python",
+    )
+
+
+def llm_call(rollout: str, n_response: int) -> LLMCallCompleted:
+    return LLMCallCompleted(
+        ts=0.0,
+        rollout=rollout,
+        call_id=f"{rollout}-{n_response}",
+        surface="openai.chat",
+        prompt_ids=(1, 2),
+        response_ids=tuple(range(n_response)),
+        response_logprobs=(-0.5,) * n_response,
+        policy_version=0,
+        finish_reason="stop",
+        request={},
+        response_text="",
+        queue_s=0.0,
+        total_s=0.0,
+    )
+
+
+def rewarded(rollout: str, reward: float) -> RewardReported:
+    return RewardReported(ts=0.0, rollout=rollout, reward=reward, source="test")
+
+
+def finished(rollout: str, status: str = "finished", error: str = "") -> RolloutFinished:
+    return RolloutFinished(ts=0.0, rollout=rollout, status=status, error=error)
+
+
+def step(n: int, *rollouts: str) -> TrainStepCompleted:
+    return TrainStepCompleted(
+        ts=0.0, step=n, rollouts=rollouts, samples=len(rollouts), tokens=10, zero_variance_groups=0
+    )
+
+
+RUN: list[Event] = [
+    started(version=0),
+    PhaseChanged(ts=0.0, phase="generate", policy_version=0),
+    created("a1", "A"),
+    created("a2", "A"),
+    created("b1", "B"),
+    created("b2", "B"),
+    llm_call("a1", 3),
+    llm_call("a1", 2),
+    llm_call("b1", 4),
+    rewarded("a1", 0.0),
+    rewarded("a1", 1.0),  # the last reward counts
+    finished("a1"),
+    rewarded("a2", 0.5),
+    finished("a2"),
+    finished("b1", "failed", "harness crashed"),
+    PhaseChanged(ts=0.0, phase="train", policy_version=0),
+    step(1, "a1", "a2"),
+    PolicyVersionPublished(ts=0.0, policy_version=1, step=1, checkpoint="ckpt/v1"),
+    created("c1", "C", version=1),
+    finished("c1"),
+    rewarded("ghost", 1.0),  # a rollout never created: ignored
+    ApplianceStopped(ts=0.0, reason="done"),
+    started(version=1),
+]
+
+
+def test_a_run_folds_into_the_expected_state() -> None:
+    state = RunState.from_events(RUN)
+    assert (state.run_id, state.starts, state.phase) == ("run-1", 2, "train")
+    assert (state.policy_version, state.step, state.checkpoint) == (1, 1, "ckpt/v1")
+    assert list(state.rollouts) == ["a1", "a2", "b1", "b2", "c1"]
+    assert [s.step for s in state.steps] == [1]
+
+    a1, a2, b1, b2, c1 = state.rollouts.values()
+    assert (a1.status, a1.reward, a1.trained_step, len(a1.calls)) == ("finished", 1.0, 1, 2)
+    assert (a2.reward, a2.trained_step) == (0.5, 1)
+    assert (b1.status, b1.error, b1.reward, b1.trained_step) == ("failed", "harness crashed", None, None)
+    assert (b2.status, b2.task_id, b2.group, b2.adapter) == ("running", "task-B", "B", "python")
+    assert (c1.created_version, c1.task) == (1, {"prompt": "C"})
+    assert "ghost" not in state.rollouts
+
+
+def test_running_ready_groups_and_trainable() -> None:
+    state = RunState.from_events(RUN)
+    assert [v.rollout for v in state.running()] == ["b2"]
+    # A is trained, B still has b2 running: only C is ready.
+    assert {g: [v.rollout for v in views] for g, views in state.ready_groups().items()} == {"C": ["c1"]}
+
+    state.apply(finished("b2"))
+    state.apply(rewarded("b2", 0.25))
+    ready = state.ready_groups()
+    assert list(ready) == ["B", "C"]  # in order of first creation
+    assert [state.trainable(v) for v in ready["B"]] == [False, True]  # b1 failed
+    assert not state.trainable(state.rollouts["c1"])  # finished without a reward
+
+
+def test_summary() -> None:
+    summary = RunState.from_events(RUN).summary()
+    assert summary == {
+        "run_id": "run-1",
+        "phase": "train",
+        "policy_version": 1,
+        "step": 1,
+        "steps": 1,
+        "rollouts": {"running": 1, "finished": 3, "failed": 1},
+        "mean_reward": 0.75,  # a1 = 1.0 and a2 = 0.5, the rollouts of the last step
+        "calls": 3,
+        "tokens_sampled": 9,
+    }
+    assert RunState().summary()["mean_reward"] is None
+
+
+def test_stored_events_record_the_position_and_fold_like_bare_ones() -> None:
+    stored = [StoredEvent(position, event) for position, event in enumerate(RUN, start=1)]
+    from_stored = RunState.from_events(stored)
+    assert from_stored.position == len(RUN)
+    from_bare = RunState.from_events(RUN)
+    assert from_bare.position == 0
+    from_bare.position = from_stored.position
+    assert from_bare == from_stored
+
+
+def test_incremental_fold_equals_batch_fold() -> None:
+    state = RunState()
+    for position, event in enumerate(RUN, start=1):
+        state.apply(event, position)
+    assert state == RunState.from_events(StoredEvent(p, e) for p, e in enumerate(RUN, start=1))

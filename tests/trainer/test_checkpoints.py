@@ -1,0 +1,124 @@
+"""CheckpointStore: names, atomic writes, pruning, latest, and clear errors on bad files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from appliance.errors import ApplianceError
+from trainer.checkpoints import CheckpointError, CheckpointStore
+
+
+def state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((2, 3), value)}
+
+
+def save(store: CheckpointStore, version: int) -> Path:
+    return store.save(version, step=version * 10, model_state=state(version), optimizer_state={"lr": 0.1})
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "run" / "checkpoints")
+    path = save(store, 7)
+    assert path == tmp_path / "run" / "checkpoints" / "v000007.pt"
+    assert store.relative_path(7) == Path("checkpoints/v000007.pt")
+    assert store.relative_path(7, start=tmp_path) == Path("run/checkpoints/v000007.pt")
+    payload = store.load(7)
+    assert payload["version"] == 7
+    assert payload["step"] == 70
+    assert torch.equal(payload["model"]["w"], torch.full((2, 3), 7.0))
+    assert payload["optimizer"] == {"lr": 0.1}
+
+
+def test_latest_and_pruning(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    assert store.latest() is None
+    for version in (1, 2, 3, 4):
+        save(store, version)
+    assert store.versions() == [3, 4]
+    assert store.latest() == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000003.pt", "v000004.pt"]
+
+
+def test_the_version_just_saved_is_never_pruned(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=1)
+    save(store, 5)
+    save(store, 2)
+    assert store.versions() == [2, 5]
+
+
+def test_write_is_fsynced_and_renamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save(CheckpointStore(tmp_path), 1)
+    assert len(synced) >= 2  # the file, then the directory
+
+
+def test_a_failed_write_leaves_no_file_and_keeps_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = CheckpointStore(tmp_path)
+    save(store, 1)
+
+    def broken_save(obj: object, f: Any) -> None:
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save(store, 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["v000001.pt"]
+    assert store.latest() == 1
+    assert store.load(1)["step"] == 10
+
+
+def test_crash_leftovers_are_ignored_and_removed(tmp_path: Path) -> None:
+    leftover = tmp_path / ".v000003.pt.1234.tmp"
+    leftover.write_bytes(b"partial")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    store = CheckpointStore(tmp_path)
+    assert not leftover.exists()
+    assert store.latest() is None
+
+
+def test_missing_corrupt_and_foreign_files_raise_checkpoint_error(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        store.load(1)
+    store.path(2).write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+        store.load(2)
+    torch.save({"weights": 1}, store.path(3))
+    with pytest.raises(CheckpointError, match="not a trainer checkpoint"):
+        store.load(3)
+    save(store, 4)
+    store.path(4).rename(store.path(5))
+    with pytest.raises(CheckpointError, match="records version 4, not 5"):
+        store.load(5)
+    assert issubclass(CheckpointError, ApplianceError)
+
+
+def test_truncated_checkpoint_is_corrupt(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    path = save(store, 1)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        store.load(1)
+
+
+def test_invalid_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointStore(tmp_path, keep=0)
+    with pytest.raises(ValueError, match="version"):
+        CheckpointStore(tmp_path).path(-1)

@@ -1,0 +1,155 @@
+"""build_samples / rollout_samples: how a rollout's calls become token sequences."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from store.events import LLMCallCompleted
+from trainer.samples import NOT_SAMPLED, Sample, build_samples, rollout_samples
+
+
+def call(
+    call_id: str,
+    prompt: list[int],
+    response: list[int],
+    logprobs: list[float] | None = None,
+    *,
+    rollout: str = "r1",
+    version: int = 0,
+) -> LLMCallCompleted:
+    return LLMCallCompleted(
+        ts=0.0,
+        rollout=rollout,
+        call_id=call_id,
+        surface="openai.chat",
+        prompt_ids=tuple(prompt),
+        response_ids=tuple(response),
+        response_logprobs=tuple(logprobs if logprobs is not None else [-0.5] * len(response)),
+        policy_version=version,
+        finish_reason="stop",
+        request={},
+        response_text="",
+        queue_s=0.0,
+        total_s=0.0,
+    )
+
+
+def test_calls_that_extend_merge_into_one_sample() -> None:
+    first = call("c1", [1, 2, 3], [4, 5], [-0.1, -0.2], version=0)
+    # previous prompt + previous response + a tool result (6, 7), then a new response.
+    second = call("c2", [1, 2, 3, 4, 5, 6, 7], [8], [-0.3], version=1)
+    [sample] = build_samples([first, second])
+    assert sample.rollout == "r1"
+    assert sample.call_ids == ("c1", "c2")
+    assert sample.tokens == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert sample.loss_mask == (0, 0, 0, 1, 1, 0, 0, 1)
+    assert sample.logprobs == (0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3)
+    assert sample.versions == (-1, -1, -1, 0, 0, -1, -1, 1)
+    assert sample.num_sampled == 3
+
+
+def test_prompt_equal_to_the_sample_merges_with_an_empty_suffix() -> None:
+    [sample] = build_samples([call("c1", [1, 2], [3]), call("c2", [1, 2, 3], [4])])
+    assert sample.tokens == (1, 2, 3, 4)
+    assert sample.loss_mask == (0, 0, 1, 1)
+
+
+def test_a_prompt_that_rewrites_history_starts_a_new_sample() -> None:
+    first = call("c1", [1, 2, 3], [4, 5], [-0.1, -0.2])
+    # The harness re-rendered the assistant turn: 9 instead of 4.
+    second = call("c2", [1, 2, 3, 9, 5, 6], [7, 8], [-0.3, -0.4], version=2)
+    a, b = build_samples([first, second])
+    assert (a.call_ids, a.tokens, a.loss_mask) == (("c1",), (1, 2, 3, 4, 5), (0, 0, 0, 1, 1))
+    assert b.call_ids == ("c2",)
+    assert b.tokens == (1, 2, 3, 9, 5, 6, 7, 8)
+    assert b.loss_mask == (0, 0, 0, 0, 0, 0, 1, 1)
+    assert b.logprobs == (0.0,) * 6 + (-0.3, -0.4)
+    assert b.versions == (NOT_SAMPLED,) * 6 + (2, 2)
+
+
+def test_a_shorter_prompt_is_a_prefix_break() -> None:
+    samples = build_samples([call("c1", [1, 2, 3], [4]), call("c2", [1, 2], [5])])
+    assert [s.tokens for s in samples] == [(1, 2, 3, 4), (1, 2, 5)]
+
+
+def test_only_the_current_sample_is_extended() -> None:
+    # c3 continues c1's conversation, but c2 broke the prefix in between: c3 gets its own sample.
+    calls = [call("c1", [1], [2]), call("c2", [7], [8]), call("c3", [1, 2, 3], [4])]
+    assert [s.call_ids for s in build_samples(calls)] == [("c1",), ("c2",), ("c3",)]
+
+
+def test_mismatched_logprobs_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"call 'c1' of rollout 'r1' has 2 response tokens but 1"):
+        build_samples([call("c1", [1], [2, 3], [-0.1])])
+
+
+def test_calls_of_several_rollouts_are_rejected() -> None:
+    with pytest.raises(ValueError, match="one rollout's calls"):
+        build_samples([call("c1", [1], [2]), call("c2", [1, 2], [3], rollout="r2")])
+
+
+def test_no_calls_no_samples() -> None:
+    assert build_samples([]) == []
+
+
+def test_sample_checks_its_lengths() -> None:
+    with pytest.raises(ValueError, match="3 tokens"):
+        Sample(
+            rollout="r",
+            call_ids=(),
+            tokens=(1, 2, 3),
+            loss_mask=(0, 1),
+            logprobs=(0.0,) * 3,
+            versions=(-1,) * 3,
+        )
+
+
+def test_rollout_samples_splits_interleaved_rollouts() -> None:
+    calls = [
+        call("a1", [1], [2], rollout="a"),
+        call("b1", [5], [6], rollout="b"),
+        call("a2", [1, 2, 3], [4], rollout="a"),
+    ]
+    grouped = rollout_samples(calls)
+    assert list(grouped) == ["a", "b"]
+    assert [s.tokens for s in grouped["a"]] == [(1, 2, 3, 4)]
+    assert [s.tokens for s in grouped["b"]] == [(5, 6)]
+
+
+def test_every_sampled_token_appears_once_in_order_with_its_prefix() -> None:
+    """The invariant, on random conversations mixing continuations and prefix breaks."""
+    rng = random.Random(0)
+    for _ in range(50):
+        calls: list[LLMCallCompleted] = []
+        history: list[int] = []
+        for k in range(rng.randint(1, 6)):
+            if history and rng.random() < 0.7:
+                prompt = history + [rng.randrange(100) for _ in range(rng.randint(0, 3))]
+            else:
+                prompt = [rng.randrange(100) for _ in range(rng.randint(1, 5))]
+            response = [rng.randrange(100) for _ in range(rng.randint(0, 4))]
+            logprobs = [-rng.random() for _ in response]
+            calls.append(call(f"c{k}", prompt, response, logprobs, version=k))
+            history = prompt + response
+        samples = build_samples(calls)
+        sampled = [
+            (tok, lp, v)
+            for s in samples
+            for tok, m, lp, v in zip(s.tokens, s.loss_mask, s.logprobs, s.versions, strict=True)
+            if m
+        ]
+        expected = [
+            (tok, lp, c.policy_version)
+            for c in calls
+            for tok, lp in zip(c.response_ids, c.response_logprobs, strict=True)
+        ]
+        assert sampled == expected
+        # Each call's response sits right after exactly its prompt in its sample.
+        by_call = {cid: s for s in samples for cid in s.call_ids}
+        for c in calls:
+            tokens = by_call[c.call_id].tokens
+            n = len(c.prompt_ids)
+            assert tokens[:n] == c.prompt_ids
+            assert tokens[n : n + len(c.response_ids)] == c.response_ids

@@ -1,0 +1,136 @@
+"""Checkpoints: trainer state (model + optimizer + step) on disk, one file per policy version.
+
+Owns the checkpoint directory: the file format (``torch.save`` of a dict ``{version, step,
+model, optimizer}``), the names (``v{version:06d}.pt``), atomic writes and pruning. It does not
+own what is in the state dicts (``trainer.policy``) nor the event that announces a version
+(``PolicyVersionPublished``, whose ``checkpoint`` field is :meth:`CheckpointStore.relative_path`).
+
+Invariant: a file named ``v*.pt`` is always complete. It is written to a temporary file in the
+same directory, flushed and fsynced, renamed over its final name (``os.replace`` is atomic on
+POSIX) and the directory is fsynced so the rename itself survives a power cut. A crash leaves at
+worst a ``.tmp`` file, which the next :class:`CheckpointStore` removes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from appliance.errors import ApplianceError
+
+_NAME = re.compile(r"^v(\d{6,})\.pt$")
+_TMP_SUFFIX = ".tmp"
+_KEYS = ("version", "step", "model", "optimizer")
+
+
+class CheckpointError(ApplianceError):
+    """A checkpoint is missing, unreadable or not one of ours."""
+
+    code = "checkpoint_error"
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` with ``torch.save`` to ``path`` atomically (see the module docstring)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
+    try:
+        with tmp.open("wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)  # os.replace: atomic on POSIX
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`write_checkpoint`; raise ``CheckpointError`` if bad."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        # weights_only: a checkpoint is data (tensors, numbers, dicts), never code to unpickle.
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {exc}") from exc
+    if not isinstance(payload, dict) or any(key not in payload for key in _KEYS):
+        raise CheckpointError(f"checkpoint {path} lacks the keys {list(_KEYS)}; not a trainer checkpoint")
+    return payload
+
+
+class CheckpointStore:
+    """A directory of checkpoints ``v{version:06d}.pt``; keeps the newest ``keep`` versions."""
+
+    def __init__(self, directory: Path, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # Leftovers of a write interrupted by a crash: never complete, never referenced.
+        for leftover in self.directory.glob(f".v*{_TMP_SUFFIX}"):
+            leftover.unlink(missing_ok=True)
+
+    def path(self, version: int) -> Path:
+        """Absolute path of a version's checkpoint (whether or not it exists)."""
+        if version < 0:
+            raise ValueError(f"a policy version is >= 0, got {version}")
+        return self.directory / f"v{version:06d}.pt"
+
+    def relative_path(self, version: int, start: Path | None = None) -> Path:
+        """A version's path relative to ``start`` (default: the directory holding ``directory``,
+        i.e. the run directory when checkpoints live in ``<run>/checkpoints``)."""
+        base = start if start is not None else self.directory.parent
+        return self.path(version).relative_to(base)
+
+    def versions(self) -> list[int]:
+        """Versions with a complete checkpoint on disk, ascending."""
+        found = (_NAME.match(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found if m is not None)
+
+    def latest(self) -> int | None:
+        """The newest version on disk, or None when there is none."""
+        versions = self.versions()
+        return versions[-1] if versions else None
+
+    def save(
+        self, version: int, step: int, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> Path:
+        """Write a version atomically, then prune all but the newest ``keep`` versions.
+
+        The version just written is never pruned, even if older versions sort after it.
+        """
+        path = self.path(version)
+        payload = {"version": version, "step": step, "model": model_state, "optimizer": optimizer_state}
+        write_checkpoint(path, payload)
+        self._prune(protect=version)
+        return path
+
+    def load(self, version: int) -> dict[str, Any]:
+        """The ``{version, step, model, optimizer}`` dict of a version; ``CheckpointError`` if
+        it is missing, corrupt or records another version."""
+        path = self.path(version)
+        payload = read_checkpoint(path)
+        if payload["version"] != version:
+            raise CheckpointError(f"checkpoint {path} records version {payload['version']}, not {version}")
+        return payload
+
+    def _prune(self, protect: int) -> None:
+        stale = [v for v in self.versions()[: -self.keep] if v != protect]
+        for version in stale:
+            self.path(version).unlink(missing_ok=True)
+        if stale:
+            _fsync_directory(self.directory)
