@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
 
+from appliance.chat.formats import detect_format
 from appliance.chat.tokenizer import Tokenizer
 from appliance.config import ApplianceConfig
 from appliance.controller import RolloutController
@@ -30,7 +33,8 @@ from appliance.engines.tiny_model import build_tiny_model
 from appliance.engines.torch_engine import TorchEngine
 from appliance.errors import ConfigError
 from appliance.proxy.calls import CallService, ServingGate
-from appliance.proxy.server import ProxyServer, ProxySettings, build_app
+from appliance.proxy.http import ProxySettings
+from appliance.proxy.server import ProxyServer, build_app
 from appliance.rollouts import RolloutRegistry
 from appliance.scheduler.decide import SchedulePolicy
 from appliance.scheduler.live import LiveState
@@ -89,6 +93,7 @@ class Appliance:
     registry: RolloutRegistry
     training: TrainingService
     model_name: str
+    admin_token: str
 
     @property
     def proxy_url(self) -> str:
@@ -144,8 +149,9 @@ class Appliance:
         if state.policy_version > 0:
             await training.restore(state.policy_version)
 
-        gate = ServingGate()
-        self.registry = RolloutRegistry(tokenizer)
+        gate = ServingGate(hold_timeout_s=config.hold_timeout_s)
+        self.admin_token = config.admin_token or _admin_token(config.data_dir / "admin_token")
+        self.registry = RolloutRegistry(tokenizer, detect_format(model_dir))
         calls = CallService(
             engine=self.engine,
             store=self.store,
@@ -158,6 +164,7 @@ class Appliance:
             max_tokens_default=config.max_tokens,
             max_tokens_cap=config.max_tokens_cap,
             temperature_override=config.temperature,
+            admin_token=self.admin_token,
         )
         self.proxy = ProxyServer(build_app(calls, self.registry, settings), config.host, config.port)
         await self.proxy.start()
@@ -241,6 +248,17 @@ class Appliance:
         assert self.runner is not None, "use 'async with Appliance(...)' first"
         self._stop_reason = await self.runner.run()
         return self._stop_reason
+
+
+def _admin_token(path: Path) -> str:
+    """The run's admin token, created once (readable by its owner only) and kept across restarts."""
+    if path.is_file():
+        return path.read_text().strip()
+    token = "la-admin-" + secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+    return token
 
 
 async def _cancel_and_wait(task: asyncio.Task[None]) -> None:

@@ -62,6 +62,11 @@ class ApplianceConfig:
     keep_checkpoints: int = 3
     #: Seed of the task stream and of the tiny model.
     seed: int = 0
+    #: Seconds a call may wait while the machine trains before it gets a retryable 503.
+    hold_timeout_s: float = 3600.0
+    #: Token for the admin API and the rollout-less /v1 routes (None: generated once into
+    #: <data_dir>/admin_token).
+    admin_token: str | None = None
 
     @property
     def db_path(self) -> Path:
@@ -76,8 +81,10 @@ class ApplianceConfig:
         return self.data_dir / "models"
 
     def to_json(self) -> dict[str, Any]:
+        """The config as recorded in the event log: secrets left out."""
         out = dataclasses.asdict(self)
         out["data_dir"] = str(self.data_dir)
+        out["admin_token"] = "<set>" if self.admin_token else None
         return out
 
 

@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.chat.formats import CHATML, ChatFormat
 from appliance.chat.render import Conversation
 from appliance.chat.tokenizer import Tokenizer
 from appliance.errors import NotFound, Unauthorized
@@ -28,11 +29,20 @@ class ActiveRollout:
     task: dict[str, Any] = field(default_factory=dict)
     calls: int = 0
     reward: float | None = None
+    #: Completions surface: the last prompt + completion text and its exact ids, so a text prompt
+    #: that continues it reuses those ids instead of re-tokenizing.
+    text_prefix: str = ""
+    text_prefix_ids: list[int] = field(default_factory=list)
+
+
+#: Rollout id of calls on the plain ``/v1`` prefix; no ``RolloutCreated`` event names it.
+DEFAULT_ROLLOUT = "default"
 
 
 class RolloutRegistry:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, fmt: ChatFormat = CHATML) -> None:
         self._tokenizer = tokenizer
+        self.fmt = fmt
         self._active: dict[str, ActiveRollout] = {}
 
     def register(self, rollout: str, *, task_id: str, group: str, task: dict[str, Any]) -> ActiveRollout:
@@ -41,7 +51,7 @@ class RolloutRegistry:
             task_id=task_id,
             group=group,
             token="la-" + secrets.token_urlsafe(24),
-            conversation=Conversation(self._tokenizer),
+            conversation=Conversation(self._tokenizer, self.fmt),
             task=task,
         )
         self._active[rollout] = active
@@ -51,7 +61,14 @@ class RolloutRegistry:
         self._active.pop(rollout, None)
 
     def __len__(self) -> int:
-        return len(self._active)
+        return sum(1 for name in self._active if name != DEFAULT_ROLLOUT)
+
+    def default(self) -> ActiveRollout:
+        """The rollout-less conversation of the plain ``/v1`` routes (never trained on)."""
+        active = self._active.get(DEFAULT_ROLLOUT)
+        if active is None:
+            active = self.register(DEFAULT_ROLLOUT, task_id="", group="", task={})
+        return active
 
     def get(self, rollout: str) -> ActiveRollout | None:
         return self._active.get(rollout)

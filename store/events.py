@@ -115,6 +115,7 @@ class LLMCallCompleted(Event):
     response_logprobs: Floats
     #: The policy version that sampled the response tokens.
     policy_version: int
+    #: "stop", "length", or "cancelled" (the client went away; the tokens so far are kept).
     finish_reason: str
     #: The request body as the harness sent it (JSON), for audit and the dashboard.
     request: JsonObject
@@ -126,6 +127,13 @@ class LLMCallCompleted(Event):
     user_agent: str = ""
     #: How many leading prompt tokens were spliced from earlier sampled turns (not re-rendered).
     spliced_tokens: int = 0
+    #: Seconds from the request's arrival to the first sampled token.
+    ttft_s: float = 0.0
+    #: Assistant turns in the request that this rollout did not sample (the harness rewrote
+    #: history, or they came from elsewhere): rendered from text, so the token prefix broke.
+    unmatched_assistant_turns: int = 0
+    #: The sampling parameters actually used (the client's request is in ``request``).
+    sampling: JsonObject = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -32,6 +32,9 @@ class Message:
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
+    #: Reasoning the model wrote before its answer (``<think>``); not part of the turn's key,
+    #: since clients rarely send it back.
+    reasoning: str = ""
 
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
@@ -124,6 +127,8 @@ def assistant_to_openai(message: Message) -> dict[str, Any]:
         "content": message.content if message.content or not message.tool_calls else None,
         "refusal": None,
     }
+    if message.reasoning:
+        out["reasoning_content"] = message.reasoning
     if message.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.chat.formats import CHATML, ChatFormat
 from appliance.chat.messages import Message
 from appliance.chat.template import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 from appliance.chat.tokenizer import Tokenizer
@@ -66,10 +67,14 @@ class _Plan:
     assistant: Message | None = None
 
 
-def plan_segments(messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[_Plan]:
+def plan_segments(
+    messages: Sequence[Message], tools: Sequence[dict[str, Any]], fmt: ChatFormat = CHATML
+) -> list[_Plan]:
     """One plan per segment, in order, mirroring the chat template's branches."""
     plans: list[_Plan] = []
     rest = list(messages)
+    if fmt.default_system is not None and (not rest or rest[0].role != "system"):
+        rest.insert(0, Message("system", fmt.default_system))
     if tools:
         system = rest.pop(0) if rest and rest[0].role == "system" else None
         tools_json = json.dumps(list(tools), ensure_ascii=False, sort_keys=True)
@@ -108,9 +113,11 @@ def plan_segments(messages: Sequence[Message], tools: Sequence[dict[str, Any]]) 
     return plans
 
 
-def render_text(messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> str:
+def render_text(
+    messages: Sequence[Message], tools: Sequence[dict[str, Any]] = (), fmt: ChatFormat = CHATML
+) -> str:
     """The prompt as text, generation prompt included (what the Jinja template renders)."""
-    return "".join(p.text for p in plan_segments(messages, tools)) + GENERATION_PROMPT
+    return "".join(p.text for p in plan_segments(messages, tools, fmt)) + GENERATION_PROMPT
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +147,7 @@ class Conversation:
     """Per-rollout render state: the sampled turns and the last request's segments."""
 
     tokenizer: Tokenizer
+    fmt: ChatFormat = CHATML
     _sampled: dict[tuple[bytes, Any], tuple[int, ...]] = field(default_factory=dict)
     _segments: list[_Segment] = field(default_factory=list)
     _gen_prompt: list[int] = field(default_factory=list)
@@ -152,7 +160,7 @@ class Conversation:
         self._sampled[(digest, message.key)] = tuple(response_ids)
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> RenderedPrompt:
-        plans = plan_segments(messages, tools)
+        plans = plan_segments(messages, tools, self.fmt)
         reused = 0
         while (
             reused < len(plans)

@@ -45,3 +45,26 @@ class Tokenizer:
     def vocab_size(self) -> int:
         size: int = self._backend.get_vocab_size(with_added_tokens=True)
         return size
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing token sequence, in time proportional to the new tokens.
+
+    Decodes only a short window of recent tokens, and holds a delta back while it ends in an
+    incomplete UTF-8 sequence (U+FFFD), so streamed text never contains broken characters.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        before = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        after = self._tokenizer.decode(self._ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before) :]
+        return ""

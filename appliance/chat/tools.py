@@ -12,7 +12,9 @@ import json
 import re
 import secrets
 from collections.abc import Collection
+from dataclasses import replace
 
+from appliance.chat.formats import split_reasoning
 from appliance.chat.messages import Message, ToolCall
 from appliance.chat.template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
@@ -23,12 +25,16 @@ def new_tool_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def parse_assistant(text: str, tool_names: Collection[str]) -> Message:
-    """Split sampled text into content and tool calls.
+def parse_assistant(text: str, tool_names: Collection[str], *, reasoning: bool = False) -> Message:
+    """Split sampled text into reasoning (for reasoning formats), content and tool calls.
 
     Only blocks naming a declared tool with an object of arguments count; if any block fails to
     parse, the whole text is returned as content (the turn is then plain text to the harness).
     """
+    if reasoning:
+        thought, answer = split_reasoning(text)
+        if thought or answer != text:
+            return replace(parse_assistant(answer, tool_names), reasoning=thought)
     if not tool_names or TOOL_CALL_OPEN not in text:
         return Message(role="assistant", content=text)
     calls: list[ToolCall] = []

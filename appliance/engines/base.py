@@ -11,7 +11,7 @@ version only changes through ``load_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -28,12 +28,21 @@ class SamplingParams:
     #: Generation stops after sampling any of these ids (the id itself is returned).
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    #: Also report this many most likely tokens (with log-probs) at each sampled position.
+    top_logprobs: int = 0
+
+
+#: Called on the event loop with each newly sampled token and its log-probability.
+TokenCallback = Callable[[int, float], None]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GenerateRequest:
     prompt_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    #: Streaming: if set, every token is handed over as soon as it is sampled, in order, before
+    #: ``generate`` returns the whole result. It must not block.
+    on_token: TokenCallback | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +56,8 @@ class GenerateResult:
     #: Seconds the request waited before its batch started, and seconds of generation.
     queue_s: float = 0.0
     gen_s: float = 0.0
+    #: With ``top_logprobs`` > 0: per token, the most likely (id, log-prob) pairs.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @runtime_checkable
@@ -77,4 +88,23 @@ class Engine(Protocol):
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the weights between generations and serve ``version`` from now on."""
+        ...
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True between ``sleep`` and the ``wake`` that brings the KV cache back."""
+        ...
+
+    async def sleep(self, level: int = 1) -> None:
+        """Give the accelerator's memory to the trainer; waits for running generations to end.
+
+        Level 1 frees the KV cache and offloads the weights to host memory; level 2 also
+        discards the weights, so ``load_weights`` must follow before serving again.
+        ``generate`` raises ``EngineUnavailable`` while the engine sleeps.
+        """
+        ...
+
+    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Bring back what ``sleep`` released: "weights" first (then push new weights if any),
+        then "kv_cache"; serving resumes once both are back."""
         ...

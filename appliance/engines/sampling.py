@@ -16,14 +16,19 @@ from collections.abc import Sequence
 
 import torch
 
+#: The most likely tokens at one position, as (token id, log-prob), most likely first.
+TopLogprobs = tuple[tuple[int, float], ...]
+
 
 def choose_tokens(
     logits: torch.Tensor,
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row of ``logits`` (rows, vocab); return the ids and their log-probs.
+    top_ks: Sequence[int] | None = None,
+) -> tuple[list[int], list[float], list[TopLogprobs]]:
+    """Pick one token per row of ``logits`` (rows, vocab); return the ids, their log-probs, and
+    for each row the ``top_ks[i]`` most likely ids with their log-probs (empty when 0).
 
     Row ``i`` is greedy when ``temperatures[i] == 0``; otherwise it samples at that temperature
     from its top-``top_ps[i]`` nucleus with ``generators[i]`` (None: torch's global generator).
@@ -38,8 +43,15 @@ def choose_tokens(
         if temperature > 0:
             picks[i] = draw_top_p(logp[i], top_ps[i], generators[i])
     chosen = logp.gather(1, picks[:, None]).squeeze(1)
+    tops: list[TopLogprobs] = [() for _ in temperatures]
+    k = max(top_ks or [0])
+    if k > 0:
+        values, ids = logp.topk(k, dim=-1)
+        for i, row_k in enumerate(top_ks or []):
+            pairs = zip(ids[i, :row_k].tolist(), values[i, :row_k].tolist(), strict=True)
+            tops[i] = tuple((int(t), float(v)) for t, v in pairs)
     # One device-to-host copy for the whole batch.
-    return picks.tolist(), chosen.tolist()
+    return picks.tolist(), chosen.tolist(), tops
 
 
 def draw_top_p(logp: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:

@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
-from appliance.engines.sampling import choose_tokens
+from appliance.engines.sampling import TopLogprobs, choose_tokens
 from appliance.errors import BadRequest, ContextTooLong, EngineUnavailable
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class _Pending:
     request: GenerateRequest
     future: asyncio.Future[GenerateResult]
     enqueued_at: float
+    loop: asyncio.AbstractEventLoop
     #: Set by the caller's side on cancellation; the decode thread polls it every step.
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -60,6 +61,7 @@ class _Row:
     generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     #: None while decoding; then "stop", "length" or "cancelled".
     finish: str | None = None
     finished_at: float = 0.0
@@ -120,6 +122,8 @@ class TorchEngine:
         self._running: list[_Row] = []
         self._work: asyncio.Future[None] | None = None
         self._closed = False
+        #: Sleep state: which of "weights" / "kv_cache" are released.
+        self._released: set[str] = set()
 
     @property
     def policy_version(self) -> int:
@@ -180,6 +184,39 @@ class TorchEngine:
         if self._runner is None:
             raise EngineUnavailable("the torch engine has not been started")
 
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._released)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Wait for the running batch, then move the weights to host memory (level 1) and
+        release cached accelerator memory. The KV cache lives only while a batch runs, so
+        between batches there is none to free. Level 2 is level 1 here: host memory is where
+        the weights would be discarded to, and ``load_weights`` overwrites them anyway."""
+        if level not in (1, 2):
+            raise BadRequest(f"sleep level must be 1 or 2, got {level}", param="level")
+        self._ensure_serving()
+        async with self._lock:
+            self._released = {"weights", "kv_cache"}
+            await asyncio.to_thread(self._move_weights, torch.device("cpu"))
+
+    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        self._ensure_serving()
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise BadRequest(
+                f"unknown wake tags {sorted(unknown)}; use 'weights' and 'kv_cache'", param="tags"
+            )
+        async with self._lock:
+            if "weights" in tags and "weights" in self._released:
+                await asyncio.to_thread(self._move_weights, self._device)
+            self._released -= set(tags)
+
+    def _move_weights(self, device: torch.device) -> None:
+        self._model.to(device)
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _validate(self, request: GenerateRequest) -> None:
         params, prompt = request.params, request.prompt_ids
         if not prompt:
@@ -202,9 +239,12 @@ class TorchEngine:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self._ensure_serving()
+        if self._released:
+            raise EngineUnavailable("the torch engine is asleep (the machine is training); retry shortly")
         self._validate(request)
-        future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
-        pending = _Pending(request, future, time.monotonic())
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[GenerateResult] = loop.create_future()
+        pending = _Pending(request, future, time.monotonic(), loop)
         self._queue.put_nowait(pending)
         try:
             return await future
@@ -287,6 +327,7 @@ class TorchEngine:
                             policy_version=version,
                             queue_s=started - row.pending.enqueued_at,
                             gen_s=row.finished_at - started,
+                            top_logprobs=tuple(row.top_logprobs),
                         )
                     )
 
@@ -359,19 +400,25 @@ class TorchEngine:
         Returns the chosen ids (rows,) on the logits' device, to feed the next step.
         """
         params = [r.params for r in rows]
-        tokens, logprobs = choose_tokens(
+        tokens, logprobs, tops = choose_tokens(
             logits,
             [p.temperature for p in params],
             [p.top_p for p in params],
             [r.generator for r in rows],
+            [p.top_logprobs for p in params],
         )
         now = time.monotonic()
-        for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
+        for row, token, logprob, top in zip(rows, tokens, logprobs, tops, strict=True):
             if row.pending.cancelled.is_set():
                 row.finish = "cancelled"
                 continue
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            if top:
+                row.top_logprobs.append(top)
+            on_token = row.pending.request.on_token
+            if on_token is not None:
+                row.pending.loop.call_soon_threadsafe(on_token, token, logprob)
             if token in row.stop_ids:
                 row.finish, row.finished_at = "stop", now
             elif len(row.token_ids) >= row.params.max_tokens:

@@ -1,9 +1,13 @@
 """One model call, independent of the API surface that carried it.
 
 Owns the path every surface shares: render the conversation to tokens (splicing earlier sampled
-turns), wait while the GPUs train, generate, parse the sampled text back into a message, make
-the call durable as an ``LLMCallCompleted`` event, and only then remember the turn for splicing
-and answer. A surface module only converts its request and response shapes.
+turns), wait while the GPUs train, generate (all at once or streamed), parse the sampled text
+back into a message, make the call durable as an ``LLMCallCompleted`` event, and only then
+remember the turn for splicing and answer. A surface module only converts request and response
+shapes; it never touches tokens.
+
+A call whose client goes away mid-stream is cancelled in the engine and still recorded, with
+finish reason ``cancelled`` and the tokens sampled so far.
 """
 
 from __future__ import annotations
@@ -11,15 +15,17 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from appliance.chat.messages import Message, tool_schema_names
-from appliance.chat.tokenizer import Tokenizer
+from appliance.chat.render import RenderedPrompt
+from appliance.chat.template import TOOL_CALL_OPEN
+from appliance.chat.tokenizer import IncrementalDecoder, Tokenizer
 from appliance.chat.tools import parse_assistant
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from appliance.errors import ContextTooLong
+from appliance.errors import ContextTooLong, EngineUnavailable
 from appliance.rollouts import ActiveRollout
 from store.events import LLMCallCompleted
 from store.eventstore import EventStore
@@ -28,16 +34,17 @@ from store.eventstore import EventStore
 class ServingGate:
     """Open while the engine serves; closed while the trainer holds the machine.
 
-    Calls that arrive while it is closed wait (their connections stay open) instead of failing.
-    ``inflight`` counts generations so the scheduler can wait for them to drain.
+    Calls that arrive while it is closed wait (their connections stay open) up to a limit,
+    instead of failing. ``inflight`` counts generations so the scheduler can wait for them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold_timeout_s: float = 3600.0) -> None:
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
         self._idle.set()
         self.inflight = 0
+        self.hold_timeout_s = hold_timeout_s
 
     def close(self) -> None:
         self._open.clear()
@@ -50,7 +57,12 @@ class ServingGate:
         return self._open.is_set()
 
     async def enter(self) -> None:
-        await self._open.wait()
+        try:
+            await asyncio.wait_for(self._open.wait(), self.hold_timeout_s)
+        except TimeoutError:
+            raise EngineUnavailable(
+                f"the model was busy training for more than {self.hold_timeout_s:g} s; retry the call"
+            ) from None
         self.inflight += 1
         self._idle.clear()
 
@@ -63,12 +75,35 @@ class ServingGate:
         await self._idle.wait()
 
 
+@dataclass(slots=True)
+class PreparedCall:
+    """A validated, rendered call that has not been sent to the engine yet."""
+
+    rollout: ActiveRollout
+    rendered: RenderedPrompt
+    params: SamplingParams
+    tools: Sequence[dict[str, Any]]
+    surface: str
+    request: dict[str, Any]
+    user_agent: str
+    started: float
+    #: Stop strings: generation ends once the text contains one; the text returned ends before it.
+    stop: tuple[str, ...] = ()
+    call_id: str = field(default_factory=lambda: secrets.token_hex(12))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.rendered.prompt_ids)
+
+
 @dataclass(frozen=True, slots=True)
 class CallOutcome:
     message: Message
     result: GenerateResult
     prompt_tokens: int
     call_id: str
+    #: The sampled text without the stop token (tool-call blocks included).
+    text: str
 
 
 class CallService:
@@ -87,7 +122,7 @@ class CallService:
         self.gate = gate
         self.max_tokens_default = max_tokens_default
 
-    async def complete(
+    def prepare(
         self,
         rollout: ActiveRollout,
         *,
@@ -97,9 +132,51 @@ class CallService:
         surface: str,
         request: dict[str, Any],
         user_agent: str,
-    ) -> CallOutcome:
+        stop: tuple[str, ...] = (),
+    ) -> PreparedCall:
+        """Render and validate; raises before anything is generated or recorded."""
         started = time.perf_counter()
         rendered = rollout.conversation.render(messages, tools)
+        call = self._prepared(rollout, rendered, params, tools, surface, request, user_agent, started)
+        call.stop = stop
+        return call
+
+    def prepare_tokens(
+        self,
+        rollout: ActiveRollout,
+        *,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        surface: str,
+        request: dict[str, Any],
+        user_agent: str,
+        stop: tuple[str, ...] = (),
+    ) -> PreparedCall:
+        """A call on raw prompt tokens (the Completions surface): no chat template, no tools."""
+        rendered = RenderedPrompt(
+            prompt_ids=list(prompt_ids),
+            digest=b"",
+            spliced_tokens=0,
+            tokenized_tokens=0,
+            unmatched_assistant_turns=0,
+        )
+        call = self._prepared(
+            rollout, rendered, params, (), surface, request, user_agent, time.perf_counter()
+        )
+        call.stop = stop
+        return call
+
+    def _prepared(
+        self,
+        rollout: ActiveRollout,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        tools: Sequence[dict[str, Any]],
+        surface: str,
+        request: dict[str, Any],
+        user_agent: str,
+        started: float,
+    ) -> PreparedCall:
         prompt_len = len(rendered.prompt_ids)
         if prompt_len + params.max_tokens > self.engine.max_context:
             raise ContextTooLong(
@@ -109,46 +186,159 @@ class CallService:
                 param="messages",
             )
         if not params.stop_token_ids:
-            params = SamplingParams(
-                max_tokens=params.max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                seed=params.seed,
-                stop_token_ids=(self.tokenizer.im_end_id,),
-            )
-        await self.gate.enter()
+            params = replace(params, stop_token_ids=(self.tokenizer.im_end_id,))
+        return PreparedCall(rollout, rendered, params, tools, surface, request, user_agent, started)
+
+    async def complete(self, call: PreparedCall) -> CallOutcome:
+        """Generate the whole completion, record it, and return it."""
+        return await self._run(call, None)
+
+    async def stream(self, call: PreparedCall) -> AsyncGenerator[str | CallOutcome, None]:
+        """Yield text deltas as they are sampled, then the ``CallOutcome`` (after it is durable).
+
+        With tools declared, text from a ``<tool_call>`` block on is held back: the surface
+        sends the parsed tool calls from the outcome instead. Closing the iterator early (the
+        client went away) cancels the generation, which is recorded as cancelled.
+        """
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        run = asyncio.create_task(self._run(call, queue.put_nowait))
+        run.add_done_callback(lambda _: queue.put_nowait(None))
+        decoder = IncrementalDecoder(self.tokenizer)
+        text = ""
+        sent = 0
+        stop_ids = set(call.params.stop_token_ids)
+        markers = (*call.stop, *((TOOL_CALL_OPEN,) if call.tools else ()))
         try:
-            queued = time.perf_counter() - started
-            result = await self.engine.generate(
-                GenerateRequest(prompt_ids=rendered.prompt_ids, params=params)
+            while (token := await queue.get()) is not None:
+                if token in stop_ids:
+                    continue
+                text += decoder.push(token)
+                safe = _stream_safe(text, markers)
+                if len(safe) > sent:
+                    yield safe[sent:]
+                    sent = len(safe)
+            outcome = await run
+            # What was held back to the end (a trailing partial character, text that only
+            # looked like the start of a marker) goes out now, as the final text has it.
+            final = outcome.message.content if outcome.message.tool_calls else outcome.text
+            if len(final) > sent and final.startswith(text[:sent]):
+                yield final[sent:]
+            yield outcome
+        finally:
+            if not run.done():
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+
+    async def _run(self, call: PreparedCall, on_token: Callable[[int], None] | None) -> CallOutcome:
+        sampled: list[tuple[int, float]] = []
+        first_token_at: list[float] = []
+        decoder = IncrementalDecoder(self.tokenizer) if call.stop else None
+        seen = [""]
+        stopped = asyncio.Event()
+        generation: asyncio.Future[GenerateResult] | None = None
+
+        def collect(token: int, logprob: float) -> None:
+            if stopped.is_set():
+                return  # tokens the engine sampled after a stop string matched are dropped
+            if not first_token_at:
+                first_token_at.append(time.perf_counter())
+            sampled.append((token, logprob))
+            if on_token is not None:
+                on_token(token)
+            if decoder is not None and generation is not None:
+                seen[0] += decoder.push(token)
+                if any(s in seen[0] for s in call.stop):
+                    stopped.set()
+                    generation.cancel()
+
+        request = GenerateRequest(prompt_ids=call.rendered.prompt_ids, params=call.params, on_token=collect)
+        await self.gate.enter()
+        queued = time.perf_counter() - call.started
+        try:
+            generation = asyncio.ensure_future(self.engine.generate(request))
+            result = await generation
+        except asyncio.CancelledError:
+            partial = GenerateResult(
+                token_ids=tuple(t for t, _ in sampled),
+                logprobs=tuple(lp for _, lp in sampled),
+                finish_reason="stop" if stopped.is_set() else "cancelled",
+                policy_version=self.engine.policy_version,
             )
+            current = asyncio.current_task()
+            if not stopped.is_set() or (current is not None and current.cancelling()):
+                if generation is not None and not generation.done():
+                    generation.cancel()
+                partial = replace(partial, finish_reason="cancelled")
+                await self._record(
+                    call, partial, self.tokenizer.decode(partial.token_ids), queued, first_token_at
+                )
+                raise
+            result = partial
         finally:
             self.gate.leave()
         body = result.token_ids
-        if body and body[-1] in params.stop_token_ids:
+        if body and body[-1] in call.params.stop_token_ids:
             body = body[:-1]
-        text = self.tokenizer.decode(body)
-        message = parse_assistant(text, tool_schema_names(tools))
-        call_id = "chatcmpl-" + secrets.token_hex(12)
+        text = _cut_at_stop(self.tokenizer.decode(body), call.stop)
+        message = parse_assistant(
+            text, tool_schema_names(call.tools), reasoning=call.rollout.conversation.fmt.reasoning
+        )
+        # Durable before acknowledged: the harness hears nothing final until the call is logged.
+        await self._record(call, result, text, queued, first_token_at)
+        if call.rendered.digest:
+            call.rollout.conversation.remember(call.rendered.digest, message, result.token_ids)
+        call.rollout.calls += 1
+        return CallOutcome(
+            message=message, result=result, prompt_tokens=call.prompt_tokens, call_id=call.call_id, text=text
+        )
+
+    async def _record(
+        self,
+        call: PreparedCall,
+        result: GenerateResult,
+        text: str,
+        queued: float,
+        first_token_at: list[float],
+    ) -> None:
+        now = time.perf_counter()
         event = LLMCallCompleted(
             ts=time.time(),
-            rollout=rollout.rollout,
-            call_id=call_id,
-            surface=surface,
-            prompt_ids=tuple(rendered.prompt_ids),
+            rollout=call.rollout.rollout,
+            call_id=call.call_id,
+            surface=call.surface,
+            prompt_ids=tuple(call.rendered.prompt_ids),
             response_ids=result.token_ids,
             response_logprobs=result.logprobs,
             policy_version=result.policy_version,
             finish_reason=result.finish_reason,
-            request=request,
+            request=call.request,
             response_text=text,
-            queue_s=queued + result.queue_s,
-            total_s=time.perf_counter() - started,
-            user_agent=user_agent,
-            spliced_tokens=rendered.spliced_tokens,
+            queue_s=queued,
+            total_s=now - call.started,
+            ttft_s=(first_token_at[0] - call.started) if first_token_at else 0.0,
+            user_agent=call.user_agent,
+            spliced_tokens=call.rendered.spliced_tokens,
+            unmatched_assistant_turns=call.rendered.unmatched_assistant_turns,
+            sampling=asdict(call.params),
         )
-        # Durable before acknowledged: the harness hears nothing until the call is in the log.
         await self.store.append([event])
-        rollout.conversation.remember(rendered.digest, message, result.token_ids)
-        rollout.calls += 1
-        return CallOutcome(message=message, result=result, prompt_tokens=prompt_len, call_id=call_id)
+
+
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """The text before the earliest stop string (OpenAI and Anthropic leave the stop string out)."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+def _stream_safe(text: str, markers: tuple[str, ...]) -> str:
+    """The prefix of ``text`` that can be sent now: everything before the first marker (a stop
+    string, or ``<tool_call>`` when tools are declared), and before a partial marker at the end."""
+    if not markers:
+        return text
+    text = _cut_at_stop(text, markers)
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-k:]):
+                text = text[:-k]
+                break
+    return text

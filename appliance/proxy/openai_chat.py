@@ -1,93 +1,216 @@
-"""The OpenAI Chat Completions surface: request validation and response shape.
+"""The OpenAI Chat Completions surface: ``POST /v1/chat/completions``, plain and streaming.
 
-Owns the conversion between ``POST /v1/chat/completions`` bodies and the internal call path
-(``appliance.proxy.calls``). It validates what it reads and fails with ``BadRequest`` naming the
-offending parameter; it never touches tokens itself.
+Owns the conversion between Chat Completions bodies and the internal call path
+(``appliance.proxy.calls``): request validation (each error names its parameter), the
+``chat.completion`` object, and the ``chat.completion.chunk`` stream with tool-call deltas and
+``stream_options.include_usage``. It never touches tokens itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from typing import Any
 
+from aiohttp import web
+
 from appliance.chat.messages import assistant_to_openai, messages_from_openai, tools_from_openai
-from appliance.engines.base import SamplingParams
-from appliance.errors import BadRequest
-from appliance.proxy.calls import CallOutcome
+from appliance.errors import ApplianceError, BadRequest
+from appliance.proxy.calls import CallOutcome, PreparedCall
+from appliance.proxy.http import (
+    CALLS,
+    SETTINGS,
+    add_post,
+    json_body,
+    rollout_of,
+    sse_send,
+    sse_start,
+    user_agent,
+)
+from appliance.proxy.validate import (
+    number,
+    optional_int,
+    positive_int,
+    required_str,
+    sampling_for,
+    stop_strings,
+)
 
 SURFACE = "openai.chat"
+MAX_N = 16
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise BadRequest(f"'{name}' must be a number between {lo} and {hi}; got {value!r}", param=name)
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadRequest(f"'{name}' must be a positive integer; got {value!r}", param=name)
-    return value
-
-
-def parse_sampling(
-    body: dict[str, Any], *, max_tokens_default: int, max_tokens_cap: int, temperature_override: float | None
-) -> SamplingParams:
-    """Sampling parameters from the request; in training mode the temperature is the configured one."""
-    max_tokens = _integer(body, "max_completion_tokens") or _integer(body, "max_tokens") or max_tokens_default
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise BadRequest("'top_p' must be greater than 0", param="top_p")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"'seed' must be an integer; got {seed!r}", param="seed")
-    return SamplingParams(
-        max_tokens=min(max_tokens, max_tokens_cap),
-        temperature=temperature if temperature_override is None else temperature_override,
-        top_p=top_p,
-        seed=seed,
+def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[list[PreparedCall], bool, bool, bool]:
+    """Validate the body; returns one prepared call per choice, and stream/usage/logprobs flags."""
+    required_str(body, "model")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    n = positive_int(body, "n") or 1
+    if n > MAX_N or (stream and n > 1):
+        raise BadRequest(f"'n' must be at most {MAX_N} (1 when streaming)", param="n")
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise BadRequest("'logprobs' must be a boolean", param="logprobs")
+    top = optional_int(body, "top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        raise BadRequest("'top_logprobs' must be between 0 and 20", param="top_logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and (
+        not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
+    ):
+        raise BadRequest(
+            "'response_format.type' must be text, json_object or json_schema", param="response_format"
+        )
+    tool_choice = body.get("tool_choice")
+    if tool_choice is not None and not (
+        tool_choice in ("auto", "none", "required") or isinstance(tool_choice, dict)
+    ):
+        raise BadRequest(
+            "'tool_choice' must be auto, none, required or a function choice", param="tool_choice"
+        )
+    messages = messages_from_openai(body.get("messages"))
+    tools = [] if tool_choice == "none" else tools_from_openai(body.get("tools"))
+    params = sampling_for(
+        request.app[SETTINGS],
+        max_tokens=positive_int(body, "max_completion_tokens") or positive_int(body, "max_tokens"),
+        temperature=number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=number(body, "top_p", 1.0, 0.0, 1.0),
+        seed=optional_int(body, "seed"),
+        top_logprobs=(top or 0) if logprobs else 0,
     )
+    stop = stop_strings(body, "stop")
+    rollout = rollout_of(request)
+    calls = request.app[CALLS]
+    prepared = [
+        calls.prepare(
+            rollout,
+            messages=messages,
+            tools=tools,
+            params=params,
+            surface=SURFACE,
+            request=body,
+            user_agent=user_agent(request),
+            stop=stop,
+        )
+        for _ in range(n)
+    ]
+    return prepared, stream, bool(options.get("include_usage")), logprobs
 
 
-def parse_request(body: Any) -> tuple[dict[str, Any], list[Any], list[dict[str, Any]]]:
-    """The validated body, its messages and its tools."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if not isinstance(body.get("model"), str):
-        raise BadRequest("'model' is required and must be a string", param="model")
-    if body.get("stream"):
-        raise BadRequest("streaming is not supported on this endpoint yet; send stream=false", param="stream")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise BadRequest("only n=1 is supported", param="n")
-    return body, messages_from_openai(body.get("messages")), tools_from_openai(body.get("tools"))
+def _finish(outcome: CallOutcome) -> str:
+    if outcome.message.tool_calls:
+        return "tool_calls"
+    return "length" if outcome.result.finish_reason == "length" else "stop"
 
 
-def completion_body(outcome: CallOutcome, model: str) -> dict[str, Any]:
-    message = outcome.message
-    finish = outcome.result.finish_reason
-    if message.tool_calls:
-        finish = "tool_calls"
-    completion_tokens = len(outcome.result.token_ids)
+def _usage(outcome: CallOutcome) -> dict[str, Any]:
+    completion = len(outcome.result.token_ids)
     return {
-        "id": outcome.call_id,
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": outcome.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def _logprobs(outcome: CallOutcome, request: web.Request) -> dict[str, Any]:
+    tokenizer = request.app[CALLS].tokenizer
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    result = outcome.result
+    tops = result.top_logprobs or tuple(() for _ in result.token_ids)
+    content = [
+        {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+        for token, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _body(outcomes: list[CallOutcome], model: str, request: web.Request, logprobs: bool) -> dict[str, Any]:
+    first = outcomes[0]
+    usage = _usage(first)
+    usage["completion_tokens"] = sum(len(o.result.token_ids) for o in outcomes)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return {
+        "id": "chatcmpl-" + first.call_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "system_fingerprint": f"policy-v{outcome.result.policy_version}",
+        "system_fingerprint": f"policy-v{first.result.policy_version}",
+        "service_tier": "default",
         "choices": [
-            {"index": 0, "message": assistant_to_openai(message), "finish_reason": finish, "logprobs": None}
+            {
+                "index": i,
+                "message": assistant_to_openai(o.message),
+                "finish_reason": _finish(o),
+                "logprobs": _logprobs(o, request) if logprobs else None,
+            }
+            for i, o in enumerate(outcomes)
         ],
-        "usage": {
-            "prompt_tokens": outcome.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": outcome.prompt_tokens + completion_tokens,
-        },
+        "usage": usage,
     }
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await json_body(request)
+    prepared, stream, include_usage, logprobs = _prepare(request, body)
+    calls = request.app[CALLS]
+    if not stream:
+        outcomes = await asyncio.gather(*(calls.complete(p) for p in prepared))
+        return web.json_response(_body(list(outcomes), body["model"], request, logprobs))
+
+    (call,) = prepared
+    base = {
+        "id": "chatcmpl-" + call.call_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": body["model"],
+        "system_fingerprint": None,
+    }
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        out = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    response = await sse_start(request)
+    await sse_send(response, chunk({"role": "assistant", "content": "", "refusal": None}))
+    try:
+        # Closing the stream early (the client went away) cancels the generation.
+        async with contextlib.aclosing(calls.stream(call)) as items:
+            async for item in items:
+                if isinstance(item, str):
+                    await sse_send(response, chunk({"content": item}))
+                    continue
+                for i, tool_call in enumerate(item.message.tool_calls):
+                    delta = {
+                        "index": i,
+                        "id": tool_call.id,
+                        "type": "function",
+                        "function": {"name": tool_call.name, "arguments": tool_call.arguments},
+                    }
+                    await sse_send(response, chunk({"tool_calls": [delta]}))
+                await sse_send(response, chunk({}, _finish(item)))
+                if include_usage:
+                    await sse_send(response, {**base, "choices": [], "usage": _usage(item)})
+    except ApplianceError as exc:
+        # The status line is gone already: the error travels as an event, as OpenAI sends it.
+        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
+        await sse_send(response, {"error": error})
+    await sse_send(response, "[DONE]")
+    await response.write_eof()
+    return response
+
+
+def add_routes(app: web.Application) -> None:
+    add_post(app, "/chat/completions", chat_completions)

@@ -1,54 +1,60 @@
-"""The HTTP face of the appliance: routes, auth, errors, and the server's lifecycle.
+"""The HTTP face of the appliance: the application, its routes, errors, and its lifecycle.
 
-Owns the aiohttp application. Every harness-facing route lives under the rollout's base URL
-``/rollouts/<rollout_id>/v1`` and is authorised by that rollout's own token (Bearer or
-``x-api-key``). One middleware turns ``ApplianceError`` and malformed input into OpenAI-shaped
-``{"error": {...}}`` bodies with the right status; nothing here knows about tokens or engines
-beyond handing the request to ``CallService``.
+Owns assembling the aiohttp application from the surface modules, the few routes that belong to
+no surface (models, rewards, health, admin), and one middleware that turns ``ApplianceError``
+and malformed input into OpenAI-shaped ``{"error": {...}}`` bodies with the right status (the
+Anthropic surface answers in its own shape, see ``anthropic_messages``). Harness routes live
+under the rollout's base URL ``/rollouts/<rollout_id>/v1`` and under a plain ``/v1`` for
+rollout-less use with the admin token.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
 from appliance.errors import ApplianceError, BadRequest
-from appliance.proxy import openai_chat
+from appliance.proxy import anthropic_messages, openai_chat, openai_completions, openai_responses
 from appliance.proxy.calls import CallService
-from appliance.rollouts import ActiveRollout, RolloutRegistry
+from appliance.proxy.http import (
+    CALLS,
+    REGISTRY,
+    SETTINGS,
+    ProxySettings,
+    add_get,
+    check_admin,
+    json_body,
+    rollout_of,
+)
+from appliance.rollouts import RolloutRegistry
 from store.events import RewardReported
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-@dataclass(frozen=True, slots=True)
-class ProxySettings:
-    model_name: str
-    max_tokens_default: int
-    max_tokens_cap: int
-    #: The temperature used for training samples whatever the client asks (None: the client's).
-    temperature_override: float | None
-    max_body_bytes: int = 4 * 1024 * 1024
+__all__ = ["ProxyServer", "ProxySettings", "build_app"]
 
 
-CALLS = web.AppKey("calls", CallService)
-REGISTRY = web.AppKey("registry", RolloutRegistry)
-SETTINGS = web.AppKey("settings", ProxySettings)
+def error_response(request: web.Request, exc: ApplianceError) -> web.Response:
+    if anthropic_messages.is_anthropic(request):
+        return anthropic_messages.error_response(exc)
+    payload = {
+        "error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
+    }
+    return web.json_response(payload, status=exc.status)
 
 
-def error_body(
-    status: int, message: str, error_type: str, code: str | None, param: str | None
-) -> web.Response:
-    payload = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return web.json_response(payload, status=status)
+class _HTTPError(ApplianceError):
+    def __init__(self, status: int, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = "invalid_request_error" if status < 500 else "server_error"
+        self.code = code
 
 
 @web.middleware
@@ -56,80 +62,57 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except ApplianceError as exc:
-        return error_body(exc.status, exc.message, exc.error_type, exc.code, exc.param)
+        return error_response(request, exc)
     except web.HTTPRequestEntityTooLarge:
-        return error_body(
-            413, "the request body is too large", "invalid_request_error", "request_too_large", None
-        )
+        limit = request.app[SETTINGS].max_body_bytes
+        error = _HTTPError(413, f"the request body is larger than {limit} bytes", "request_too_large")
+        return error_response(request, error)
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return error_body(exc.status, exc.reason, "invalid_request_error", None, None)
+            code = "not_found" if exc.status == 404 else None
+            return error_response(request, _HTTPError(exc.status, f"{exc.reason}: {request.path}", code))
         raise
+    except (ConnectionResetError, ConnectionError):
+        raise  # the client went away; nothing to answer
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_body(
-            500, "internal error; see the appliance log", "server_error", "internal_error", None
+        return error_response(
+            request, _HTTPError(500, "internal error; see the appliance log", "internal_error")
         )
-
-
-def _token(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.headers.get("x-api-key")
-
-
-def _rollout(request: web.Request) -> ActiveRollout:
-    return request.app[REGISTRY].authorize(request.match_info["rollout"], _token(request))
-
-
-async def _json(request: web.Request) -> Any:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-
-
-async def chat_completions(request: web.Request) -> web.Response:
-    rollout = _rollout(request)
-    settings = request.app[SETTINGS]
-    body, messages, tools = openai_chat.parse_request(await _json(request))
-    params = openai_chat.parse_sampling(
-        body,
-        max_tokens_default=settings.max_tokens_default,
-        max_tokens_cap=settings.max_tokens_cap,
-        temperature_override=settings.temperature_override,
-    )
-    outcome = await request.app[CALLS].complete(
-        rollout,
-        messages=messages,
-        tools=tools,
-        params=params,
-        surface=openai_chat.SURFACE,
-        request=body,
-        user_agent=request.headers.get("User-Agent", ""),
-    )
-    return web.json_response(openai_chat.completion_body(outcome, body["model"]))
 
 
 async def list_models(request: web.Request) -> web.Response:
-    _rollout(request)
+    rollout_of(request)
     name = request.app[SETTINGS].model_name
     model = {"id": name, "object": "model", "created": 0, "owned_by": "lightning-appliance"}
     return web.json_response({"object": "list", "data": [model]})
 
 
 async def report_reward(request: web.Request) -> web.Response:
-    rollout = _rollout(request)
-    body = await _json(request)
-    reward = body.get("reward") if isinstance(body, dict) else None
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward:
+    rollout = rollout_of(request)
+    body = await json_body(request)
+    reward = body.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise BadRequest("'reward' must be a finite number", param="reward")
     event = RewardReported(ts=time.time(), rollout=rollout.rollout, reward=float(reward), source="http")
     await request.app[CALLS].store.append([event])
     rollout.reward = float(reward)
     return web.json_response({"rollout": rollout.rollout, "reward": float(reward)})
+
+
+async def admin_status(request: web.Request) -> web.Response:
+    """The live rollouts and the serving gate; the full run state is in the event log."""
+    check_admin(request)
+    calls = request.app[CALLS]
+    return web.json_response(
+        {
+            "rollouts": len(request.app[REGISTRY]),
+            "serving": calls.gate.is_open,
+            "inflight": calls.gate.inflight,
+            "policy_version": calls.engine.policy_version,
+            "events": calls.store.last_position,
+        }
+    )
 
 
 async def health(request: web.Request) -> web.Response:
@@ -141,11 +124,14 @@ def build_app(calls: CallService, registry: RolloutRegistry, settings: ProxySett
     app[CALLS] = calls
     app[REGISTRY] = registry
     app[SETTINGS] = settings
-    base = "/rollouts/{rollout}"
-    app.router.add_post(base + "/v1/chat/completions", chat_completions)
-    app.router.add_get(base + "/v1/models", list_models)
-    app.router.add_post(base + "/reward", report_reward)
+    openai_chat.add_routes(app)
+    openai_completions.add_routes(app)
+    openai_responses.add_routes(app)
+    anthropic_messages.add_routes(app)
+    add_get(app, "/models", list_models)
+    app.router.add_post("/rollouts/{rollout}/reward", report_reward)
     app.router.add_get("/healthz", health)
+    app.router.add_get("/admin/status", admin_status)
     return app
 
 
@@ -162,10 +148,13 @@ class ProxyServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        port = sockets[0].getsockname()[1] if sockets else self._port
-        self.url = f"http://{self._host}:{port}"
+        port = self._port
+        for address in self._runner.addresses:
+            if isinstance(address, tuple) and len(address) >= 2:
+                port = int(address[1])
+                break
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        self.url = f"http://{host}:{port}"
 
     async def close(self) -> None:
         await self._runner.cleanup()

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from appliance.engines.base import SamplingParams
+from appliance.engines.base import GenerateRequest, SamplingParams
 from appliance.engines.torch_engine import TorchEngine
 from appliance.errors import BadRequest, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, EngineContract, generate, greedy, unsampled_id
@@ -109,4 +109,23 @@ class TestTorchEngineCuda(EngineContract):
         engine = TorchEngine(tiny_model_dir, device="cuda", max_batch_size=8)
         await engine.start()
         yield engine
+        await engine.close()
+
+
+async def test_sleep_refuses_generation_until_woken(tiny_model_dir: Path) -> None:
+    engine = TorchEngine(tiny_model_dir)
+    await engine.start()
+    try:
+        request = GenerateRequest(prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=3, temperature=0))
+        before = await engine.generate(request)
+        await engine.sleep(1)
+        assert engine.is_sleeping
+        with pytest.raises(EngineUnavailable):
+            await engine.generate(request)
+        await engine.wake(["weights"])
+        assert engine.is_sleeping
+        await engine.wake(["kv_cache"])
+        assert not engine.is_sleeping
+        assert (await engine.generate(request)).token_ids == before.token_ids
+    finally:
         await engine.close()

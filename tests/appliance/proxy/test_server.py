@@ -93,8 +93,12 @@ GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "
         ({"model": "m", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
         ({**GOOD, "temperature": "hot"}, 400, "temperature"),
         ({**GOOD, "max_tokens": -1}, 400, "max_tokens"),
-        ({**GOOD, "n": 3}, 400, "n"),
-        ({**GOOD, "stream": True}, 400, "stream"),
+        ({**GOOD, "n": 99}, 400, "n"),
+        ({**GOOD, "n": 2, "stream": True}, 400, "n"),
+        ({**GOOD, "stream": "yes"}, 400, "stream"),
+        ({**GOOD, "stop": [""]}, 400, "stop"),
+        ({**GOOD, "tool_choice": "sometimes"}, 400, "tool_choice"),
+        ({**GOOD, "response_format": {"type": "xml"}}, 400, "response_format"),
         ({**GOOD, "tools": [{"type": "function", "function": {}}]}, 400, "tools[0]"),
         ({**GOOD, "messages": [{"role": "user", "content": "1 2 3 4 5 6 7 8 9 " * 400}]}, 400, "messages"),
         (b"x" * (5 * 1024 * 1024), 413, None),
@@ -139,3 +143,21 @@ async def test_auth_and_unknown_rollouts(app: Appliance) -> None:
         assert unknown_route.status == 404
         assert "error" in await unknown_route.json()
     assert await calls_recorded(app) == []
+
+
+async def test_rollout_less_v1_needs_the_admin_token(app: Appliance) -> None:
+    mine = rollout(app)
+    async with aiohttp.ClientSession() as http:
+        url = f"{app.proxy_url}/v1/chat/completions"
+        denied = await http.post(url, json=GOOD, headers={"Authorization": f"Bearer {mine.token}"})
+        assert denied.status == 401
+        ok = await http.post(url, json=GOOD, headers={"Authorization": f"Bearer {app.admin_token}"})
+        assert ok.status == 200
+        status = await http.get(f"{app.proxy_url}/admin/status", headers={"x-api-key": app.admin_token})
+        assert (await status.json())["serving"] is True
+        assert (await http.get(f"{app.proxy_url}/admin/status")).status == 401
+    (call,) = await calls_recorded(app)
+    assert call.rollout == "default"
+    token_file = app.config.data_dir / "admin_token"
+    assert token_file.read_text().strip() == app.admin_token
+    assert token_file.stat().st_mode & 0o077 == 0

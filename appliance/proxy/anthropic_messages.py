@@ -1,0 +1,414 @@
+"""The Anthropic Messages surface: ``POST /v1/messages``, plain and streaming.
+
+Owns the conversion between Anthropic Messages bodies and the shared call path
+(``appliance.proxy.calls``): request validation (each error names its parameter or content
+block), the ``message`` object, the ``message_start`` ... ``message_stop`` event stream, and the
+``{"type": "error", ...}`` error shape the server's middleware uses for this surface.
+
+Conversion: ``system`` becomes a system message; ``text`` blocks become content (joined with
+newlines, except in assistant turns); ``tool_use`` blocks become tool calls whose arguments are
+``json.dumps(input, ensure_ascii=False)``, the text the proxy's tool parser produces, so a turn
+sent back verbatim keys to the turn that was sampled and is spliced token for token. Each
+``tool_result`` becomes a ``tool`` message, ahead of the turn's text. ``thinking`` blocks carry
+a reasoning format's ``<think>`` text (not part of a turn's key). Other blocks are refused.
+
+Accepted and ignored: ``top_k`` (the engine samples with temperature and top-p only),
+``metadata``, ``cache_control``, and the forcing in ``tool_choice`` ``any``/``tool`` (the model
+sees the tools but cannot be forced to call one); ``tool_choice`` ``none`` hides the tools. A
+final assistant turn (prefill) is refused: the chat template closes every assistant turn.
+
+Streaming sends each block only as far as it is sure to be a prefix of the final block: with
+tools declared, trailing whitespace waits (a turn that ends in tool calls keeps its text
+stripped), so the text the SDK accumulates equals the non-streamed text block.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from appliance.chat.messages import Message, ToolCall
+from appliance.errors import ApplianceError, BadRequest
+from appliance.proxy import validate
+from appliance.proxy.calls import CallOutcome, PreparedCall
+from appliance.proxy.http import (
+    CALLS,
+    SETTINGS,
+    add_post,
+    json_body,
+    rollout_of,
+    sse_send,
+    sse_start,
+    user_agent,
+)
+
+SURFACE = "anthropic.messages"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+Blocks = list[dict[str, Any]]
+#: ``stop_reason`` and ``stop_sequence``.
+Stop = tuple[str | None, str | None]
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+log = logging.getLogger(__name__)
+
+
+def is_anthropic(request: web.Request) -> bool:
+    """Whether errors on this request must take Anthropic's shape."""
+    return request.path.endswith("/v1/messages") or "anthropic-version" in request.headers
+
+
+def _error_body(exc: ApplianceError) -> dict[str, Any]:
+    default = "invalid_request_error" if exc.status < 500 else "api_error"
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(exc.status, default), "message": exc.message}}
+
+
+def error_response(exc: ApplianceError) -> web.Response:
+    return web.json_response(_error_body(exc), status=exc.status)
+
+
+def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
+    """Content as a list of blocks (a string is one text block)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or an array of content blocks", param=where)
+    for i, block in enumerate(content):
+        if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+            raise BadRequest(f"{where}[{i}] must be a content block with a 'type'", param=f"{where}[{i}]")
+    return content
+
+
+def _unsupported(block: Mapping[str, Any], where: str, allowed: str) -> BadRequest:
+    return BadRequest(
+        f"{where}: content block type {block['type']!r} is not supported here (only {allowed})", param=where
+    )
+
+
+def _string(block: Mapping[str, Any], name: str, where: str) -> str:
+    value = block.get(name)
+    if not isinstance(value, str) or (name != "text" and not value):
+        raise BadRequest(f"{where}: a {block['type']} block needs a string '{name}'", param=where)
+    return value
+
+
+def _plain_text(content: Any, where: str) -> str:
+    """Text-only content (system, tool results): text blocks joined with newlines."""
+    texts: list[str] = []
+    for i, block in enumerate(_blocks(content, where)):
+        if block["type"] != "text":
+            raise _unsupported(block, f"{where}[{i}]", "text")
+        texts.append(_string(block, "text", f"{where}[{i}]"))
+    return "\n".join(texts)
+
+
+def _user(content: Any, where: str) -> list[Message]:
+    """One ``tool`` message per ``tool_result`` block, then the turn's text as a user message."""
+    results: list[Message] = []
+    texts: list[str] = []
+    for i, block in enumerate(_blocks(content, where)):
+        at = f"{where}[{i}]"
+        if block["type"] == "text":
+            texts.append(_string(block, "text", at))
+        elif block["type"] == "tool_result":
+            use_id = _string(block, "tool_use_id", at)
+            results.append(
+                Message("tool", _plain_text(block.get("content") or "", f"{at}.content"), (), use_id)
+            )
+        else:
+            raise _unsupported(block, at, "text and tool_result in user turns")
+    if texts or not results:
+        results.append(Message("user", "\n".join(texts)))
+    return results
+
+
+def _assistant(content: Any, where: str) -> Message:
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[ToolCall] = []
+    for i, block in enumerate(_blocks(content, where)):
+        at = f"{where}[{i}]"
+        if block["type"] == "text":
+            texts.append(_string(block, "text", at))
+        elif block["type"] in ("thinking", "redacted_thinking"):
+            thoughts.append(block["thinking"] if isinstance(block.get("thinking"), str) else "")
+        elif block["type"] == "tool_use":
+            arguments = block.get("input")
+            if not isinstance(arguments, Mapping):
+                raise BadRequest(f"{at}: a tool_use block needs an object 'input'", param=at)
+            text = json.dumps(arguments, ensure_ascii=False)
+            calls.append(ToolCall(_string(block, "id", at), _string(block, "name", at), text))
+        else:
+            raise _unsupported(block, at, "text, thinking and tool_use in assistant turns")
+    return Message("assistant", "".join(texts), tuple(calls), reasoning="\n".join(t for t in thoughts if t))
+
+
+def to_messages(body: Mapping[str, Any]) -> list[Message]:
+    """Validate and convert ``system`` and ``messages`` to internal messages."""
+    out: list[Message] = []
+    system = body.get("system")
+    if system is not None and (text := _plain_text(system, "system")):
+        out.append(Message("system", text))
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    for i, item in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(item, Mapping):
+            raise BadRequest(f"{where} must be an object", param=where)
+        if item.get("role") == "user":
+            out.extend(_user(item.get("content"), f"{where}.content"))
+        elif item.get("role") == "assistant":
+            out.append(_assistant(item.get("content"), f"{where}.content"))
+        else:
+            raise BadRequest(
+                f"{where}.role must be 'user' or 'assistant'; got {item.get('role')!r}", param=where
+            )
+    if out[-1].role == "assistant":
+        raise BadRequest(
+            "the last message must be a user turn: continuing an assistant turn (prefill) is not supported",
+            param=f"messages[{len(raw) - 1}]",
+        )
+    return out
+
+
+def to_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``tools`` as OpenAI-style function tools (what the chat template renders); [] for ``none``."""
+    raw = body.get("tools") or []
+    if not isinstance(raw, list):
+        raise BadRequest("'tools' must be an array", param="tools")
+    tools: list[dict[str, Any]] = []
+    for i, tool in enumerate(raw):
+        at = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type", "custom") not in ("custom", None):
+            kind = tool.get("type") if isinstance(tool, Mapping) else None
+            raise BadRequest(f"{at} must be a client tool (server tool {kind!r} is not available)", param=at)
+        name, schema, description = tool.get("name"), tool.get("input_schema"), tool.get("description")
+        if not isinstance(name, str) or not name or not isinstance(schema, Mapping):
+            raise BadRequest(f"{at} needs a 'name' and an object 'input_schema'", param=at)
+        if description is not None and not isinstance(description, str):
+            raise BadRequest(f"{at}.description must be a string", param=at)
+        described = {"description": description} if description is not None else {}
+        tools.append(
+            {"type": "function", "function": {"name": name, **described, "parameters": dict(schema)}}
+        )
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools
+    if not isinstance(choice, Mapping) or choice.get("type") not in TOOL_CHOICES:
+        raise BadRequest(f"'tool_choice.type' must be one of {', '.join(TOOL_CHOICES)}", param="tool_choice")
+    if choice["type"] == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools}:
+        raise BadRequest("'tool_choice.name' must name a declared tool", param="tool_choice")
+    return [] if choice["type"] == "none" else tools
+
+
+def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, bool]:
+    validate.required_str(body, "model")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    max_tokens = validate.positive_int(body, "max_tokens")
+    if max_tokens is None:
+        raise BadRequest("'max_tokens' is required (a positive integer)", param="max_tokens")
+    top_k = validate.optional_int(body, "top_k")
+    if top_k is not None and top_k < 0:
+        raise BadRequest("'top_k' must be a non-negative integer", param="top_k")
+    if not isinstance(body.get("stop_sequences", []), list):
+        raise BadRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
+    if not isinstance(body.get("metadata", {}), Mapping):
+        raise BadRequest("'metadata' must be an object", param="metadata")
+    messages, tools = to_messages(body), to_tools(body)
+    params = validate.sampling_for(
+        request.app[SETTINGS],
+        max_tokens=max_tokens,
+        temperature=validate.number(body, "temperature", 1.0, 0.0, 1.0),
+        top_p=validate.number(body, "top_p", 1.0, 0.0, 1.0),
+        seed=None,
+    )
+    call = request.app[CALLS].prepare(
+        rollout_of(request),
+        messages=messages,
+        tools=tools,
+        params=params,
+        surface=SURFACE,
+        request=body,
+        user_agent=user_agent(request),
+        stop=validate.stop_strings(body, "stop_sequences"),
+    )
+    return call, stream
+
+
+def _tool_use(call: ToolCall, args: Any) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call.id.removeprefix("call_"),
+        "name": call.name,
+        "input": args,
+    }
+
+
+def to_content(message: Message) -> Blocks:
+    """The assistant message as content blocks: its reasoning and text (if any), then its tool calls."""
+    blocks: Blocks = []
+    if message.reasoning:
+        blocks.append({"type": "thinking", "thinking": message.reasoning, "signature": ""})
+    if message.content:
+        blocks.append({"type": "text", "text": message.content})
+    return blocks + [_tool_use(c, json.loads(c.arguments)) for c in message.tool_calls]
+
+
+def _stop(request: web.Request, call: PreparedCall, outcome: CallOutcome) -> Stop:
+    """``stop_reason`` and the stop sequence that matched (the one the text was cut before)."""
+    if outcome.message.tool_calls:
+        return "tool_use", None
+    if call.stop:
+        ids = outcome.result.token_ids
+        if ids and ids[-1] in call.params.stop_token_ids:
+            ids = ids[:-1]
+        decoded = request.app[CALLS].tokenizer.decode(ids)
+        at = len(outcome.text)
+        if len(decoded) > at:
+            for sequence in call.stop:
+                if decoded.startswith(sequence, at):
+                    return "stop_sequence", sequence
+    return ("max_tokens" if outcome.result.finish_reason == "length" else "end_turn"), None
+
+
+def _message(call: PreparedCall, model: str, content: Blocks, stop: Stop, output: int) -> dict[str, Any]:
+    usage = {"input_tokens": call.prompt_tokens, "output_tokens": output}
+    return {
+        "id": "msg_" + call.call_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop[0],
+        "stop_sequence": stop[1],
+        "usage": {**usage, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+    }
+
+
+async def _event(response: web.StreamResponse, kind: str, data: dict[str, Any]) -> None:
+    await sse_send(response, {"type": kind, **data}, event=kind)
+
+
+def _held(text: str, marker: str) -> str:
+    """``text`` without a trailing partial ``marker`` (it may yet complete)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return text[:-k]
+    return text
+
+
+class ContentStream:
+    """The sampled text streamed as a thinking block (reasoning formats), then a text block.
+
+    Each block is sent only as far as it is sure to be a prefix of the final one (see the module
+    docstring); ``close`` sends what the outcome adds and closes the last block.
+    """
+
+    def __init__(self, response: web.StreamResponse, *, reasoning: bool, hold_space: bool) -> None:
+        self.response, self.reasoning, self.hold = response, reasoning, hold_space
+        self.received = ""
+        self.kinds: list[str] = []  # the blocks opened, by index
+        self.sent: list[str] = []
+
+    async def push(self, delta: str) -> None:
+        self.received += delta
+        thought, text = "", self.received
+        head = text.lstrip()
+        if self.reasoning and (head.startswith(THINK_OPEN) or THINK_OPEN.startswith(head)):
+            thought, closed, text = head[len(THINK_OPEN) :].partition(THINK_CLOSE)
+            if not closed:
+                thought = _held(thought, THINK_CLOSE)
+            thought, text = thought.strip(), text.lstrip()
+        await self._send("thinking", thought)
+        await self._send("text", text.rstrip() if self.hold else text)
+
+    async def _send(self, kind: str, value: str) -> None:
+        if not value:
+            return
+        if kind not in self.kinds:
+            if self.kinds:
+                await _event(self.response, "content_block_stop", {"index": len(self.kinds) - 1})
+            block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+            start = {"index": len(self.kinds), "content_block": block}
+            await _event(self.response, "content_block_start", start)
+            self.kinds.append(kind)
+            self.sent.append("")
+        index = self.kinds.index(kind)
+        sent = self.sent[index]
+        if index == len(self.kinds) - 1 and len(value) > len(sent) and value.startswith(sent):
+            delta = {"type": f"{kind}_delta", kind: value[len(sent) :]}
+            await _event(self.response, "content_block_delta", {"index": index, "delta": delta})
+            self.sent[index] = value
+
+    async def close(self, message: Message) -> int:
+        """Send what the final turn adds; returns how many blocks were used."""
+        await self._send("thinking", message.reasoning)
+        await self._send("text", message.content)
+        if self.kinds:
+            await _event(self.response, "content_block_stop", {"index": len(self.kinds) - 1})
+        return len(self.kinds)
+
+
+async def _stream(request: web.Request, call: PreparedCall, model: str) -> web.StreamResponse:
+    response = await sse_start(request)
+    await _event(response, "message_start", {"message": _message(call, model, [], (None, None), 0)})
+    await _event(response, "ping", {})
+    reasoning = call.rollout.conversation.fmt.reasoning
+    blocks = ContentStream(response, reasoning=reasoning, hold_space=bool(call.tools))
+    try:
+        async for item in request.app[CALLS].stream(call):
+            if isinstance(item, str):
+                await blocks.push(item)
+                continue
+            index = await blocks.close(item.message)
+            for i, tool_call in enumerate(item.message.tool_calls, start=index):
+                start = {"index": i, "content_block": _tool_use(tool_call, {})}
+                await _event(response, "content_block_start", start)
+                delta = {"type": "input_json_delta", "partial_json": tool_call.arguments}
+                await _event(response, "content_block_delta", {"index": i, "delta": delta})
+                await _event(response, "content_block_stop", {"index": i})
+            reason, sequence = _stop(request, call, item)
+            end = {"stop_reason": reason, "stop_sequence": sequence}
+            usage = {"output_tokens": len(item.result.token_ids)}
+            await _event(response, "message_delta", {"delta": end, "usage": usage})
+            await _event(response, "message_stop", {})
+    except ApplianceError as exc:
+        await sse_send(response, _error_body(exc), event="error")
+    except ConnectionError:
+        raise  # the client went away; nothing to answer
+    except Exception:  # the headers are out: answer in the stream, not through the middleware
+        log.exception("unhandled error while streaming %s", request.path)
+        error = ApplianceError("internal error; see the appliance log")
+        await sse_send(response, _error_body(error), event="error")
+    await response.write_eof()
+    return response
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    body = await json_body(request)
+    call, stream = _prepare(request, body)
+    if stream:
+        return await _stream(request, call, body["model"])
+    outcome = await request.app[CALLS].complete(call)
+    content = to_content(outcome.message)
+    stop = _stop(request, call, outcome)
+    return web.json_response(_message(call, body["model"], content, stop, len(outcome.result.token_ids)))
+
+
+def add_routes(app: web.Application) -> None:
+    add_post(app, "/messages", create_message)

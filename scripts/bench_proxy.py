@@ -1,0 +1,156 @@
+"""Proxy overhead, measured side by side against the engine it fronts, in one run.
+
+For the same prompts and sampling settings, this times (a) calls made straight to the engine
+in process and (b) the same calls through the proxy over HTTP (Chat Completions, the official
+``openai`` client, each call rendered, generated, made durable in the event log and answered).
+It prints, at several concurrency levels: calls/s both ways and their ratio, the p50 / p99
+latency both ways and the added latency per call, and for streaming the time to first token
+both ways.
+
+    .venv/bin/python scripts/bench_proxy.py [--calls 200] [--max-tokens 8]
+
+The tiny offline model is used, so the numbers show the proxy's cost, not the model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+from appliance.app import Appliance
+from appliance.chat.messages import messages_from_openai
+from appliance.config import load_config
+from appliance.engines.base import GenerateRequest, SamplingParams
+from appliance.engines.tiny_model import build_tiny_model
+
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "You add numbers."},
+    {"role": "user", "content": "What is 2 + 5?"},
+]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def timed(
+    concurrency: int, calls: int, one: Callable[[], Awaitable[float]]
+) -> tuple[float, list[float]]:
+    """Run ``calls`` calls, ``concurrency`` at a time; returns (calls/s, per-call latencies)."""
+    latencies: list[float] = []
+    remaining = calls
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            latencies.append(await one())
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return calls / (time.perf_counter() - started), latencies
+
+
+async def main(calls: int, max_tokens: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "tiny")
+        config = load_config(
+            overrides={
+                "data_dir": Path(tmp) / "run",
+                "port": 0,
+                "model": str(model_dir),
+                "max_tokens": max_tokens,
+            },
+            env={},
+        )
+        async with Appliance(config) as app:
+            active = app.registry.register("bench", task_id="t", group="g", task={})
+            engine = app.engine
+            tokenizer = app.registry._tokenizer
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=1.0, stop_token_ids=(tokenizer.im_end_id,)
+            )
+            prompt = active.conversation.render(messages_from_openai(MESSAGES)).prompt_ids
+            oai = AsyncOpenAI(
+                base_url=f"{app.proxy_url}/rollouts/bench/v1", api_key=active.token, max_retries=0
+            )
+
+            async def direct() -> float:
+                t = time.perf_counter()
+                await engine.generate(GenerateRequest(prompt_ids=prompt, params=params))
+                return time.perf_counter() - t
+
+            async def proxied() -> float:
+                t = time.perf_counter()
+                await oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=max_tokens)
+                return time.perf_counter() - t
+
+            async def direct_ttft() -> float:
+                t = time.perf_counter()
+                first: list[float] = []
+                request = GenerateRequest(
+                    prompt_ids=prompt,
+                    params=params,
+                    on_token=lambda _t, _l: first.append(time.perf_counter()) if not first else None,
+                )
+                await engine.generate(request)
+                return first[0] - t
+
+            async def proxied_ttft() -> float:
+                t = time.perf_counter()
+                first = 0.0
+                stream = await oai.chat.completions.create(
+                    model="m",
+                    messages=MESSAGES,
+                    max_tokens=max_tokens,
+                    stream=True,
+                )
+                async for chunk in stream:
+                    if not first and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.perf_counter()
+                return (first or time.perf_counter()) - t
+
+            for fn in (direct, proxied):  # warm-up
+                await timed(2, 10, fn)
+
+            print(
+                f"tiny model, max_tokens={max_tokens}, {calls} calls per cell; proxy path records every call"
+            )
+            columns = ("clients", "direct/s", "proxy/s", "ratio", "p50 direct", "p50 proxy", "added p50")
+            widths = (7, 9, 9, 6, 11, 10, 10, 11, 10)
+            header = (*columns, "p99 direct", "p99 proxy")
+            print(" ".join(f"{name:>{width}}" for name, width in zip(header, widths, strict=True)))
+            for concurrency in (1, 8, 32):
+                d_rate, d_lat = await timed(concurrency, calls, direct)
+                p_rate, p_lat = await timed(concurrency, calls, proxied)
+                print(
+                    f"{concurrency:>7} {d_rate:>9.1f} {p_rate:>9.1f} {p_rate / d_rate:>6.2f} "
+                    f"{pct(d_lat, 0.5) * 1e3:>9.1f}ms {pct(p_lat, 0.5) * 1e3:>8.1f}ms "
+                    f"{(pct(p_lat, 0.5) - pct(d_lat, 0.5)) * 1e3:>8.1f}ms "
+                    f"{pct(d_lat, 0.99) * 1e3:>9.1f}ms {pct(p_lat, 0.99) * 1e3:>8.1f}ms"
+                )
+            d_ttft = [await direct_ttft() for _ in range(min(calls, 50))]
+            p_ttft = [await proxied_ttft() for _ in range(min(calls, 50))]
+            d50, p50 = statistics.median(d_ttft), statistics.median(p_ttft)
+            print(
+                f"streaming time to first token (1 client, median): direct {d50 * 1e3:.2f} ms, "
+                f"proxy {p50 * 1e3:.2f} ms, added {(p50 - d50) * 1e3:.2f} ms"
+            )
+            await oai.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    asyncio.run(main(args.calls, args.max_tokens))

@@ -1,0 +1,199 @@
+"""Chat Completions features through the real openai SDK: streaming, tools, n, stop, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+
+from appliance.app import Appliance
+from appliance.chat.tools import new_tool_call_id
+from appliance.engines.base import GenerateRequest, GenerateResult
+from appliance.rollouts import ActiveRollout
+from store.events import LLMCallCompleted
+from tests.support import make_config
+from trainer.samples import build_samples
+
+
+@pytest.fixture
+async def app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Appliance]:
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_tokens=12)) as appliance:
+        yield appliance
+
+
+@pytest.fixture
+def active(app: Appliance) -> ActiveRollout:
+    return app.registry.register("r1", task_id="t", group="g", task={})
+
+
+def client(app: Appliance, active: ActiveRollout) -> AsyncOpenAI:
+    return AsyncOpenAI(
+        base_url=f"{app.proxy_url}/rollouts/{active.rollout}/v1", api_key=active.token, max_retries=0
+    )
+
+
+async def recorded(app: Appliance) -> list[LLMCallCompleted]:
+    return [
+        s.event
+        for s in await app.store.read(types={"LLMCallCompleted"})
+        if isinstance(s.event, LLMCallCompleted)
+    ]
+
+
+USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is 3 + 4?"}]
+
+
+async def test_streaming_deltas_match_the_recorded_call(app: Appliance, active: ActiveRollout) -> None:
+    async with client(app, active) as oai:
+        stream = await oai.chat.completions.create(
+            model="m", messages=USER, stream=True, stream_options={"include_usage": True}, max_tokens=10
+        )
+        chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    (usage_chunk,) = [c for c in chunks if c.usage is not None]
+    (call,) = await recorded(app)
+    assert text == call.response_text
+    assert finishes == ["length" if call.finish_reason == "length" else "stop"]
+    assert usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == len(call.response_ids)
+    assert usage_chunk.usage.prompt_tokens == len(call.prompt_ids)
+    assert 0 < call.ttft_s <= call.total_s
+
+
+async def test_n_choices_are_each_recorded(app: Appliance, active: ActiveRollout) -> None:
+    async with client(app, active) as oai:
+        response = await oai.chat.completions.create(model="m", messages=USER, n=3, max_tokens=5)
+    calls = await recorded(app)
+    assert len(response.choices) == len(calls) == 3
+    assert {c.message.content for c in response.choices} <= {call.response_text for call in calls}
+
+
+async def test_logprobs_are_returned_when_asked(app: Appliance, active: ActiveRollout) -> None:
+    async with client(app, active) as oai:
+        response = await oai.chat.completions.create(
+            model="m", messages=USER, logprobs=True, top_logprobs=3, max_tokens=5
+        )
+    (call,) = await recorded(app)
+    content = response.choices[0].logprobs
+    assert content is not None and content.content is not None
+    assert [t.logprob for t in content.content] == pytest.approx(list(call.response_logprobs), abs=1e-6)
+    for token in content.content:
+        assert len(token.top_logprobs) == 3
+        ranked = [t.logprob for t in token.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True)
+        assert token.logprob <= ranked[0] + 1e-6
+
+
+async def test_stop_string_ends_the_text_before_it(app: Appliance, active: ActiveRollout) -> None:
+    # A seeded call is reproducible: find what the model writes, then stop on a piece of it.
+    async with client(app, active) as oai:
+        free = await oai.chat.completions.create(model="m", messages=USER, max_tokens=10, seed=1)
+    text = free.choices[0].message.content or ""
+    assert len(text) >= 4
+    stop = text[2:4]
+    async with client(app, active) as oai:
+        cut = await oai.chat.completions.create(model="m", messages=USER, max_tokens=10, seed=1, stop=[stop])
+    calls = await recorded(app)
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert calls[-1].finish_reason == "stop"
+    assert len(calls[-1].response_ids) <= len(calls[0].response_ids)
+
+
+async def test_client_disconnect_mid_stream_cancels_and_is_recorded(
+    app: Appliance, active: ActiveRollout
+) -> None:
+    body = {"model": "m", "messages": USER, "stream": True, "max_tokens": 400}
+    headers = {"Authorization": f"Bearer {active.token}"}
+    url = f"{app.proxy_url}/rollouts/r1/v1/chat/completions"
+    before = app.live.position
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(url, json=body, headers=headers)
+        await response.content.readline()  # the first event arrived: generation is under way
+        response.close()
+    async with asyncio.timeout(30):
+        # The cancelled call is recorded once the proxy notices the client is gone.
+        await app.live.wait_for(before + 1)
+    (call,) = await recorded(app)
+    assert call.finish_reason == "cancelled"
+    assert len(call.response_ids) < 400
+    assert len(call.response_logprobs) == len(call.response_ids)
+    # The engine is free again: a new call completes.
+    async with client(app, active) as oai:
+        again = await oai.chat.completions.create(model="m", messages=USER, max_tokens=3)
+    assert again.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_calls_wait_while_training_holds_the_machine(app: Appliance, active: ActiveRollout) -> None:
+    gate = app.runner.gate if app.runner else None
+    assert gate is not None
+    gate.close()
+    async with client(app, active) as oai:
+        pending = asyncio.ensure_future(oai.chat.completions.create(model="m", messages=USER, max_tokens=3))
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        assert await recorded(app) == []
+        gate.open()
+        response = await asyncio.wait_for(pending, 30)
+    assert response.choices[0].message is not None
+
+
+async def test_tool_calls_stream_and_round_trip_token_exact(app: Appliance, active: ActiveRollout) -> None:
+    """Make the engine emit a hermes tool call; the client sees tool_calls (streamed), sends the
+    result back, and the two calls merge into one exact sample."""
+    tokenizer = app.registry._tokenizer
+    scripted = tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+    real_generate = app.engine.generate
+    turns = 0
+
+    async def scripted_generate(request: GenerateRequest) -> GenerateResult:
+        nonlocal turns
+        turns += 1
+        if turns > 1:
+            return await real_generate(request)
+        ids = (*scripted, tokenizer.im_end_id)
+        if request.on_token is not None:
+            for token in ids:
+                request.on_token(token, -0.5)
+        return GenerateResult(
+            token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop", policy_version=0
+        )
+
+    app.engine.generate = scripted_generate  # type: ignore[method-assign]
+    tools: list[ChatCompletionToolParam] = [
+        {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    ]
+    async with client(app, active) as oai:
+        stream = await oai.chat.completions.create(model="m", messages=USER, tools=tools, stream=True)
+        chunks = [c async for c in stream]
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [d.function.name for d in deltas if d.function] == ["add"]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        call_id = deltas[0].id or new_tool_call_id()
+        arguments = (deltas[0].function.arguments if deltas[0].function else None) or "{}"
+        assert json.loads(arguments) == {"a": 3, "b": 4}
+        messages: list[ChatCompletionMessageParam] = [
+            *USER,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": "add", "arguments": arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": call_id, "content": "7"},
+        ]
+        await oai.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=4)
+    calls = await recorded(app)
+    (sample,) = build_samples(calls)
+    sampled = [t for t, m in zip(sample.tokens, sample.loss_mask, strict=True) if m]
+    assert sampled == list(calls[0].response_ids) + list(calls[1].response_ids)
+    assert calls[1].spliced_tokens == len(calls[0].response_ids)
+    assert calls[1].unmatched_assistant_turns == 0

@@ -1,0 +1,95 @@
+"""The Completions surface through the real openai SDK: text and token-id prompts."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from appliance.app import Appliance
+from appliance.rollouts import ActiveRollout
+from store.events import LLMCallCompleted
+from tests.support import make_config
+
+
+@pytest.fixture
+async def app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Appliance]:
+    async with Appliance(make_config(tmp_path, tiny_model_dir)) as appliance:
+        yield appliance
+
+
+@pytest.fixture
+def active(app: Appliance) -> ActiveRollout:
+    return app.registry.register("r1", task_id="t", group="g", task={})
+
+
+def client(app: Appliance, active: ActiveRollout) -> AsyncOpenAI:
+    return AsyncOpenAI(
+        base_url=f"{app.proxy_url}/rollouts/{active.rollout}/v1", api_key=active.token, max_retries=0
+    )
+
+
+async def recorded(app: Appliance) -> list[LLMCallCompleted]:
+    return [
+        s.event
+        for s in await app.store.read(types={"LLMCallCompleted"})
+        if isinstance(s.event, LLMCallCompleted)
+    ]
+
+
+async def test_text_prompt_and_its_continuation_are_one_token_sequence(
+    app: Appliance, active: ActiveRollout
+) -> None:
+    tokenizer = app.registry._tokenizer
+    async with client(app, active) as oai:
+        first = await oai.completions.create(model="m", prompt="Q: 2 + 2 =", max_tokens=6, logprobs=1)
+        text = "Q: 2 + 2 =" + first.choices[0].text + "\nQ: 3 + 3 ="
+        second = await oai.completions.create(model="m", prompt=text, max_tokens=6)
+    one, two = await recorded(app)
+    assert one.surface == "openai.completions"
+    assert list(one.prompt_ids) == tokenizer.encode("Q: 2 + 2 =")
+    body = [t for t in one.response_ids if t != tokenizer.im_end_id]
+    # The continuation reuses the exact sampled ids, then tokenizes only the new text.
+    assert list(two.prompt_ids) == list(one.prompt_ids) + body + tokenizer.encode("\nQ: 3 + 3 =")
+    assert first.choices[0].logprobs is not None
+    assert first.choices[0].logprobs.token_logprobs == pytest.approx(list(one.response_logprobs), abs=1e-6)
+    assert second.usage is not None and second.usage.prompt_tokens == len(two.prompt_ids)
+
+
+async def test_token_id_prompt_echo_and_n(app: Appliance, active: ActiveRollout) -> None:
+    tokenizer = app.registry._tokenizer
+    ids = tokenizer.encode("The sum is")
+    async with client(app, active) as oai:
+        response = await oai.completions.create(model="m", prompt=ids, max_tokens=4, n=2, echo=True)
+    calls = await recorded(app)
+    assert len(calls) == len(response.choices) == 2
+    assert all(list(c.prompt_ids) == ids for c in calls)
+    assert all(choice.text.startswith("The sum is") for choice in response.choices)
+
+
+async def test_streaming_completion(app: Appliance, active: ActiveRollout) -> None:
+    async with client(app, active) as oai:
+        stream = await oai.completions.create(model="m", prompt="Count: 1 2 3", max_tokens=8, stream=True)
+        chunks = [c async for c in stream]
+    (call,) = await recorded(app)
+    assert "".join(c.choices[0].text for c in chunks) == call.response_text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "prompt", [None, 5, [], [1, "a"], [[1, 2], 3], [10**9], [-1]], ids=lambda p: repr(p)[:20]
+)
+async def test_bad_prompts(app: Appliance, active: ActiveRollout, prompt: object) -> None:
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(
+            f"{app.proxy_url}/rollouts/r1/v1/completions",
+            json={"model": "m", "prompt": prompt},
+            headers={"Authorization": f"Bearer {active.token}"},
+        )
+        payload = await response.json()
+    assert response.status == 400
+    assert payload["error"]["param"] == "prompt"
+    assert await recorded(app) == []
