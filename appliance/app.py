@@ -20,7 +20,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -29,9 +29,8 @@ from appliance.chat.formats import detect_format
 from appliance.chat.tokenizer import Tokenizer
 from appliance.config import ApplianceConfig
 from appliance.controller import RolloutController
-from appliance.engines.tiny_model import build_tiny_model
-from appliance.engines.torch_engine import TorchEngine
-from appliance.errors import ConfigError
+from appliance.engines.base import Engine
+from appliance.engines.factory import create_engine
 from appliance.proxy.calls import CallService, ServingGate
 from appliance.proxy.http import ProxySettings
 from appliance.proxy.server import ProxyServer, build_app
@@ -40,14 +39,15 @@ from appliance.scheduler.decide import SchedulePolicy
 from appliance.scheduler.live import LiveState
 from appliance.scheduler.runner import SchedulerRunner
 from appliance.training import TrainingService
-from harness_adapters.base import HarnessAdapter
-from harness_adapters.python import PythonAdapter
-from harness_adapters.tasks import arithmetic_tasks
+from harness_adapters.base import HarnessAdapter, Task
+from harness_adapters.lifecycle import RetryPolicy
+from harness_adapters.registry import load_adapter
+from harness_adapters.tasks import TaskSet, arithmetic_tasks
 from store.events import ApplianceStarted, ApplianceStopped, RolloutFinished, TrainStepCompleted
 from store.eventstore import EventStore
 from store.projections import RunState
 from trainer.checkpoints import CheckpointStore
-from trainer.policy import PolicyTrainer
+from trainer.factory import make_trainer
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +55,13 @@ StepCallback = Callable[[TrainStepCompleted, RunState], None]
 
 
 def resolve_model(config: ApplianceConfig) -> tuple[str, Path]:
-    """The model's display name and local directory (building the tiny model if needed)."""
-    if config.model == "tiny":
-        return "tiny", build_tiny_model(config.models_dir / "tiny", seed=config.seed)
-    path = Path(config.model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"model {config.model!r} is neither 'tiny' nor a local model directory with config.json"
-        )
-    return path.name, path
+    """The model's display name and local directory: a registered model ("tiny",
+    "smollm2-135m"), materialised once under ``config.models_dir``, or a local directory.
+    Unknown names raise ``ConfigError`` listing the registered ones (no hub downloads)."""
+    from appliance.engines.models import resolve
+
+    resolved = resolve(config.model, config.models_dir, seed=config.seed)
+    return resolved.name, resolved.path
 
 
 class Appliance:
@@ -74,8 +72,6 @@ class Appliance:
         adapter: HarnessAdapter | None = None,
         on_step: StepCallback | None = None,
     ) -> None:
-        if config.engine != "torch":
-            raise ConfigError(f"unknown engine {config.engine!r}; available: torch")
         self.config = config
         self._adapter = adapter
         self._on_step = on_step
@@ -86,7 +82,7 @@ class Appliance:
 
     # The parts, available after ``__aenter__``.
     store: EventStore
-    engine: TorchEngine
+    engine: Engine
     proxy: ProxyServer
     live: LiveState
     controller: RolloutController
@@ -126,25 +122,27 @@ class Appliance:
         await self._recover(state)
 
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        self.engine = TorchEngine(
-            model_dir, device=config.device, max_batch_size=config.max_batch_size, num_threads=config.threads
-        )
+        self.engine = create_engine(config, model_dir)
         await self.engine.start()
         self._stack.push_async_callback(self.engine.close)
 
         trainer = await asyncio.to_thread(
-            PolicyTrainer,
+            make_trainer,
+            "verl" if config.trainer == "verl" else "torch",
             model_dir,
             lr=config.lr,
             grad_clip=config.grad_clip,
             device=config.device,
             temperature=config.temperature or 1.0,
+            loss=config.loss,
+            normalization=config.normalization,
         )
         self.training = training = TrainingService(
             trainer=trainer,
             checkpoints=CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints),
             store=self.store,
             engine=self.engine,
+            advantage=config.advantage,
         )
         if state.policy_version > 0:
             await training.restore(state.policy_version)
@@ -194,23 +192,38 @@ class Appliance:
         self.controller = RolloutController(
             store=self.store,
             registry=self.registry,
-            adapter=self._adapter or PythonAdapter(config.agent),
-            tasks=arithmetic_tasks(seed=config.seed, start=groups_so_far),
+            adapter=self._adapter
+            or load_adapter(
+                config.adapter or {"adapter": "python", "agent": config.agent},
+                workdir_root=config.data_dir / "rollouts",
+            ),
+            tasks=_task_stream(config, groups_so_far),
             proxy_url=lambda: self.proxy.url,
             model_name=self.model_name,
             policy_version=lambda: self.engine.policy_version,
             timeout_s=config.rollout_timeout_s,
             next_group_index=groups_so_far,
+            max_concurrent=config.max_concurrent_agents,
+            retry=RetryPolicy(max_attempts=1 + config.infra_retries),
         )
         self._stack.push_async_callback(self.controller.close)
         self.runner = SchedulerRunner(
             policy=SchedulePolicy(
-                batch_groups=config.batch_groups, group_size=config.group_size, max_steps=config.max_steps
+                batch_groups=config.batch_groups,
+                group_size=config.group_size,
+                max_steps=config.max_steps,
+                mode="async" if config.mode == "async" else "sync",
+                eta=config.eta,
+                max_inflight_rollouts=config.max_inflight_rollouts,
+                min_generate_s=config.min_generate_s,
             ),
             live=self.live,
             controller=self.controller,
             training=training,
             gate=gate,
+            engine=self.engine,
+            sleep_level=config.sleep_level,
+            drop_stale=config.stale_tokens == "drop",
             on_step=self._on_step,
         )
         if self._stop_requested:
@@ -248,6 +261,19 @@ class Appliance:
         assert self.runner is not None, "use 'async with Appliance(...)' first"
         self._stop_reason = await self.runner.run()
         return self._stop_reason
+
+
+def _task_stream(config: ApplianceConfig, start: int) -> Iterator[Task]:
+    """The run's tasks, one per group, continuing after the ``start`` groups already drawn."""
+    if config.tasks is None:
+        return arithmetic_tasks(seed=config.seed, start=start)
+    taskset = TaskSet.load(
+        config.tasks,
+        split=config.task_split,
+        validation_fraction=config.validation_fraction,
+        seed=config.seed,
+    )
+    return taskset.stream(seed=config.seed, start=start)
 
 
 def _admin_token(path: Path) -> str:

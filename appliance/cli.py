@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--headless", action="store_true", help="print progress lines instead of the dashboard")
     up.add_argument("--host", help="address the proxy binds to (default 127.0.0.1)")
     up.add_argument("--port", type=int, help="proxy port (0: any free port)")
-    up.add_argument("--model", help="'tiny' or a local Hugging Face model directory")
+    up.add_argument("--model", help="'tiny', 'smollm2-135m', or a local Hugging Face model directory")
+    up.add_argument("--engine", help="generation engine: torch (in process) or vllm (own process and venv)")
     up.add_argument("--agent", help="python agent as package.module:function")
     up.add_argument("--group-size", type=int, help="rollouts per task group")
     up.add_argument("--batch-groups", type=int, help="task groups per training step")
@@ -50,7 +51,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config_from(args: argparse.Namespace) -> ApplianceConfig:
-    keys = ("data_dir", "max_steps", "host", "port", "model", "agent", "group_size", "batch_groups", "lr")
+    keys = (
+        "data_dir",
+        "max_steps",
+        "host",
+        "port",
+        "model",
+        "engine",
+        "agent",
+        "group_size",
+        "batch_groups",
+        "lr",
+    )
     return load_config(args.config, {k: getattr(args, k) for k in keys})
 
 

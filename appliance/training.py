@@ -17,22 +17,32 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from appliance.engines.base import Engine
 from store.events import Event, PolicyVersionPublished, TrainStepCompleted
 from store.eventstore import EventStore
 from store.projections import RolloutView, RunState
-from trainer.advantage import grpo_advantages
+from trainer.advantage import AdvantageMode, compute_advantages
 from trainer.checkpoints import CheckpointStore
-from trainer.policy import PolicyTrainer, TrainItem
-from trainer.samples import build_samples
+from trainer.items import Trainer, TrainItem
+from trainer.samples import Sample, build_samples
+
+ADVANTAGE_MODES: dict[str, AdvantageMode] = {"grpo": "grpo", "rloo": "rloo", "reinforce": "reinforce"}
 
 
 class TrainingService:
     def __init__(
-        self, *, trainer: PolicyTrainer, checkpoints: CheckpointStore, store: EventStore, engine: Engine
+        self,
+        *,
+        trainer: Trainer,
+        checkpoints: CheckpointStore,
+        store: EventStore,
+        engine: Engine,
+        advantage: str = "grpo",
     ) -> None:
         self.trainer = trainer
+        self.advantage = advantage
         self.checkpoints = checkpoints
         self.store = store
         self.engine = engine
@@ -43,20 +53,49 @@ class TrainingService:
         await self.engine.load_weights(self.trainer.state_dict_for_engine(), version)
         return self.trainer.global_step
 
-    async def step(self, state: RunState, groups: Sequence[str]) -> TrainStepCompleted:
+    async def train(
+        self, state: RunState, groups: Sequence[str], *, eta: int | None = None, drop_stale: bool = True
+    ) -> TrainedStep:
+        """One gradient step on ``groups``; durable (checkpoint, then events) when it returns.
+
+        With ``eta``, tokens sampled more than ``eta`` versions before the policy being updated
+        are counted, and dropped from the loss when ``drop_stale`` (otherwise they stay, and the
+        trainer's off-policy correction weighs them: the clipped ratio to their stored sampling
+        log-probs for the torch backend, truncated importance weights for verl).
+        """
         started = time.perf_counter()
         wanted = set(groups)
         views: list[RolloutView] = [v for v in state.rollouts.values() if v.group in wanted]
         trainable = [v for v in views if RunState.trainable(v) and v.calls]
         rewards = [float(v.reward or 0.0) for v in trainable]
-        credit = grpo_advantages(rewards, [v.group for v in trainable])
-        items = [
-            TrainItem(rollout=v.rollout, advantage=adv, samples=tuple(build_samples(v.calls)))
-            for v, adv in zip(trainable, credit.advantages, strict=True)
-        ]
+        credit = compute_advantages(ADVANTAGE_MODES[self.advantage], rewards, [v.group for v in trainable])
+        dropped = 0
+        stale_tokens = 0
+        staleness: list[int] = []
+        items: list[TrainItem] = []
+        for view, advantage in zip(trainable, credit.advantages, strict=True):
+            samples = []
+            for sample in build_samples(view.calls):
+                bounded, stale = bound_staleness(sample, state.policy_version, eta)
+                stale_tokens += stale
+                if drop_stale:
+                    sample = bounded
+                    dropped += stale
+                staleness.extend(
+                    state.policy_version - v
+                    for v, m in zip(sample.versions, sample.loss_mask, strict=True)
+                    if m
+                )
+                samples.append(sample)
+            items.append(
+                TrainItem(
+                    rollout=view.rollout, advantage=advantage, samples=tuple(samples), reward=view.reward
+                )
+            )
         step = state.step + 1
         metrics: dict[str, float] = {}
         events: list[Event] = []
+        version: int | None = None
         if items:
             output = await asyncio.to_thread(self.trainer.step, items)
             metrics.update(output.metrics())
@@ -72,6 +111,9 @@ class TrainingService:
             events.append(published)
         metrics["reward_mean"] = sum(rewards) / len(rewards) if rewards else 0.0
         metrics["rollouts_failed"] = float(sum(1 for v in views if v.status == "failed"))
+        metrics["stale_tokens"] = float(stale_tokens)
+        metrics["stale_tokens_dropped"] = float(dropped)
+        metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
         completed = TrainStepCompleted(
             ts=time.time(),
             step=step,
@@ -84,6 +126,39 @@ class TrainingService:
         )
         # One append: the step and the version it produced become durable together.
         await self.store.append([completed, *events])
-        if items:
-            await self.engine.load_weights(self.trainer.state_dict_for_engine(), state.policy_version + 1)
-        return completed
+        return TrainedStep(completed=completed, version=version)
+
+    async def push(self, version: int) -> None:
+        """Load the trainer's current weights into the engine as ``version``."""
+        await self.engine.load_weights(self.trainer.state_dict_for_engine(), version)
+
+    async def step(
+        self, state: RunState, groups: Sequence[str], *, eta: int | None = None
+    ) -> TrainStepCompleted:
+        """``train`` then ``push``: the whole step when nothing needs to happen in between."""
+        trained = await self.train(state, groups, eta=eta)
+        if trained.version is not None:
+            await self.push(trained.version)
+        return trained.completed
+
+
+@dataclass(frozen=True, slots=True)
+class TrainedStep:
+    completed: TrainStepCompleted
+    #: The policy version the step produced (None: nothing was trainable).
+    version: int | None
+
+
+def bound_staleness(sample: Sample, current_version: int, eta: int | None) -> tuple[Sample, int]:
+    """Mask out sampled tokens more than ``eta`` versions older than ``current_version``."""
+    if eta is None:
+        return sample, 0
+    mask = list(sample.loss_mask)
+    dropped = 0
+    for i, (m, v) in enumerate(zip(sample.loss_mask, sample.versions, strict=True)):
+        if m and current_version - v > eta:
+            mask[i] = 0
+            dropped += 1
+    if not dropped:
+        return sample, 0
+    return replace(sample, loss_mask=tuple(mask)), dropped

@@ -1,0 +1,1 @@
+"""Harness adapters: run users' agents on their tasks against a rollout's endpoint (see README.md)."""

@@ -1,42 +1,112 @@
-"""The ``python`` adapter: an async agent function in this process.
+"""The ``python`` adapter: an async agent function, in this process or in a process of its own.
 
 Owns loading ``module.path:function`` and calling it as
 ``await agent(task, client_config) -> reward | None``. The agent talks to the proxy over HTTP
 like any other harness, so it goes through exactly the same path as an external process.
+
+Two ways to run it (``isolation``):
+
+* ``"none"`` (the default): the coroutine runs on the appliance's event loop. The controller's
+  timeout cancels it; subprocesses it starts should go through ``harness_adapters.process``
+  (``run_process``), which stops their whole tree when the coroutine is cancelled. An
+  exception becomes ``AgentFailed`` with the traceback's tail.
+* ``"process"``: the function runs in ``python -m harness_adapters.python_worker`` under the
+  ``command`` adapter, with everything that adapter gives: its own rollout directory,
+  scrubbed environment, resource limits, a process tree stopped on timeout, and a crash
+  (even of the interpreter) recorded with its stderr tail. Blocking code cannot stall the
+  appliance. The module must be importable in the child (the appliance's working directory
+  is on its ``PYTHONPATH``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import os
+import sys
+import traceback
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal
 
 from appliance.errors import ConfigError
-from harness_adapters.base import ClientConfig, Task
+from harness_adapters.base import DETAIL_CHARS, AgentFailed, ClientConfig, InfraError, Task
 
 AgentFn = Callable[[Task, ClientConfig], Awaitable[float | None]]
+Isolation = Literal["none", "process"]
+
+
+def load_object(target: str, *, what: str = "agent") -> Any:
+    """Import ``package.module:attribute``; a readable ConfigError if it is not there."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{what} must look like 'package.module:function'; got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {what} module {module_name!r}: {exc}") from None
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise ConfigError(f"{module_name!r} has no callable {attr!r}")
+    return obj
 
 
 def load_agent(target: str) -> AgentFn:
     """Import ``package.module:function``; a readable ConfigError if it is not there."""
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"agent must look like 'package.module:function'; got {target!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import agent module {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"{module_name!r} has no callable {attr!r}")
-    agent: AgentFn = fn
+    agent: AgentFn = load_object(target, what="agent")
     return agent
 
 
 class PythonAdapter:
     name = "python"
 
-    def __init__(self, agent: AgentFn | str) -> None:
-        self.agent = load_agent(agent) if isinstance(agent, str) else agent
+    def __init__(
+        self,
+        agent: AgentFn | str,
+        *,
+        isolation: Isolation = "none",
+        max_concurrency: int | None = None,
+        **process_options: Any,
+    ) -> None:
+        if isolation not in ("none", "process"):
+            raise ConfigError(f"isolation must be 'none' or 'process'; got {isolation!r}")
+        self.isolation = isolation
+        self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        if isolation == "process":
+            if not isinstance(agent, str):
+                raise ConfigError("isolation='process' needs the agent as 'package.module:function'")
+            load_agent(agent)  # fail now, not in every rollout
+            from harness_adapters.command import CommandAdapter
+
+            path = [str(Path.cwd()), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {"PYTHONPATH": os.pathsep.join(path)}
+            env |= process_options.pop("env", {})
+            self._process: CommandAdapter | None = CommandAdapter(
+                command=[sys.executable, "-m", "harness_adapters.python_worker", agent],
+                env=env,
+                **process_options,
+            )
+            self.agent: AgentFn | None = None
+        else:
+            if process_options:
+                raise ConfigError(f"options {sorted(process_options)} need isolation='process'")
+            self._process = None
+            self.agent = load_agent(agent) if isinstance(agent, str) else agent
 
     async def run(self, task: Task, client: ClientConfig) -> float | None:
-        return await self.agent(task, client)
+        if self._slots is None:
+            return await self._run(task, client)
+        async with self._slots:
+            return await self._run(task, client)
+
+    async def _run(self, task: Task, client: ClientConfig) -> float | None:
+        if self._process is not None:
+            return await self._process.run(task, client)
+        assert self.agent is not None
+        try:
+            return await self.agent(task, client)
+        except (AgentFailed, InfraError, ConfigError):
+            raise
+        except Exception as exc:
+            trace = "".join(traceback.format_exception(exc))
+            raise AgentFailed(f"{type(exc).__name__}: {exc}", detail=trace[-DETAIL_CHARS:]) from exc

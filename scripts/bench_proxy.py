@@ -3,6 +3,7 @@
 For the same prompts and sampling settings, this times (a) calls made straight to the engine
 in process and (b) the same calls through the proxy over HTTP (Chat Completions, the official
 ``openai`` client, each call rendered, generated, made durable in the event log and answered).
+The HTTP clients run in a separate process, so their own CPU is not charged to the proxy.
 It prints, at several concurrency levels: calls/s both ways and their ratio, the p50 / p99
 latency both ways and the added latency per call, and for streaming the time to first token
 both ways.
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -60,6 +63,44 @@ async def timed(
     return calls / (time.perf_counter() - started), latencies
 
 
+async def client_process(
+    url: str, key: str, concurrency: int, calls: int, max_tokens: int, stream: bool
+) -> None:
+    """Run in a child process: make the calls, print the latencies (or TTFTs) as JSON."""
+    async with AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as oai:
+
+        async def one() -> float:
+            t = time.perf_counter()
+            if not stream:
+                await oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=max_tokens)
+                return time.perf_counter() - t
+            first = 0.0
+            chunks = await oai.chat.completions.create(
+                model="m", messages=MESSAGES, max_tokens=max_tokens, stream=True
+            )
+            async for chunk in chunks:
+                if not first and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter()
+            return (first or time.perf_counter()) - t
+
+        await timed(min(concurrency, 2), 5, one)  # warm the connection pool
+        rate, latencies = await timed(concurrency, calls, one)
+    print(json.dumps({"rate": rate, "latencies": latencies}))
+
+
+async def through_proxy(
+    url: str, key: str, concurrency: int, calls: int, max_tokens: int, stream: bool = False
+) -> tuple[float, list[float]]:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--client", url, key, str(concurrency), str(calls), str(max_tokens),
+        *(["--stream"] if stream else []),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await child.communicate()
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    return float(result["rate"]), [float(x) for x in result["latencies"]]
+
+
 async def main(calls: int, max_tokens: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
@@ -80,18 +121,11 @@ async def main(calls: int, max_tokens: int) -> None:
                 max_tokens=max_tokens, temperature=1.0, stop_token_ids=(tokenizer.im_end_id,)
             )
             prompt = active.conversation.render(messages_from_openai(MESSAGES)).prompt_ids
-            oai = AsyncOpenAI(
-                base_url=f"{app.proxy_url}/rollouts/bench/v1", api_key=active.token, max_retries=0
-            )
+            url = f"{app.proxy_url}/rollouts/bench/v1"
 
             async def direct() -> float:
                 t = time.perf_counter()
                 await engine.generate(GenerateRequest(prompt_ids=prompt, params=params))
-                return time.perf_counter() - t
-
-            async def proxied() -> float:
-                t = time.perf_counter()
-                await oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=max_tokens)
                 return time.perf_counter() - t
 
             async def direct_ttft() -> float:
@@ -105,22 +139,7 @@ async def main(calls: int, max_tokens: int) -> None:
                 await engine.generate(request)
                 return first[0] - t
 
-            async def proxied_ttft() -> float:
-                t = time.perf_counter()
-                first = 0.0
-                stream = await oai.chat.completions.create(
-                    model="m",
-                    messages=MESSAGES,
-                    max_tokens=max_tokens,
-                    stream=True,
-                )
-                async for chunk in stream:
-                    if not first and chunk.choices and chunk.choices[0].delta.content:
-                        first = time.perf_counter()
-                return (first or time.perf_counter()) - t
-
-            for fn in (direct, proxied):  # warm-up
-                await timed(2, 10, fn)
+            await timed(2, 10, direct)  # warm-up
 
             print(
                 f"tiny model, max_tokens={max_tokens}, {calls} calls per cell; proxy path records every call"
@@ -131,7 +150,7 @@ async def main(calls: int, max_tokens: int) -> None:
             print(" ".join(f"{name:>{width}}" for name, width in zip(header, widths, strict=True)))
             for concurrency in (1, 8, 32):
                 d_rate, d_lat = await timed(concurrency, calls, direct)
-                p_rate, p_lat = await timed(concurrency, calls, proxied)
+                p_rate, p_lat = await through_proxy(url, active.token, concurrency, calls, max_tokens)
                 print(
                     f"{concurrency:>7} {d_rate:>9.1f} {p_rate:>9.1f} {p_rate / d_rate:>6.2f} "
                     f"{pct(d_lat, 0.5) * 1e3:>9.1f}ms {pct(p_lat, 0.5) * 1e3:>8.1f}ms "
@@ -139,18 +158,23 @@ async def main(calls: int, max_tokens: int) -> None:
                     f"{pct(d_lat, 0.99) * 1e3:>9.1f}ms {pct(p_lat, 0.99) * 1e3:>8.1f}ms"
                 )
             d_ttft = [await direct_ttft() for _ in range(min(calls, 50))]
-            p_ttft = [await proxied_ttft() for _ in range(min(calls, 50))]
+            _, p_ttft = await through_proxy(url, active.token, 1, min(calls, 50), max_tokens, stream=True)
             d50, p50 = statistics.median(d_ttft), statistics.median(p_ttft)
             print(
                 f"streaming time to first token (1 client, median): direct {d50 * 1e3:.2f} ms, "
                 f"proxy {p50 * 1e3:.2f} ms, added {(p50 - d50) * 1e3:.2f} ms"
             )
-            await oai.close()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--client", nargs=5, metavar=("URL", "KEY", "CONCURRENCY", "CALLS", "MAX_TOKENS"))
+    parser.add_argument("--stream", action="store_true")
     args = parser.parse_args()
-    asyncio.run(main(args.calls, args.max_tokens))
+    if args.client:
+        url, key, concurrency, n, max_tokens = args.client
+        asyncio.run(client_process(url, key, int(concurrency), int(n), int(max_tokens), args.stream))
+    else:
+        asyncio.run(main(args.calls, args.max_tokens))

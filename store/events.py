@@ -113,7 +113,8 @@ class LLMCallCompleted(Event):
     response_ids: TokenIds
     #: Log-probability of each response token under the sampling distribution.
     response_logprobs: Floats
-    #: The policy version that sampled the response tokens.
+    #: The policy version that sampled the response (the oldest one, if it was preempted and
+    #: continued under newer weights; ``response_versions`` has each token's).
     policy_version: int
     #: "stop", "length", or "cancelled" (the client went away; the tokens so far are kept).
     finish_reason: str
@@ -134,6 +135,10 @@ class LLMCallCompleted(Event):
     unmatched_assistant_turns: int = 0
     #: The sampling parameters actually used (the client's request is in ``request``).
     sampling: JsonObject = field(default_factory=dict)
+    #: Times a switch to training interrupted this call's generation (it then continued).
+    preemptions: int = 0
+    #: The policy version that sampled each response token (they differ after a preemption).
+    response_versions: TokenIds = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,6 +161,20 @@ class RolloutFinished(Event):
 
 
 # --- training ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwitchPhaseCompleted(Event):
+    """One phase of a switch between generating and training, with its duration.
+
+    Phases, in order: ``drain`` (preempt and wait for generations), ``sleep`` (engine gives up
+    memory), ``onload`` (trainer state to the accelerator), ``train`` (the step), ``offload``,
+    ``wake_weights``, ``push`` (new weights into the engine), ``wake_kv_cache``.
+    """
+
+    step: int
+    phase: str
+    duration_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,9 +1,11 @@
 """The trainer: rollout events -> samples -> advantages -> policy-gradient steps -> checkpoints.
 
-``trainer.samples`` and ``trainer.checkpoints`` are light; ``trainer.advantage`` and
-``trainer.policy`` import verl and transformers (several seconds). So this package resolves those
-names on first use: ``from trainer import Sample`` stays cheap, ``from trainer import
-PolicyTrainer`` pays for the heavy imports.
+``trainer.samples``, ``trainer.items``, ``trainer.normalization``, ``trainer.factory`` and
+``trainer.checkpoints`` are light; the advantage estimators, the loss options and both backends
+(``trainer.policy``: plain torch; ``trainer.verl_backend``: verl's FSDP engine) import verl and
+transformers (several seconds). So this package resolves those names on first use:
+``from trainer import Sample`` stays cheap, ``from trainer import PolicyTrainer`` pays for the
+heavy imports.
 """
 
 from __future__ import annotations
@@ -12,22 +14,36 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoints import CheckpointError, CheckpointStore, read_checkpoint, write_checkpoint
-from trainer.samples import NOT_SAMPLED, Sample, build_samples, rollout_samples
+from trainer.factory import BACKENDS, make_trainer
+from trainer.items import StepOutput, Trainer, TrainItem
+from trainer.normalization import NORMALIZATIONS, sample_weights
+from trainer.samples import NOT_SAMPLED, Sample, build_samples, rollout_samples, truncate_sample
 
 if TYPE_CHECKING:
-    from trainer.advantage import AdvantageResult, grpo_advantages
-    from trainer.policy import LossTotals, PolicyTrainer, StepOutput, TrainItem
+    from trainer.advantage import (
+        AdvantageResult,
+        compute_advantages,
+        grpo_advantages,
+        reinforce_advantages,
+        rloo_advantages,
+    )
+    from trainer.policy import LossTotals, PolicyTrainer
+    from trainer.verl_backend import VerlFSDPTrainer
 
 _LAZY = {
     "AdvantageResult": "trainer.advantage",
+    "compute_advantages": "trainer.advantage",
     "grpo_advantages": "trainer.advantage",
+    "reinforce_advantages": "trainer.advantage",
+    "rloo_advantages": "trainer.advantage",
     "LossTotals": "trainer.policy",
     "PolicyTrainer": "trainer.policy",
-    "StepOutput": "trainer.policy",
-    "TrainItem": "trainer.policy",
+    "VerlFSDPTrainer": "trainer.verl_backend",
 }
 
 __all__ = [
+    "BACKENDS",
+    "NORMALIZATIONS",
     "NOT_SAMPLED",
     "AdvantageResult",
     "CheckpointError",
@@ -37,10 +53,18 @@ __all__ = [
     "Sample",
     "StepOutput",
     "TrainItem",
+    "Trainer",
+    "VerlFSDPTrainer",
     "build_samples",
+    "compute_advantages",
     "grpo_advantages",
+    "make_trainer",
     "read_checkpoint",
+    "reinforce_advantages",
+    "rloo_advantages",
     "rollout_samples",
+    "sample_weights",
+    "truncate_sample",
     "write_checkpoint",
 ]
 

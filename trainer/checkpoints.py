@@ -1,9 +1,11 @@
 """Checkpoints: trainer state (model + optimizer + step) on disk, one file per policy version.
 
 Owns the checkpoint directory: the file format (``torch.save`` of a dict ``{version, step,
-model, optimizer}``), the names (``v{version:06d}.pt``), atomic writes and pruning. It does not
-own what is in the state dicts (``trainer.policy``) nor the event that announces a version
-(``PolicyVersionPublished``, whose ``checkpoint`` field is :meth:`CheckpointStore.relative_path`).
+model, optimizer}``, plus an optional ``trainer`` dict of backend state such as which backend
+wrote it), the names (``v{version:06d}.pt``), atomic writes and pruning; and the export of a
+final Hugging Face model directory (:func:`export_hf_model`). It does not own what is in the
+state dicts (the trainers) nor the event that announces a version (``PolicyVersionPublished``,
+whose ``checkpoint`` field is :meth:`CheckpointStore.relative_path`).
 
 Invariant: a file named ``v*.pt`` is always complete. It is written to a temporary file in the
 same directory, flushed and fsynced, renamed over its final name (``os.replace`` is atomic on
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +111,27 @@ class CheckpointStore:
         return versions[-1] if versions else None
 
     def save(
-        self, version: int, step: int, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+        self,
+        version: int,
+        step: int,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+        trainer_state: dict[str, Any] | None = None,
     ) -> Path:
         """Write a version atomically, then prune all but the newest ``keep`` versions.
 
-        The version just written is never pruned, even if older versions sort after it.
+        ``trainer_state`` (optional) is stored under ``"trainer"``. The version just written is
+        never pruned, even if older versions sort after it.
         """
         path = self.path(version)
-        payload = {"version": version, "step": step, "model": model_state, "optimizer": optimizer_state}
+        payload: dict[str, Any] = {
+            "version": version,
+            "step": step,
+            "model": model_state,
+            "optimizer": optimizer_state,
+        }
+        if trainer_state is not None:
+            payload["trainer"] = trainer_state
         write_checkpoint(path, payload)
         self._prune(protect=version)
         return path
@@ -134,3 +151,47 @@ class CheckpointStore:
             self.path(version).unlink(missing_ok=True)
         if stale:
             _fsync_directory(self.directory)
+
+
+#: Files of a model directory that hold weights: never copied by :func:`export_hf_model` (the
+#: exported weights replace them).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def export_hf_model(save_pretrained: Callable[[Path], None], model_dir: Path, directory: Path) -> Path:
+    """Write a Hugging Face model directory at ``directory``: the non-weight files of
+    ``model_dir`` (tokenizer, chat template, ...) and whatever ``save_pretrained`` writes
+    (config and weights, overwriting the copies). Built in a temporary sibling and renamed into
+    place, so ``directory`` is either the old export or the complete new one."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.{os.getpid()}{_TMP_SUFFIX}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for item in Path(model_dir).iterdir():
+            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and ".index." not in item.name:
+                shutil.copy2(item, tmp / item.name)
+        save_pretrained(tmp)
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.replace(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_directory(directory.parent)
+    return directory
+
+
+def full_state_to_hf(model_dir: Path, state: Mapping[str, Any]) -> Callable[[Path], None]:
+    """A ``save_pretrained`` for :func:`export_hf_model` from a full HF-named state dict: loads
+    the architecture from ``model_dir`` (float32, CPU), copies ``state`` in, saves."""
+
+    def save(target: Path) -> None:
+        from transformers import AutoModelForCausalLM  # heavy: only when exporting
+
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model.load_state_dict(dict(state), strict=True)
+        model.save_pretrained(target)
+
+    return save

@@ -15,17 +15,36 @@ rewrote, truncated or re-rendered its history: a "prefix break") the call starts
 Invariant: every response token of every call appears in exactly one sample, with mask 1, its
 sampling log-probability and the policy version that sampled it, preceded by exactly the tokens
 the engine conditioned on when it sampled it. Prompt tokens carry mask 0, log-prob 0.0, version -1.
+(Truncation, below, is the one exception, and the sample records it.)
+
+Truncation. A sample longer than a limit (the trainer's context, a memory budget) cannot be
+trained whole. Two rules keep the invariant for every token that *is* trained:
+
+- ``"cut"`` (the default) keeps the head: the first ``max_tokens`` tokens, each still preceded by
+  exactly what the engine conditioned on, trained with the rollout's advantage; the tail is
+  removed (so not trained). The tail cannot be kept on its own: without its prefix its tokens
+  would be scored in a context the policy never saw. This is what verl does to a response longer
+  than ``max_response_length``.
+- ``"drop"`` keeps nothing: the sample is emptied (no tokens, nothing trained).
+
+Either way ``Sample.truncation`` says what happened and why, e.g.
+``"cut: 5000 tokens > max 4096; 812 sampled tokens not trained"``; it is None for a whole sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
 from store.events import LLMCallCompleted
 
 #: ``Sample.versions`` value of a token the policy did not sample (prompt / rendered tokens).
 NOT_SAMPLED = -1
+
+#: What to do with a sample longer than the limit (see the module docstring).
+Overflow = Literal["cut", "drop"]
+OVERFLOWS: tuple[str, ...] = get_args(Overflow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +64,8 @@ class Sample:
     logprobs: tuple[float, ...]
     #: Policy version that sampled each token; ``NOT_SAMPLED`` (-1) elsewhere.
     versions: tuple[int, ...]
+    #: None for a whole sample; else why and how it was shortened (see the module docstring).
+    truncation: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -90,7 +111,11 @@ class _Builder:
         self.tokens.extend(call.response_ids)
         self.loss_mask.extend([1] * len(call.response_ids))
         self.logprobs.extend(float(x) for x in call.response_logprobs)
-        self.versions.extend([call.policy_version] * len(call.response_ids))
+        # Per-token versions when the call recorded them (a generation preempted by a weight
+        # update continues under the new version), else the call's one version for every token.
+        n = len(call.response_ids)
+        versions = call.response_versions if len(call.response_versions) == n else (call.policy_version,) * n
+        self.versions.extend(int(v) for v in versions)
 
     def build(self) -> Sample:
         return Sample(
@@ -112,9 +137,37 @@ def _validate(call: LLMCallCompleted) -> None:
         )
 
 
-def build_samples(calls: Sequence[LLMCallCompleted]) -> list[Sample]:
+def truncate_sample(sample: Sample, max_tokens: int, overflow: Overflow = "cut") -> Sample:
+    """``sample`` if it has at most ``max_tokens`` tokens, else its head (``"cut"``) or an empty
+    sample (``"drop"``), with ``truncation`` saying what happened."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
+    n = len(sample.tokens)
+    if n <= max_tokens:
+        return sample
+    if overflow == "drop":
+        reason = f"drop: {n} tokens > max {max_tokens}; {sample.num_sampled} sampled tokens not trained"
+        return replace(sample, tokens=(), loss_mask=(), logprobs=(), versions=(), truncation=reason)
+    lost = sum(sample.loss_mask[max_tokens:])
+    reason = f"cut: {n} tokens > max {max_tokens}; {lost} sampled tokens not trained"
+    return replace(
+        sample,
+        tokens=sample.tokens[:max_tokens],
+        loss_mask=sample.loss_mask[:max_tokens],
+        logprobs=sample.logprobs[:max_tokens],
+        versions=sample.versions[:max_tokens],
+        truncation=reason,
+    )
+
+
+def build_samples(
+    calls: Sequence[LLMCallCompleted], *, max_tokens: int | None = None, overflow: Overflow = "cut"
+) -> list[Sample]:
     """Turn ONE rollout's calls, in call order, into samples (see the module docstring).
 
+    With ``max_tokens``, a longer sample is truncated by ``overflow`` (:func:`truncate_sample`).
     Raises ``ValueError`` if the calls belong to several rollouts or a call's logprobs do not
     match its response tokens. No calls give no samples.
     """
@@ -138,10 +191,14 @@ def build_samples(calls: Sequence[LLMCallCompleted]) -> list[Sample]:
         current.append(call)
     assert current is not None
     samples.append(current.build())
+    if max_tokens is not None:
+        samples = [truncate_sample(s, max_tokens, overflow) for s in samples]
     return samples
 
 
-def rollout_samples(calls: Iterable[LLMCallCompleted]) -> dict[str, list[Sample]]:
+def rollout_samples(
+    calls: Iterable[LLMCallCompleted], *, max_tokens: int | None = None, overflow: Overflow = "cut"
+) -> dict[str, list[Sample]]:
     """Samples of each rollout among ``calls`` (several rollouts, interleaved, each in call order).
 
     The result is keyed by rollout id, in order of each rollout's first call.
@@ -149,4 +206,7 @@ def rollout_samples(calls: Iterable[LLMCallCompleted]) -> dict[str, list[Sample]
     by_rollout: dict[str, list[LLMCallCompleted]] = {}
     for call in calls:
         by_rollout.setdefault(call.rollout, []).append(call)
-    return {rollout: build_samples(rollout_calls) for rollout, rollout_calls in by_rollout.items()}
+    return {
+        rollout: build_samples(rollout_calls, max_tokens=max_tokens, overflow=overflow)
+        for rollout, rollout_calls in by_rollout.items()
+    }

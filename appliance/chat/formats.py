@@ -48,10 +48,13 @@ def detect_format(model_dir: Path) -> ChatFormat:
     try:
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return CHATML
+        config = {}
     template = config.get("chat_template") or ""
     if not isinstance(template, str):
         template = json.dumps(template)
+    jinja = model_dir / "chat_template.jinja"  # where transformers 5 saves the template
+    if not template and jinja.is_file():
+        template = jinja.read_text()
     if "SmolLM" in template:
         return SMOLLM2
     if "You are Qwen" in template:

@@ -1,20 +1,38 @@
-"""The in-process engine: a transformers causal LM decoded in batches by plain torch.
+"""The in-process engine: a transformers causal LM decoded with continuous batching by plain torch.
 
-Owns batching, the decode loop (left padding, KV cache, rows finishing independently),
-cancellation and in-place weight swaps; the numerics of choosing tokens and their log-probs
-live in ``appliance.engines.sampling``. It knows nothing about chat templates, tools or HTTP:
-prompts arrive as token ids and completions leave as token ids (``appliance.engines.base``).
+Owns admission, the decode loop (left padding, one KV cache for all running rows, rows joining
+and leaving between steps), cancellation, sleep/wake and in-place weight swaps; the numerics of
+choosing tokens and their log-probs live in ``appliance.engines.sampling``. It knows nothing
+about chat templates, tools or HTTP: prompts arrive as token ids and completions leave as token
+ids (``appliance.engines.base``).
 
-How it serves: ``generate`` puts a request on a queue. One background task takes whatever is
-queued (up to ``max_batch_size``) as a batch and decodes it to the end in a worker thread while
-new requests wait for the next batch (static batching: simple and exact, at the price of
-head-of-line waiting behind a batch's longest row). Rows finish independently and leave the
-batch (and its KV cache) as they do.
+How it serves: ``generate`` appends a request to an inbox. While anything is queued or running,
+one worker thread runs the step loop: before each decode step it admits queued requests (up to
+``max_batch_size`` running rows), prefills them together as their own left-padded batch, and
+merges their KV cache into the running one; then one forward pass advances every running row
+by a token. A request that arrives during a long generation therefore starts at the next step
+instead of waiting for the batch to end, and each row's result is delivered the moment it ends.
 
-Invariants: the weights never change while a batch decodes (``load_weights`` and the batch
-runner share one lock), so every token of a result was sampled by the ``policy_version`` it
-reports; and each reported log-probability is what a teacher-forced forward pass over the
-whole sequence gives at the same temperature (tested to 1e-4), which is what the trainer needs.
+Why not transformers' own continuous batching (``ContinuousBatchingManager``, 5.10): it decides
+greedy vs sampling for the whole manager, draws with the global generator (no per-request seed),
+reports log-probs of the *processed* distribution (after top-p), has no top-logprobs, and owns
+its own thread and paged cache, which a weight swap would have to stop from outside. The
+trainer needs the log-probs of the unfiltered tempered policy, so this engine keeps its own loop.
+
+Joining, numerically: all rows share one cache laid out (rows, heads, width, head_dim) with
+left padding. Merging two batches left-pads the narrower cache with zero keys/values and zero
+mask columns, then concatenates the rows. Masked columns get zero attention weight and each row
+keeps its own position ids (rotary phases), so a row's logits are those it would get alone, up
+to float summation order (greedy ids equal; log-probs within 1e-5, tested). Leading columns that
+no running row uses any more are cut off after rows leave. Models whose cache layers are not
+plain full-attention ``DynamicLayer`` s (sliding windows, linear attention) are not merged:
+newcomers then wait until the running batch is empty (static batching).
+
+Invariants: the weights never change while a row decodes (a swap, sleep or wake stops admission,
+waits for the running rows to finish, and holds the lock the step loop holds), so every token of
+a result was sampled by the ``policy_version`` it reports; and each reported log-probability is
+what a teacher-forced forward pass over the whole sequence gives at the same temperature
+(tested to 1e-4), which is what the trainer needs.
 """
 
 from __future__ import annotations
@@ -25,13 +43,15 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from appliance.engines.sampling import TopLogprobs, choose_tokens
@@ -42,23 +62,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Pending:
-    """A request between ``generate`` and the end of its batch."""
+    """A request between ``generate`` and its result."""
 
     request: GenerateRequest
     future: asyncio.Future[GenerateResult]
     enqueued_at: float
     loop: asyncio.AbstractEventLoop
-    #: Set by the caller's side on cancellation; the decode thread polls it every step.
+    #: Set by the caller's side on cancellation; the step loop polls it every step.
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(slots=True, eq=False)
 class _Row:
-    """Decode-thread state of one request in a running batch."""
+    """Step-loop state of one admitted request."""
 
     pending: _Pending
     stop_ids: frozenset[int]
     generator: torch.Generator | None
+    version: int
+    started_at: float
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
@@ -69,6 +91,18 @@ class _Row:
     @property
     def params(self) -> SamplingParams:
         return self.pending.request.params
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """Rows decoding together: their KV cache, mask (rows, width), next positions (rows,) and
+    the tokens chosen last, to be fed at the next step (rows,). Every row is unfinished."""
+
+    rows: list[_Row]
+    cache: DynamicCache
+    mask: torch.Tensor
+    next_pos: torch.Tensor
+    tokens: torch.Tensor
 
 
 def _eos_ids(*values: Any) -> frozenset[int]:
@@ -82,6 +116,62 @@ def _eos_ids(*values: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _left_pad_columns(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``t`` with zeros prepended along ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _kv_layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers, each with ``keys`` and ``values`` (rows, heads, width, head_dim)."""
+    return list(cache.layers)
+
+
+def _merge(a: _Batch, b: _Batch) -> _Batch:
+    """One batch of ``a``'s rows then ``b``'s, both left-padded to the wider cache."""
+    width = max(a.mask.shape[1], b.mask.shape[1])
+    for la, lb in zip(_kv_layers(a.cache), _kv_layers(b.cache), strict=True):
+        # (rows, heads, width, head_dim): zero keys/values at masked columns never contribute.
+        la.keys = torch.cat([_left_pad_columns(la.keys, width, 2), _left_pad_columns(lb.keys, width, 2)])
+        la.values = torch.cat(
+            [_left_pad_columns(la.values, width, 2), _left_pad_columns(lb.values, width, 2)]
+        )
+    return _Batch(
+        rows=a.rows + b.rows,
+        cache=a.cache,
+        mask=torch.cat([_left_pad_columns(a.mask, width, 1), _left_pad_columns(b.mask, width, 1)]),
+        next_pos=torch.cat([a.next_pos, b.next_pos]),
+        tokens=torch.cat([a.tokens, b.tokens]),
+    )
+
+
+def _compact(batch: _Batch) -> _Batch | None:
+    """Drop finished rows (and their cache) and leading columns no row uses; None if empty."""
+    keep = [j for j, row in enumerate(batch.rows) if row.finish is None]
+    if not keep:
+        return None
+    if len(keep) < len(batch.rows):
+        index = torch.tensor(keep, dtype=torch.long, device=batch.mask.device)
+        batch.cache.batch_select_indices(index)
+        batch.rows = [batch.rows[j] for j in keep]
+        batch.mask, batch.next_pos, batch.tokens = (
+            batch.mask[index],
+            batch.next_pos[index],
+            batch.tokens[index],
+        )
+        used = batch.mask.any(dim=0)
+        first = int(used.int().argmax())  # the first column some row attends to
+        if first > 0:
+            batch.mask = batch.mask[:, first:]
+            for layer in _kv_layers(batch.cache):
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+    return batch
+
+
 class TorchEngine:
     """An ``Engine`` on transformers + torch in this process (CPU by default, or CUDA).
 
@@ -90,6 +180,11 @@ class TorchEngine:
     when given, is passed to ``torch.set_num_threads`` at start (process-wide: one thread is
     ~10x faster for tiny models on a 2-core machine); ``policy_version`` is the version of the
     weights in ``model_dir``.
+
+    Sleep: level 1 moves the weights to host memory (a no-op on CPU) and frees cached CUDA
+    memory; level 2 discards them (each parameter keeps its identity, ties included, with an
+    empty storage), so after ``wake`` generation is refused until ``load_weights``. Requests
+    still queued when the engine falls asleep fail with ``EngineUnavailable`` (retryable).
     """
 
     def __init__(
@@ -115,15 +210,27 @@ class TorchEngine:
         self._vocab_size = 0
         self._pad_id = 0
         self._eos_ids: frozenset[int] = frozenset()
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        #: Held by a running batch and by a weight swap: they never overlap.
+        #: Whether newcomers may be merged into a running batch (plain full-attention cache).
+        self._joinable = False
+        #: Parameter shapes, kept while level-2 sleep empties the parameters.
+        self._shapes: dict[str, torch.Size] = {}
+        #: Appended on the event loop, popped by the step loop (deque ops are thread-safe).
+        self._inbox: deque[_Pending] = deque()
+        self._wakeup = asyncio.Event()
+        #: Held by the step loop while it runs and by swaps, sleep and wake: they never overlap.
         self._lock = asyncio.Lock()
+        #: Operations waiting for the lock; while > 0 the step loop admits nobody and drains.
+        self._exclusive = 0
+        self._stopping = threading.Event()
         self._runner: asyncio.Task[None] | None = None
+        #: The rows admitted and not yet finished (replaced, never mutated, by the step loop).
         self._running: list[_Row] = []
         self._work: asyncio.Future[None] | None = None
         self._closed = False
-        #: Sleep state: which of "weights" / "kv_cache" are released.
+        #: Sleep state: which of "weights" / "kv_cache" are released, and where the weights are.
         self._released: set[str] = set()
+        self._weights_discarded = False
+        self._needs_weights = False
 
     @property
     def policy_version(self) -> int:
@@ -141,7 +248,7 @@ class TorchEngine:
         if self._num_threads is not None:
             torch.set_num_threads(self._num_threads)
         self._model = await asyncio.to_thread(self._load)
-        self._runner = asyncio.create_task(self._serve(), name="torch-engine-batcher")
+        self._runner = asyncio.create_task(self._serve(), name="torch-engine-steps")
 
     def _load(self) -> Any:
         model: Any = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=self._dtype or "auto")
@@ -153,12 +260,16 @@ class TorchEngine:
         self._pad_id = int(config.pad_token_id) if config.pad_token_id is not None else 0
         # generation_config often lists more end-of-turn ids than config (e.g. <|im_end|>).
         self._eos_ids = _eos_ids(config.eos_token_id, model.generation_config.eos_token_id)
+        self._joinable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+        self._shapes = {k: v.shape for k, v in model.state_dict().items()}
         return model
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stopping.set()
+        work = self._work
         gone = EngineUnavailable("the torch engine was closed")
         for row in self._running:
             row.pending.cancelled.set()
@@ -168,15 +279,17 @@ class TorchEngine:
             self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._runner
-        if self._work is not None:
-            # The decode thread stops at its next step (every row is cancelled); wait for it
-            # so the model is not released under it.
-            await asyncio.wait([self._work])
-        while not self._queue.empty():
-            pending = self._queue.get_nowait()
-            if not pending.future.done():
-                pending.future.set_exception(gone)
+        if work is not None:
+            # The step loop stops at its next step; wait so the model is not released under it.
+            await asyncio.wait([work])
+        self._fail_queued(gone)
         self._model = None
+
+    def _fail_queued(self, error: Exception) -> None:
+        while self._inbox:
+            pending = self._inbox.popleft()
+            if not pending.future.done():
+                pending.future.set_exception(error)
 
     def _ensure_serving(self) -> None:
         if self._closed:
@@ -184,21 +297,31 @@ class TorchEngine:
         if self._runner is None:
             raise EngineUnavailable("the torch engine has not been started")
 
+    @contextlib.asynccontextmanager
+    async def _exclusive_access(self) -> AsyncIterator[None]:
+        """Stop admission, wait for the running rows to finish, and hold the lock."""
+        self._exclusive += 1
+        try:
+            async with self._lock:
+                self._ensure_serving()
+                yield
+        finally:
+            self._exclusive -= 1
+            self._wakeup.set()  # requests queued meanwhile may start now
+
     @property
     def is_sleeping(self) -> bool:
         return bool(self._released)
 
     async def sleep(self, level: int = 1) -> None:
-        """Wait for the running batch, then move the weights to host memory (level 1) and
-        release cached accelerator memory. The KV cache lives only while a batch runs, so
-        between batches there is none to free. Level 2 is level 1 here: host memory is where
-        the weights would be discarded to, and ``load_weights`` overwrites them anyway."""
         if level not in (1, 2):
             raise BadRequest(f"sleep level must be 1 or 2, got {level}", param="level")
         self._ensure_serving()
-        async with self._lock:
+        async with self._exclusive_access():
             self._released = {"weights", "kv_cache"}
-            await asyncio.to_thread(self._move_weights, torch.device("cpu"))
+            self._fail_queued(EngineUnavailable("the torch engine went to sleep (the machine trains); retry"))
+            # The KV cache lives only while rows run, and none do: nothing else to free.
+            await asyncio.to_thread(self._discard_weights if level == 2 else self._offload_weights)
 
     async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         self._ensure_serving()
@@ -207,13 +330,34 @@ class TorchEngine:
             raise BadRequest(
                 f"unknown wake tags {sorted(unknown)}; use 'weights' and 'kv_cache'", param="tags"
             )
-        async with self._lock:
+        async with self._exclusive_access():
             if "weights" in tags and "weights" in self._released:
-                await asyncio.to_thread(self._move_weights, self._device)
+                await asyncio.to_thread(self._place_weights, self._device)
             self._released -= set(tags)
 
-    def _move_weights(self, device: torch.device) -> None:
+    def _offload_weights(self) -> None:
+        self._model.to("cpu")
+        self._free_cached_memory()
+
+    def _discard_weights(self) -> None:
+        # Empty storages instead of the meta device: `.data` cannot move to meta, and replacing
+        # the parameters would untie lm_head from the embeddings and drop non-persistent buffers
+        # (rotary inv_freq) that load_weights cannot restore.
+        for param in self._model.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._weights_discarded = self._needs_weights = True
+        self._free_cached_memory()
+
+    def _place_weights(self, device: torch.device) -> None:
+        """Put the weights on ``device``; discarded ones get fresh (uninitialised) storage."""
+        if self._weights_discarded:
+            shapes = {id(p): self._shapes[name] for name, p in self._model.named_parameters()}
+            for param in self._model.parameters():
+                param.data = torch.empty(shapes[id(param)], dtype=param.dtype, device=device)
+            self._weights_discarded = False
         self._model.to(device)
+
+    def _free_cached_memory(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -241,24 +385,30 @@ class TorchEngine:
         self._ensure_serving()
         if self._released:
             raise EngineUnavailable("the torch engine is asleep (the machine is training); retry shortly")
+        if self._needs_weights:
+            raise EngineUnavailable(
+                "the torch engine's weights were discarded by sleep(2); load_weights first"
+            )
         self._validate(request)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[GenerateResult] = loop.create_future()
         pending = _Pending(request, future, time.monotonic(), loop)
-        self._queue.put_nowait(pending)
+        self._inbox.append(pending)
+        self._wakeup.set()
         try:
             return await future
         except asyncio.CancelledError:
             # The future is cancelled with us, so no result can be delivered; the flag makes
-            # the decode thread drop the row at its next step.
+            # the step loop drop the row at its next step (or skip it if still queued).
             pending.cancelled.set()
             raise
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``state_dict`` into the model in place once no batch runs; serve ``version``.
+        """Copy ``state_dict`` into the model in place once no row runs; serve ``version``.
 
         Keys and shapes must match the model's own (a tied ``lm_head.weight`` may be left out).
-        The swap runs in its own task: if the caller is cancelled, it still completes.
+        Requests queued meanwhile start after the swap, with the new weights. The swap runs in
+        its own task: if the caller is cancelled, it still completes.
         """
         self._ensure_serving()
         weights = self._checked_weights(state_dict)
@@ -269,9 +419,9 @@ class TorchEngine:
         tied = "lm_head.weight", "model.embed_tokens.weight"
         if self._model.config.tie_word_embeddings and tied[0] not in weights and tied[1] in weights:
             weights[tied[0]] = weights[tied[1]]
-        own = self._model.state_dict()
+        own = self._shapes
         missing, unexpected = own.keys() - weights.keys(), weights.keys() - own.keys()
-        misshapen = [k for k in own.keys() & weights.keys() if own[k].shape != weights[k].shape]
+        misshapen = [k for k in own.keys() & weights.keys() if own[k] != weights[k].shape]
         if missing or unexpected or misshapen:
             raise BadRequest(
                 "the state dict does not fit the served model: "
@@ -281,55 +431,73 @@ class TorchEngine:
         return weights
 
     async def _swap(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        async with self._lock:
-            self._ensure_serving()
+        async with self._exclusive_access():
             await asyncio.to_thread(self._copy_weights, weights)
             self._policy_version = version
+            self._needs_weights = False
 
     def _copy_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self._weights_discarded:
+            # Asleep at level 2 and not woken yet: give them storage where level 1 keeps them.
+            self._place_weights(torch.device("cpu") if self._released else self._device)
         # load_state_dict copies into the existing parameters (converting dtype and device),
         # so nothing holding a reference to them, nor the model's memory, changes.
         with torch.no_grad():
             self._model.load_state_dict(weights, strict=True)
 
     async def _serve(self) -> None:
-        """The batch runner: take what is queued, decode it to the end, deliver, repeat."""
+        """Start the step loop whenever requests are queued and nothing holds the engine."""
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < self._max_batch_size and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            batch = [p for p in batch if not p.future.done()]
-            if not batch:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._inbox or self._exclusive or self._released:
                 continue
             async with self._lock:
-                version = self._policy_version
-                started = time.monotonic()
-                rows = [self._new_row(p) for p in batch]
-                self._running = rows
-                self._work = asyncio.ensure_future(asyncio.to_thread(self._decode, rows))
+                self._work = asyncio.ensure_future(asyncio.to_thread(self._run))
                 try:
                     await asyncio.shield(self._work)
                 except Exception as exc:
-                    log.exception("torch engine: a batch of %d failed", len(rows))
-                    for p in batch:
-                        if not p.future.done():
-                            p.future.set_exception(exc)
-                    continue
+                    log.exception("torch engine: the step loop failed with %d rows", len(self._running))
+                    for row in self._running:
+                        if not row.pending.future.done():
+                            row.pending.future.set_exception(exc)
                 finally:
                     self._running = []
-            for row in rows:
-                if row.finish in ("stop", "length") and not row.pending.future.done():
-                    row.pending.future.set_result(
-                        GenerateResult(
-                            token_ids=tuple(row.token_ids),
-                            logprobs=tuple(row.logprobs),
-                            finish_reason=row.finish,
-                            policy_version=version,
-                            queue_s=started - row.pending.enqueued_at,
-                            gen_s=row.finished_at - started,
-                            top_logprobs=tuple(row.top_logprobs),
-                        )
-                    )
+            if self._inbox:
+                self._wakeup.set()  # left behind by a drain; admitted once it is over
+
+    def _admitting(self) -> bool:
+        return self._exclusive == 0 and not self._stopping.is_set()
+
+    def _run(self) -> None:
+        """The step loop (worker thread): admit, prefill and merge newcomers, step; repeat
+        until nothing runs and nothing may be admitted."""
+        with torch.inference_mode():
+            batch: _Batch | None = None
+            while not self._stopping.is_set():
+                running = batch.rows if batch is not None else []
+                if batch is None or self._joinable:
+                    newcomers = self._admit(self._max_batch_size - len(running))
+                    if newcomers:
+                        self._running = running + newcomers
+                        fresh = self._prefill(newcomers)
+                        if fresh is not None:
+                            batch = fresh if batch is None else _merge(batch, fresh)
+                if batch is None:
+                    self._running = []
+                    if self._inbox and self._admitting():
+                        continue
+                    return
+                batch = self._step(batch)
+                self._running = batch.rows if batch is not None else []
+
+    def _admit(self, room: int) -> list[_Row]:
+        rows: list[_Row] = []
+        while len(rows) < room and self._inbox and self._admitting():
+            pending = self._inbox.popleft()
+            if not pending.cancelled.is_set():
+                rows.append(self._new_row(pending))
+        return rows
 
     def _new_row(self, pending: _Pending) -> _Row:
         params = pending.request.params
@@ -339,14 +507,10 @@ class TorchEngine:
             # shares the batch. Unseeded rows draw from torch's global generator.
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
         stop_ids = frozenset(params.stop_token_ids) or self._eos_ids
-        return _Row(pending=pending, stop_ids=stop_ids, generator=generator)
+        return _Row(pending, stop_ids, generator, self._policy_version, time.monotonic())
 
-    def _decode(self, rows: list[_Row]) -> None:
-        """Decode ``rows`` until each stops, hits its length or is cancelled (worker thread)."""
-        with torch.inference_mode():
-            self._decode_loop(rows)
-
-    def _decode_loop(self, rows: list[_Row]) -> None:
+    def _prefill(self, rows: list[_Row]) -> _Batch | None:
+        """Run the prompts of ``rows`` as one left-padded batch and choose their first tokens."""
         device, model = self._device, self._model
         prompts = [list(r.pending.request.prompt_ids) for r in rows]
         width = max(len(p) for p in prompts)
@@ -371,34 +535,26 @@ class TorchEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        live = list(rows)
-        while True:
-            tokens = self._advance(out.logits[:, -1, :], live)
-            keep = [j for j, row in enumerate(live) if row.finish is None]
-            if not keep:
-                return
-            if len(keep) < len(live):
-                # Finished and cancelled rows leave the batch and the KV cache.
-                index = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(index)
-                mask, next_pos, tokens = mask[index], next_pos[index], tokens[index]
-                live = [live[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
-            out = model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            next_pos = next_pos + 1
+        tokens = self._advance(out.logits[:, -1, :], rows)
+        return _compact(_Batch(rows, cache, mask, next_pos, tokens))
 
-    @staticmethod
-    def _advance(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-        """Choose each row's next token, record it with its log-prob, mark rows that end.
+    def _step(self, batch: _Batch) -> _Batch | None:
+        """Feed every row its last token, choose the next one, drop the rows that ended."""
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
+        out = self._model(
+            input_ids=batch.tokens[:, None],
+            attention_mask=batch.mask,
+            position_ids=batch.next_pos[:, None],
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.next_pos = batch.next_pos + 1
+        batch.tokens = self._advance(out.logits[:, -1, :], batch.rows)
+        return _compact(batch)
 
-        Returns the chosen ids (rows,) on the logits' device, to feed the next step.
-        """
+    def _advance(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Choose each row's next token, record it with its log-prob, finish and deliver rows
+        that end. Returns the chosen ids (rows,) on the logits' device, to feed the next step."""
         params = [r.params for r in rows]
         tokens, logprobs, tops = choose_tokens(
             logits,
@@ -423,4 +579,24 @@ class TorchEngine:
                 row.finish, row.finished_at = "stop", now
             elif len(row.token_ids) >= row.params.max_tokens:
                 row.finish, row.finished_at = "length", now
+            if row.finish is not None:
+                # Queued behind this row's on_token calls, so a stream sees every token first.
+                row.pending.loop.call_soon_threadsafe(self._deliver, row)
         return torch.tensor(tokens, dtype=torch.long, device=logits.device)
+
+    @staticmethod
+    def _deliver(row: _Row) -> None:
+        future = row.pending.future
+        if future.done() or row.finish is None:
+            return
+        future.set_result(
+            GenerateResult(
+                token_ids=tuple(row.token_ids),
+                logprobs=tuple(row.logprobs),
+                finish_reason=row.finish,
+                policy_version=row.version,
+                queue_s=row.started_at - row.pending.enqueued_at,
+                gen_s=row.finished_at - row.started_at,
+                top_logprobs=tuple(row.top_logprobs),
+            )
+        )

@@ -36,6 +36,9 @@ class ServingGate:
 
     Calls that arrive while it is closed wait (their connections stay open) up to a limit,
     instead of failing. ``inflight`` counts generations so the scheduler can wait for them.
+    Closing with ``preempt=True`` also interrupts the generations under way: each keeps the
+    tokens it has sampled, waits for the gate to open, and continues from them under the
+    weights served then (a partial rollout); the harness only sees a slower call.
     """
 
     def __init__(self, hold_timeout_s: float = 3600.0) -> None:
@@ -45,9 +48,30 @@ class ServingGate:
         self._idle.set()
         self.inflight = 0
         self.hold_timeout_s = hold_timeout_s
+        self._generations: set[asyncio.Future[GenerateResult]] = set()
+        self._preempted: set[asyncio.Future[GenerateResult]] = set()
+        #: Generations interrupted by a switch so far.
+        self.preemptions = 0
 
-    def close(self) -> None:
+    def close(self, *, preempt: bool = False) -> None:
         self._open.clear()
+        if preempt:
+            for generation in list(self._generations):
+                if not generation.done():
+                    self._preempted.add(generation)
+                    self.preemptions += 1
+                    generation.cancel()
+
+    def track(self, generation: asyncio.Future[GenerateResult]) -> None:
+        self._generations.add(generation)
+
+    def untrack(self, generation: asyncio.Future[GenerateResult]) -> bool:
+        """Stop tracking; True if a switch preempted it."""
+        self._generations.discard(generation)
+        if generation in self._preempted:
+            self._preempted.discard(generation)
+            return True
+        return False
 
     def open(self) -> None:
         self._open.set()
@@ -230,19 +254,24 @@ class CallService:
                 await asyncio.gather(run, return_exceptions=True)
 
     async def _run(self, call: PreparedCall, on_token: Callable[[int], None] | None) -> CallOutcome:
-        sampled: list[tuple[int, float]] = []
+        # Every token sampled for this call, with its log-prob and the policy version that
+        # sampled it: a call preempted by a switch continues under newer weights.
+        sampled: list[tuple[int, float, int]] = []
         first_token_at: list[float] = []
         decoder = IncrementalDecoder(self.tokenizer) if call.stop else None
         seen = [""]
         stopped = asyncio.Event()
         generation: asyncio.Future[GenerateResult] | None = None
+        version = self.engine.policy_version
+        queued: float | None = None
+        preemptions = 0
 
         def collect(token: int, logprob: float) -> None:
             if stopped.is_set():
                 return  # tokens the engine sampled after a stop string matched are dropped
             if not first_token_at:
                 first_token_at.append(time.perf_counter())
-            sampled.append((token, logprob))
+            sampled.append((token, logprob, version))
             if on_token is not None:
                 on_token(token)
             if decoder is not None and generation is not None:
@@ -251,32 +280,53 @@ class CallService:
                     stopped.set()
                     generation.cancel()
 
-        request = GenerateRequest(prompt_ids=call.rendered.prompt_ids, params=call.params, on_token=collect)
-        await self.gate.enter()
-        queued = time.perf_counter() - call.started
-        try:
-            generation = asyncio.ensure_future(self.engine.generate(request))
-            result = await generation
-        except asyncio.CancelledError:
-            partial = GenerateResult(
-                token_ids=tuple(t for t, _ in sampled),
-                logprobs=tuple(lp for _, lp in sampled),
-                finish_reason="stop" if stopped.is_set() else "cancelled",
-                policy_version=self.engine.policy_version,
-            )
-            current = asyncio.current_task()
-            if not stopped.is_set() or (current is not None and current.cancelling()):
-                if generation is not None and not generation.done():
-                    generation.cancel()
-                partial = replace(partial, finish_reason="cancelled")
-                await self._record(
-                    call, partial, self.tokenizer.decode(partial.token_ids), queued, first_token_at
+        while True:
+            if sampled and sampled[-1][0] in call.params.stop_token_ids:
+                result = GenerateResult(
+                    token_ids=(), logprobs=(), finish_reason="stop", policy_version=version
                 )
+                break  # preempted right after the last token: nothing left to generate
+            if len(sampled) >= call.params.max_tokens:
+                result = GenerateResult(
+                    token_ids=(), logprobs=(), finish_reason="length", policy_version=version
+                )
+                break
+            await self.gate.enter()
+            queued = time.perf_counter() - call.started if queued is None else queued
+            version = self.engine.policy_version
+            request = GenerateRequest(
+                prompt_ids=[*call.rendered.prompt_ids, *(t for t, _, _ in sampled)],
+                params=replace(call.params, max_tokens=call.params.max_tokens - len(sampled)),
+                on_token=collect,
+            )
+            generation = asyncio.ensure_future(self.engine.generate(request))
+            self.gate.track(generation)
+            preempted = False
+            try:
+                result = await generation
+                break
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                ours = current is not None and current.cancelling() > 0
+                preempted = self.gate.untrack(generation) and not ours
+                if preempted and not stopped.is_set():
+                    preemptions += 1
+                    continue  # wait for the switch to end, then continue from what was sampled
+                if stopped.is_set() and not ours:
+                    result = GenerateResult(
+                        token_ids=(), logprobs=(), finish_reason="stop", policy_version=version
+                    )
+                    break
+                if not generation.done():
+                    generation.cancel()
+                await self._record(call, "cancelled", sampled, queued, first_token_at, preemptions)
                 raise
-            result = partial
-        finally:
-            self.gate.leave()
-        body = result.token_ids
+            finally:
+                self.gate.untrack(generation)
+                self.gate.leave()
+        finish = result.finish_reason
+        token_ids = tuple(t for t, _, _ in sampled)
+        body = token_ids
         if body and body[-1] in call.params.stop_token_ids:
             body = body[:-1]
         text = _cut_at_stop(self.tokenizer.decode(body), call.stop)
@@ -284,42 +334,57 @@ class CallService:
             text, tool_schema_names(call.tools), reasoning=call.rollout.conversation.fmt.reasoning
         )
         # Durable before acknowledged: the harness hears nothing final until the call is logged.
-        await self._record(call, result, text, queued, first_token_at)
+        await self._record(call, finish, sampled, queued, first_token_at, preemptions, text)
         if call.rendered.digest:
-            call.rollout.conversation.remember(call.rendered.digest, message, result.token_ids)
+            call.rollout.conversation.remember(call.rendered.digest, message, token_ids)
         call.rollout.calls += 1
+        merged = GenerateResult(
+            token_ids=token_ids,
+            logprobs=tuple(lp for _, lp, _ in sampled),
+            finish_reason=finish,
+            policy_version=version,
+            queue_s=queued or 0.0,
+            top_logprobs=result.top_logprobs,
+        )
         return CallOutcome(
-            message=message, result=result, prompt_tokens=call.prompt_tokens, call_id=call.call_id, text=text
+            message=message, result=merged, prompt_tokens=call.prompt_tokens, call_id=call.call_id, text=text
         )
 
     async def _record(
         self,
         call: PreparedCall,
-        result: GenerateResult,
-        text: str,
-        queued: float,
+        finish: str,
+        sampled: list[tuple[int, float, int]],
+        queued: float | None,
         first_token_at: list[float],
+        preemptions: int,
+        text: str | None = None,
     ) -> None:
         now = time.perf_counter()
+        token_ids = tuple(t for t, _, _ in sampled)
+        versions = tuple(v for _, _, v in sampled)
         event = LLMCallCompleted(
             ts=time.time(),
             rollout=call.rollout.rollout,
             call_id=call.call_id,
             surface=call.surface,
             prompt_ids=tuple(call.rendered.prompt_ids),
-            response_ids=result.token_ids,
-            response_logprobs=result.logprobs,
-            policy_version=result.policy_version,
-            finish_reason=result.finish_reason,
+            response_ids=token_ids,
+            response_logprobs=tuple(lp for _, lp, _ in sampled),
+            # The oldest version that sampled any of it (the whole response when not preempted).
+            policy_version=min(versions) if versions else self.engine.policy_version,
+            finish_reason=finish,
             request=call.request,
-            response_text=text,
-            queue_s=queued,
+            response_text=self.tokenizer.decode(token_ids) if text is None else text,
+            queue_s=queued or 0.0,
             total_s=now - call.started,
             ttft_s=(first_token_at[0] - call.started) if first_token_at else 0.0,
             user_agent=call.user_agent,
             spliced_tokens=call.rendered.spliced_tokens,
             unmatched_assistant_turns=call.rendered.unmatched_assistant_turns,
             sampling=asdict(call.params),
+            preemptions=preemptions,
+            response_versions=versions,
         )
         await self.store.append([event])
 

@@ -1,37 +1,97 @@
 """The scheduler's effects: observe the live state, ask ``decide``, carry out the actions.
 
-Owns the loop that turns decisions into calls on the rollout controller, the serving gate and
-the training service, and the phase events that make the timeline visible. It holds no state of
-its own beyond a stop flag: every observation is read from the live projection of the log.
+Owns the loop that turns decisions into calls on the rollout controller, the serving gate, the
+engine and the training service, and the switch between generating and training:
+
+    drain (close the gate; in async mode preempt the generations under way) -> engine sleep ->
+    trainer onload -> train (durable) -> trainer offload -> wake weights -> push -> wake KV cache
+    -> open the gate
+
+Each phase is recorded as a ``SwitchPhaseCompleted`` event with its duration. The runner keeps
+no state of the run: every observation is read from the live projection of the log, plus the
+few facts only the effects know (the phase, since when it generates, a failed engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from appliance.controller import RolloutController
+from appliance.engines.base import Engine
+from appliance.errors import EngineUnavailable
 from appliance.proxy.calls import ServingGate
-from appliance.scheduler.decide import Observation, SchedulePolicy, StartGroups, Stop, Train, decide
+from appliance.scheduler.decide import (
+    Observation,
+    RestartEngine,
+    SchedulePolicy,
+    StartGroups,
+    Stop,
+    Train,
+    decide,
+)
 from appliance.scheduler.live import LiveState
 from appliance.training import TrainingService
-from store.events import PhaseChanged, TrainStepCompleted
-from store.projections import RunState
+from store.events import PhaseChanged, SwitchPhaseCompleted, TrainStepCompleted
+from store.projections import RolloutView, RunState
+
+log = logging.getLogger(__name__)
 
 
-def observe(state: RunState, *, stopping: bool) -> Observation:
+def _groups(state: RunState) -> dict[str, list[RolloutView]]:
+    groups: dict[str, list[RolloutView]] = {}
+    for view in state.rollouts.values():
+        groups.setdefault(view.group, []).append(view)
+    return groups
+
+
+def _dead(views: list[RolloutView]) -> bool:
+    """A group that can never be trained: every rollout ended and none is trainable."""
+    return all(v.status != "running" for v in views) and not any(
+        RunState.trainable(v) or v.trained_step is not None for v in views
+    )
+
+
+def observe(
+    state: RunState,
+    *,
+    stopping: bool,
+    phase: str = "generate",
+    generating_for_s: float = 0.0,
+    engine_failed: bool = False,
+) -> Observation:
     """What ``decide`` sees. A group none of whose rollouts can be trained on (all failed, e.g.
-    interrupted by a restart) never counts towards a batch: its failures stay recorded."""
-    running_groups = {view.group for view in state.running()}
+    interrupted by a restart) counts neither as ready nor as admitted: its failures stay
+    recorded, and another group takes its place."""
+    groups = _groups(state)
+    running = state.running()
     ready = [
         group for group, views in state.ready_groups().items() if any(RunState.trainable(v) for v in views)
     ]
+    # Ready groups ahead of the oldest running one, in admission order (dead groups skipped).
+    ready_set = set(ready)
+    in_order = 0
+    for group, views in groups.items():
+        if _dead(views) or any(v.trained_step is not None for v in views):
+            continue
+        if group not in ready_set:
+            break
+        in_order += 1
     return Observation(
-        running_groups=len(running_groups),
+        running_groups=len({view.group for view in running}),
         ready_groups=tuple(ready),
         step=state.step,
         stopping=stopping,
+        policy_version=state.policy_version,
+        admitted_groups=sum(1 for views in groups.values() if not _dead(views)),
+        running_rollouts=len(running),
+        phase=phase,
+        generating_for_s=generating_for_s,
+        engine_failed=engine_failed,
+        ready_in_order=in_order,
     )
 
 
@@ -44,6 +104,9 @@ class SchedulerRunner:
         controller: RolloutController,
         training: TrainingService,
         gate: ServingGate,
+        engine: Engine,
+        sleep_level: int = 1,
+        drop_stale: bool = True,
         on_step: Callable[[TrainStepCompleted, RunState], None] | None = None,
     ) -> None:
         self.policy = policy
@@ -51,55 +114,133 @@ class SchedulerRunner:
         self.controller = controller
         self.training = training
         self.gate = gate
+        self.engine = engine
+        self.sleep_level = sleep_level
+        self.drop_stale = drop_stale
         self.on_step = on_step
         self._stop = asyncio.Event()
+        self._phase = "generate"
+        self._generating_since = time.monotonic()
+        self._engine_failed = False
 
     def request_stop(self) -> None:
         self._stop.set()
 
-    async def _phase(self, phase: str) -> None:
-        event = PhaseChanged(ts=time.time(), phase=phase, policy_version=self.live.state.policy_version)
-        await self.live.store.append([event])
+    def observation(self) -> Observation:
+        return observe(
+            self.live.state,
+            stopping=self._stop.is_set(),
+            phase=self._phase,
+            generating_for_s=time.monotonic() - self._generating_since,
+            engine_failed=self._engine_failed,
+        )
+
+    async def _record(self, *events: Any) -> None:
+        await self.live.store.append(list(events))
+
+    async def _phase_changed(self, phase: str) -> None:
+        self._phase = phase
+        await self._record(
+            PhaseChanged(ts=time.time(), phase=phase, policy_version=self.live.state.policy_version)
+        )
 
     async def _wait(self) -> None:
-        """Until the state changes or a stop is requested."""
-        change = asyncio.ensure_future(self.live.wait_change(self.live.position))
-        stop = asyncio.ensure_future(self._stop.wait())
+        """Until the state changes, a stop is requested, or the minimum generation slice ends."""
+        waits = [
+            asyncio.ensure_future(self.live.wait_change(self.live.position)),
+            asyncio.ensure_future(self._stop.wait()),
+        ]
+        remaining = self.policy.min_generate_s - (time.monotonic() - self._generating_since)
+        if self.policy.mode == "async" and remaining > 0:
+            waits.append(asyncio.ensure_future(asyncio.sleep(remaining)))
         try:
-            await asyncio.wait([change, stop], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            change.cancel()
-            stop.cancel()
+            for waiter in waits:
+                waiter.cancel()
 
     async def run(self) -> str:
         """Run until ``decide`` says stop; returns the reason."""
-        await self._phase("generate")
+        await self._phase_changed("generate")
         while True:
             await self.live.wait_for(self.live.store.last_position)
-            actions = decide(self.policy, observe(self.live.state, stopping=self._stop.is_set()))
+            actions = decide(self.policy, self.observation())
             if not actions:
                 await self._wait()
                 continue
             for action in actions:
                 match action:
                     case Stop(reason=reason):
-                        await self._phase("idle")
+                        await self._phase_changed("idle")
                         return reason
                     case StartGroups(count=count):
                         for _ in range(count):
                             await self.controller.start_group(self.policy.group_size)
                     case Train(groups=groups):
-                        await self._train(groups)
+                        await self._switch(groups)
+                    case RestartEngine():
+                        await self._restart_engine()
 
-    async def _train(self, groups: tuple[str, ...]) -> None:
-        self.gate.close()
+    async def _timed(self, step: int, phase: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        started = time.perf_counter()
+        result = await work()
+        await self._record(
+            SwitchPhaseCompleted(
+                ts=time.time(), step=step, phase=phase, duration_s=time.perf_counter() - started
+            )
+        )
+        return result
+
+    async def _switch(self, groups: tuple[str, ...]) -> None:
+        """Hand the machine to the trainer for one step and back to the engine."""
+        state = self.live.state
+        step = state.step + 1
+        eta = self.policy.eta if self.policy.mode == "async" else None
+        trainer = self.training.trainer
+        self.gate.close(preempt=self.policy.mode == "async")
+        await self._phase_changed("train")
         try:
-            await self.gate.drained()
-            await self._phase("train")
-            step = await self.training.step(self.live.state, groups)
+            await self._timed(step, "drain", self.gate.drained)
+            await self._timed(step, "sleep", lambda: self.engine.sleep(self.sleep_level))
+            if hasattr(trainer, "onload"):
+                await self._timed(step, "onload", lambda: asyncio.to_thread(trainer.onload))
+            trained = await self._timed(
+                step, "train", lambda: self.training.train(state, groups, eta=eta, drop_stale=self.drop_stale)
+            )
+            if hasattr(trainer, "offload"):
+                await self._timed(step, "offload", lambda: asyncio.to_thread(trainer.offload))
+            # Level 2 discarded the engine's weights: push the current ones even without a new step.
+            version = trained.version
+            if version is None and self.sleep_level == 2:
+                version = self.live.state.policy_version
+            await self._wake_and_push(step, version)
             await self.live.wait_for(self.live.store.last_position)
             if self.on_step is not None:
-                self.on_step(step, self.live.state)
+                self.on_step(trained.completed, self.live.state)
         finally:
+            self._generating_since = time.monotonic()
             self.gate.open()
-        await self._phase("generate")
+            await self._phase_changed("generate")
+
+    async def _wake_and_push(self, step: int, version: int | None) -> None:
+        try:
+            await self._timed(step, "wake_weights", lambda: self.engine.wake(["weights"]))
+            if version is not None:
+                await self._timed(step, "push", lambda: self.training.push(version))
+            await self._timed(step, "wake_kv_cache", lambda: self.engine.wake(["kv_cache"]))
+            self._engine_failed = False
+        except Exception:
+            # The step is durable; the weights reach the engine when it is restarted.
+            log.exception("the engine failed while taking back the machine after step %d", step)
+            self._engine_failed = True
+
+    async def _restart_engine(self) -> None:
+        """Bring a failed engine back with the current weights; a second failure stops the run."""
+        try:
+            await self.engine.wake(["weights", "kv_cache"])
+            await self.training.push(self.live.state.policy_version)
+        except Exception as exc:
+            log.exception("the engine could not be restarted")
+            self._stop.set()
+            raise EngineUnavailable(f"the engine failed and could not be restarted: {exc}") from exc
+        self._engine_failed = False

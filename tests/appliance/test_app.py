@@ -110,3 +110,15 @@ async def test_restart_resumes_from_stored_version(tmp_path: Path, tiny_model_di
     finally:
         await store.close()
     assert [s.step for s in steps if isinstance(s, TrainStepCompleted)] == [1, 2]
+
+
+@pytest.mark.parametrize("options", [{"trainer": "verl"}, {"advantage": "rloo", "normalization": "token"}])
+async def test_trainer_options_run_end_to_end(
+    tmp_path: Path, tiny_model_dir: Path, options: dict[str, str]
+) -> None:
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1, **options)) as app:
+        assert await app.run() == "reached step 1"
+        assert app.engine.policy_version == 1
+        (step,) = app.live.state.steps
+        assert step.samples > 0
+        assert all(v == v for v in step.metrics.values())  # no NaN

@@ -81,7 +81,10 @@ def test_token_fields_are_packed_as_int32_and_float32_in_field_order() -> None:
     offset = 4 + 4 * count + 4 + 4 * len(event.response_ids)
     (n_logprobs,) = struct.unpack_from("<I", blob, offset)
     assert struct.unpack_from(f"<{n_logprobs}f", blob, offset + 4) == event.response_logprobs
-    assert len(blob) == offset + 4 + 4 * n_logprobs
+    offset += 4 + 4 * n_logprobs
+    (n_versions,) = struct.unpack_from("<I", blob, offset)
+    assert struct.unpack_from(f"<{n_versions}i", blob, offset + 4) == event.response_versions
+    assert len(blob) == offset + 4 + 4 * n_versions
 
 
 def test_logprobs_come_back_rounded_to_float32() -> None:

@@ -1,4 +1,4 @@
-"""grpo_advantages: verl's group-relative advantages against hand computations."""
+"""The advantage estimators (GRPO, RLOO, REINFORCE) against hand computations."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from trainer.advantage import EPSILON, grpo_advantages
+from trainer.advantage import (
+    EPSILON,
+    compute_advantages,
+    grpo_advantages,
+    reinforce_advantages,
+    rloo_advantages,
+)
 
 
 def test_one_group_normalized_by_unbiased_std() -> None:
@@ -55,3 +61,88 @@ def test_empty_and_mismatched() -> None:
     assert (empty.advantages, empty.zero_variance_groups) == ([], 0)
     with pytest.raises(ValueError, match="2 rewards for 1 group"):
         grpo_advantages([1.0, 0.0], ["g"])
+
+
+# --- RLOO: each rollout against the mean of the OTHER rollouts of its group -----------------------
+
+
+def test_rloo_leaves_each_rollout_out_of_its_own_baseline() -> None:
+    # [1, 0, 0, 1]: 1 - mean(0, 0, 1) = 2/3 ; 0 - mean(1, 0, 1) = -2/3
+    result = rloo_advantages([1.0, 0.0, 0.0, 1.0], ["g"] * 4)
+    assert result.advantages == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3], abs=1e-12)
+    # [3, 1, 2]: 3 - 1.5 = 1.5 ; 1 - 2.5 = -1.5 ; 2 - 2 = 0
+    result = rloo_advantages([3.0, 1.0, 2.0], ["g"] * 3)
+    assert result.advantages == pytest.approx([1.5, -1.5, 0.0], abs=1e-12)
+    assert result.zero_variance_groups == 0
+
+
+def test_rloo_groups_and_zero_variance() -> None:
+    # a: [1, 0.5] -> 1 - 0.5 = 0.5, 0.5 - 1 = -0.5 ; b: equal -> 0 ; c: singleton -> 0 (verl: raw 0.9)
+    result = rloo_advantages([1.0, 0.2, 0.5, 0.2, 0.9], ["a", "b", "a", "b", "c"])
+    assert result.advantages == pytest.approx([0.5, 0.0, -0.5, 0.0, 0.0], abs=1e-12)
+    assert result.advantages[4] == 0.0
+    assert result.zero_variance_groups == 2
+
+
+def test_rloo_is_grpo_without_std_scaled_by_n_over_n_minus_1() -> None:
+    rewards, groups = [0.3, 0.9, 0.1, 0.4], ["g"] * 4
+    dr_grpo = grpo_advantages(rewards, groups, norm_by_std=False).advantages
+    assert rloo_advantages(rewards, groups).advantages == pytest.approx(
+        [4 / 3 * a for a in dr_grpo], abs=1e-12
+    )
+
+
+# --- REINFORCE: the plain reward, optionally minus a baseline --------------------------------------
+
+
+def test_reinforce_without_baseline_is_the_reward() -> None:
+    result = reinforce_advantages([1.0, 0.0, 0.25], ["a", "a", "b"], skip_zero_variance=False)
+    assert result.advantages == [1.0, 0.0, 0.25]
+    # "b" is a singleton: counted, but kept since skipping was turned off.
+    assert result.zero_variance_groups == 1
+
+
+def test_reinforce_with_constant_and_batch_baselines() -> None:
+    rewards, groups = [1.0, 0.0, 0.5, 1.0], ["a", "a", "b", "b"]
+    assert reinforce_advantages(rewards, groups, baseline=0.5).advantages == [0.5, -0.5, 0.0, 0.5]
+    # batch mean = 2.5 / 4 = 0.625
+    batch = reinforce_advantages(rewards, groups, baseline="batch")
+    assert batch.advantages == pytest.approx([0.375, -0.625, -0.125, 0.375], abs=1e-12)
+    assert batch.zero_variance_groups == 0
+
+
+def test_reinforce_skips_zero_variance_groups_by_default() -> None:
+    rewards, groups = [1.0, 1.0, 1.0, 0.0], ["ones", "ones", "mixed", "mixed"]
+    skipped = reinforce_advantages(rewards, groups)
+    assert skipped.advantages == [0.0, 0.0, 1.0, 0.0]
+    assert skipped.zero_variance_groups == 1
+    kept = reinforce_advantages(rewards, groups, skip_zero_variance=False)
+    assert kept.advantages == [1.0, 1.0, 1.0, 0.0]
+    assert kept.zero_variance_groups == 1
+
+
+def test_reinforce_rejects_a_bad_baseline() -> None:
+    with pytest.raises(ValueError, match="baseline must be"):
+        reinforce_advantages([1.0], ["g"], baseline="mean")  # type: ignore[arg-type]
+
+
+# --- choosing by name -----------------------------------------------------------------------------
+
+
+def test_compute_advantages_dispatches_by_mode() -> None:
+    rewards, groups = [1.0, 0.0, 0.0, 1.0], ["g"] * 4
+    assert compute_advantages("grpo", rewards, groups) == grpo_advantages(rewards, groups)
+    assert compute_advantages("grpo", rewards, groups, norm_by_std=False).advantages == [0.5, -0.5, -0.5, 0.5]
+    assert compute_advantages("rloo", rewards, groups) == rloo_advantages(rewards, groups)
+    assert compute_advantages("reinforce", rewards, groups, baseline="batch").advantages == [
+        0.5,
+        -0.5,
+        -0.5,
+        0.5,
+    ]
+    for mode in ("rloo", "reinforce"):
+        assert compute_advantages(mode, [], []).advantages == []
+        with pytest.raises(ValueError, match="2 rewards for 1 group"):
+            compute_advantages(mode, [1.0, 0.0], ["g"])
+    with pytest.raises(ValueError, match="unknown advantage mode 'ppo'; use one of grpo, rloo, reinforce"):
+        compute_advantages("ppo", rewards, groups)  # type: ignore[arg-type]

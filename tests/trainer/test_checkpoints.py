@@ -1,4 +1,4 @@
-"""CheckpointStore: names, atomic writes, pruning, latest, and clear errors on bad files."""
+"""CheckpointStore: names, atomic writes, pruning, latest, clear errors on bad files; HF export."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from appliance.errors import ApplianceError
-from trainer.checkpoints import CheckpointError, CheckpointStore
+from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model
 
 
 def state(value: float) -> dict[str, Any]:
@@ -122,3 +122,38 @@ def test_invalid_arguments(tmp_path: Path) -> None:
         CheckpointStore(tmp_path, keep=0)
     with pytest.raises(ValueError, match="version"):
         CheckpointStore(tmp_path).path(-1)
+
+
+def test_trainer_state_is_stored_when_given(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(1, 4, {"w": torch.ones(1)}, {}, trainer_state={"backend": "verl", "lora_rank": 8})
+    store.save(2, 5, {"w": torch.ones(1)}, {})
+    assert store.load(1)["trainer"] == {"backend": "verl", "lora_rank": 8}
+    assert "trainer" not in store.load(2)
+
+
+def test_export_hf_model_copies_the_tokenizer_and_replaces_atomically(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text("{}")
+    (model_dir / "config.json").write_text('{"old": true}')
+    (model_dir / "model.safetensors").write_bytes(b"old weights")
+    (model_dir / "model.safetensors.index.json").write_text("{}")
+
+    def save_pretrained(target: Path) -> None:
+        (target / "config.json").write_text('{"new": true}')
+        (target / "model.safetensors").write_bytes(b"new weights")
+
+    out = export_hf_model(save_pretrained, model_dir, tmp_path / "final")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "model.safetensors").read_bytes() == b"new weights"
+    assert (out / "config.json").read_text() == '{"new": true}'
+
+    def failing(target: Path) -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        export_hf_model(failing, model_dir, out)
+    # The earlier export is intact and no temporary directory is left behind.
+    assert (out / "model.safetensors").read_bytes() == b"new weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "model"]

@@ -1,50 +1,19 @@
-"""PolicyTrainer on a real (tiny, random) Qwen2: learning direction, normalization, weights."""
+"""PolicyTrainer (the plain-torch backend) on a real (tiny, random) Qwen2: learning direction,
+normalization, loss options, collocation, weights and checkpoints."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer.checkpoints import CheckpointStore
+from tests.trainer.helpers import sample, sampled_logprob
+from trainer.checkpoints import CheckpointError, CheckpointStore
 from trainer.policy import PolicyTrainer, TrainItem
-from trainer.samples import NOT_SAMPLED, Sample
-
-PROMPT = [5, 6, 7]
-
-
-def teacher_forced(model: Any, tokens: Sequence[int], temperature: float = 1.0) -> list[float]:
-    """log p(tokens[t] | tokens[:t]) for t >= 1 (0.0 at t = 0), one unpadded forward."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([list(tokens)])).logits[0] / temperature
-    logp = torch.log_softmax(logits[:-1], dim=-1)
-    picked = logp.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    return [0.0, *picked.tolist()]
-
-
-def sample(
-    model: Any, rollout: str, response: Sequence[int], *, shift: float = 0.0, temperature: float = 1.0
-) -> Sample:
-    """An on-policy sample: its recorded logprobs are the model's own (minus ``shift``)."""
-    tokens = [*PROMPT, *response]
-    mask = [0] * len(PROMPT) + [1] * len(response)
-    lps = teacher_forced(model, tokens, temperature)
-    return Sample(
-        rollout=rollout,
-        call_ids=(f"{rollout}-call",),
-        tokens=tuple(tokens),
-        loss_mask=tuple(mask),
-        logprobs=tuple(lp - shift if m else 0.0 for lp, m in zip(lps, mask, strict=True)),
-        versions=tuple(0 if m else NOT_SAMPLED for m in mask),
-    )
-
-
-def sampled_logprob(model: Any, response: Sequence[int]) -> float:
-    return sum(teacher_forced(model, [*PROMPT, *response])[len(PROMPT) :])
+from trainer.samples import Sample
 
 
 def grads(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
@@ -83,7 +52,22 @@ def test_positive_advantage_rises_negative_falls(tiny_model_dir: Path) -> None:
     after = sampled_logprob(trainer.model, good), sampled_logprob(trainer.model, bad)
     assert after[0] > before[0] + 0.5
     assert after[1] < before[1] - 0.5
-    assert set(out.metrics()) == {"loss", "grad_norm", "pg_clipfrac", "ppo_kl", "entropy", "updated"}
+    assert set(out.metrics()) == {
+        "loss",
+        "grad_norm",
+        "pg_clipfrac",
+        "ppo_kl",
+        "entropy",
+        "updated",
+        "kl_ref",
+        "is_weight_mean",
+        "is_capped_frac",
+        "tokens_per_s",
+        "samples_per_rollout",
+        "truncated_samples",
+    }
+    assert out.metrics()["samples_per_rollout"] == 1.0
+    assert out.metrics()["tokens_per_s"] > 0
 
 
 def test_loss_and_gradient_match_a_rollout_level_hand_computation(tiny_model_dir: Path) -> None:
@@ -251,3 +235,87 @@ def test_invalid_items_are_rejected(tiny_model_dir: Path) -> None:
         trainer.step([TrainItem("B", 1.0, (a,))])
     with pytest.raises(ValueError, match="non-finite"):
         trainer.step([TrainItem("A", float("nan"), (a,))])
+
+
+def test_decoupled_mode_reweights_stale_tokens_instead_of_clipping(tiny_model_dir: Path) -> None:
+    trainer = PolicyTrainer(tiny_model_dir, off_policy="decoupled", is_cap=1.5)
+    # Recorded logprobs 0.3 below the policy's: IS weight e^0.3 = 1.35 (< cap); the loss ratio
+    # is 1 against the current weights, so nothing is clipped and the loss is -A * 1.35.
+    stale = sample(trainer.model, "A", [10, 11, 12], shift=0.3)
+    out = trainer.backward([TrainItem("A", 1.0, (stale,))])
+    assert out.clipfrac_sum == 0.0
+    assert out.loss == pytest.approx(-torch.exp(torch.tensor(0.3)).item(), abs=1e-5)
+    assert out.is_weight_sum / out.tokens == pytest.approx(1.3499, abs=1e-3)
+    assert out.is_capped_sum == 0.0
+    # 0.5 stale: e^0.5 = 1.65 > cap 1.5: every token at the cap.
+    capped = trainer.step([TrainItem("A", 1.0, (sample(trainer.model, "A", [10, 11], shift=0.5),))])
+    assert capped.is_weight_mean == pytest.approx(1.5)
+    assert capped.is_capped_frac == 1.0
+    assert capped.loss == pytest.approx(-1.5, abs=1e-5)
+    assert capped.grad_norm > 0  # unlike bypass mode, where these tokens would be clipped
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_other_losses_run_and_learn(tiny_model_dir: Path, loss: str) -> None:
+    trainer = PolicyTrainer(tiny_model_dir, lr=1e-2, loss=loss, clip_ratio=0.2)  # type: ignore[arg-type]
+    good = [10, 11, 12]
+    before = sampled_logprob(trainer.model, good)
+    for _ in range(3):
+        out = trainer.step([TrainItem("A", 1.0, (sample(trainer.model, "A", good),))])
+        assert out.updated and out.grad_norm > 0
+    assert sampled_logprob(trainer.model, good) > before + 0.5
+
+
+def test_offload_onload_round_trip_keeps_weights_and_optimizer_state(tiny_model_dir: Path) -> None:
+    trainer = PolicyTrainer(tiny_model_dir, lr=1e-2)
+    trainer.step([TrainItem("A", 1.0, (sample(trainer.model, "A", [10, 11]),))])
+    weights = trainer.state_dict_for_engine()
+    optim = {k: v.clone() for state in trainer.optimizer.state.values() for k, v in state.items()}
+    trainer.offload()
+    assert all(p.device.type == "cpu" for p in trainer.model.parameters())
+    trainer.onload()
+    after = trainer.state_dict_for_engine()
+    assert all(torch.equal(weights[k], after[k]) for k in weights)
+    optim_after = {k: v for state in trainer.optimizer.state.values() for k, v in state.items()}
+    assert all(torch.equal(optim[k], optim_after[k]) for k in optim)
+    # A step after an offload brings everything back by itself.
+    trainer.offload()
+    assert trainer.step([TrainItem("A", 1.0, (sample(trainer.model, "A", [10, 11]),))]).updated
+
+
+def test_long_samples_are_truncated_and_counted(tiny_model_dir: Path) -> None:
+    trainer = PolicyTrainer(tiny_model_dir, max_sample_tokens=5)
+    long = sample(trainer.model, "A", [10, 11, 12, 13])  # 3 prompt + 4 sampled = 7 tokens
+    out = trainer.step([TrainItem("A", 1.0, (long,))])
+    assert (out.tokens, out.truncated_samples) == (2, 1)
+    dropping = PolicyTrainer(tiny_model_dir, max_sample_tokens=5, overflow="drop")
+    out = dropping.step([TrainItem("A", 1.0, (long,))])
+    assert (out.tokens, out.truncated_samples, out.updated) == (0, 1, False)
+
+
+def test_reward_metrics_when_rewards_are_given(tiny_model_dir: Path) -> None:
+    trainer = PolicyTrainer(tiny_model_dir)
+    items = [
+        TrainItem("A", 1.0, (sample(trainer.model, "A", [10]),), reward=1.0),
+        TrainItem("B", -1.0, (sample(trainer.model, "B", [20]),), reward=0.0),
+    ]
+    metrics = trainer.step(items).metrics()
+    assert (metrics["reward_mean"], metrics["reward_std"]) == (0.5, 0.5)
+
+
+def test_export_hf_writes_a_loadable_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = PolicyTrainer(tiny_model_dir, lr=1e-2)
+    trainer.step([TrainItem("A", 1.0, (sample(trainer.model, "A", [10, 11]),))])
+    out = trainer.export_hf(tmp_path / "final")
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    state = trainer.state_dict_for_engine()
+    assert all(torch.equal(exported.state_dict()[k], state[k]) for k in state)
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_a_checkpoint_of_the_other_backend_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints")
+    trainer = PolicyTrainer(tiny_model_dir)
+    store.save(1, 1, trainer.model.state_dict(), {}, trainer_state={"backend": "verl"})
+    with pytest.raises(CheckpointError, match="written by the 'verl' backend"):
+        trainer.load(store, 1)

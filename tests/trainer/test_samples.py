@@ -7,7 +7,7 @@ import random
 import pytest
 
 from store.events import LLMCallCompleted
-from trainer.samples import NOT_SAMPLED, Sample, build_samples, rollout_samples
+from trainer.samples import NOT_SAMPLED, Sample, build_samples, rollout_samples, truncate_sample
 
 
 def call(
@@ -153,3 +153,83 @@ def test_every_sampled_token_appears_once_in_order_with_its_prefix() -> None:
             n = len(c.prompt_ids)
             assert tokens[:n] == c.prompt_ids
             assert tokens[n : n + len(c.response_ids)] == c.response_ids
+
+
+# --- per-token versions and truncation ----------------------------------------------------------
+
+
+def test_per_token_versions_of_a_preempted_call_are_kept() -> None:
+    preempted = LLMCallCompleted(
+        ts=0.0,
+        rollout="r1",
+        call_id="c1",
+        surface="openai.chat",
+        prompt_ids=(1, 2),
+        response_ids=(3, 4, 5),
+        response_logprobs=(-0.1, -0.2, -0.3),
+        policy_version=4,
+        finish_reason="stop",
+        request={},
+        response_text="",
+        queue_s=0.0,
+        total_s=0.0,
+        preemptions=1,
+        response_versions=(4, 4, 5),
+    )
+    [sample] = build_samples([preempted])
+    assert sample.versions == (NOT_SAMPLED, NOT_SAMPLED, 4, 4, 5)
+
+
+def long_sample() -> Sample:
+    # prompt 1 2 3, response 4 5, tool result 6 7, response 8 9: 9 tokens, 4 sampled.
+    first = call("c1", [1, 2, 3], [4, 5], [-0.4, -0.5])
+    second = call("c2", [1, 2, 3, 4, 5, 6, 7], [8, 9], [-0.8, -0.9], version=1)
+    [sample] = build_samples([first, second])
+    return sample
+
+
+def test_a_sample_within_the_limit_is_untouched() -> None:
+    sample = long_sample()
+    assert truncate_sample(sample, 9) is sample
+    assert sample.truncation is None
+
+
+def test_cut_keeps_the_head_and_records_why() -> None:
+    cut = truncate_sample(long_sample(), 8)
+    assert cut.tokens == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert cut.loss_mask == (0, 0, 0, 1, 1, 0, 0, 1)
+    assert cut.logprobs == (0.0, 0.0, 0.0, -0.4, -0.5, 0.0, 0.0, -0.8)
+    assert cut.versions == (-1, -1, -1, 0, 0, -1, -1, 1)
+    assert cut.call_ids == ("c1", "c2")
+    assert cut.truncation == "cut: 9 tokens > max 8; 1 sampled tokens not trained"
+    # Cutting inside the tool result loses the whole second response.
+    assert (
+        truncate_sample(long_sample(), 6).truncation == "cut: 9 tokens > max 6; 2 sampled tokens not trained"
+    )
+    # Cutting into the prompt leaves nothing to train, but the record stays.
+    prompt_only = truncate_sample(long_sample(), 2)
+    assert (prompt_only.tokens, prompt_only.num_sampled) == ((1, 2), 0)
+
+
+def test_drop_empties_the_sample_and_records_why() -> None:
+    dropped = truncate_sample(long_sample(), 8, "drop")
+    assert (dropped.tokens, dropped.loss_mask, dropped.logprobs, dropped.versions) == ((), (), (), ())
+    assert dropped.call_ids == ("c1", "c2")
+    assert dropped.truncation == "drop: 9 tokens > max 8; 4 sampled tokens not trained"
+
+
+def test_build_samples_truncates_after_merging() -> None:
+    first = call("c1", [1, 2, 3], [4, 5])
+    second = call("c2", [1, 2, 3, 4, 5, 6, 7], [8, 9])
+    [sample] = build_samples([first, second], max_tokens=5)
+    assert sample.tokens == (1, 2, 3, 4, 5)
+    assert sample.truncation is not None and sample.truncation.startswith("cut: 9 tokens > max 5")
+    grouped = rollout_samples([first, second], max_tokens=5, overflow="drop")
+    assert grouped["r1"][0].tokens == ()
+
+
+def test_truncation_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        truncate_sample(long_sample(), 0)
+    with pytest.raises(ValueError, match="overflow must be one of"):
+        truncate_sample(long_sample(), 4, "keep-tail")  # type: ignore[arg-type]

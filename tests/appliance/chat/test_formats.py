@@ -81,3 +81,9 @@ def test_reasoning_and_tool_call_parse_together() -> None:
     assert message.reasoning == "use the tool"
     assert [c.name for c in message.tool_calls] == ["add"]
     assert message.content == ""
+
+
+def test_template_saved_beside_the_config_is_read(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_text(SMOLLM2_TEMPLATE)
+    assert detect_format(tmp_path) == SMOLLM2

@@ -10,11 +10,16 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from transformers import AutoModelForCausalLM
 
-from appliance.engines.base import GenerateRequest, SamplingParams
+from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from appliance.engines.sampling import NUCLEUS_CANDIDATES, draw_rows
 from appliance.engines.torch_engine import TorchEngine
 from appliance.errors import BadRequest, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, EngineContract, generate, greedy, unsampled_id
+
+#: A stop id no sampled token equals: runs go on to their length.
+NEVER = -1
 
 
 class TestTorchEngine(EngineContract):
@@ -65,16 +70,6 @@ class TestTorchEngine(EngineContract):
         # A tied lm_head may be left out, as safetensors checkpoints do.
         await engine.load_weights({k: v for k, v in weights.items() if k != "lm_head.weight"}, 7)
         assert engine.policy_version == 7
-
-    async def test_requests_queued_during_a_batch_run_in_the_next(self, engine: TorchEngine) -> None:
-        first = asyncio.create_task(generate(engine, PROMPTS[0], greedy(200, [self.unreachable_stop_id])))
-        await asyncio.sleep(0.05)
-        late = await generate(engine, PROMPTS[1], greedy(2))
-        done = await first
-        # The late request waited for the whole first batch, then decoded alone.
-        assert late.queue_s > 0.02
-        assert done.finish_reason == "length"
-        assert not engine._running and engine._queue.empty()
 
     async def test_cancelled_rows_leave_the_batch(self, engine: TorchEngine) -> None:
         long = greedy(1500, [self.unreachable_stop_id])
@@ -129,3 +124,246 @@ async def test_sleep_refuses_generation_until_woken(tiny_model_dir: Path) -> Non
         assert (await engine.generate(request)).token_ids == before.token_ids
     finally:
         await engine.close()
+
+
+# --- continuous batching: requests join and leave a running batch between steps -------------
+
+#: A prompt far wider than the running batch's cache when it joins (which pads the running rows).
+WIDE_PROMPT: list[int] = [1, *((7 * i) % 900 + 50 for i in range(299))]
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def joining(tiny_model_dir: Path) -> AsyncIterator[TorchEngine]:
+    engine = TorchEngine(tiny_model_dir, max_batch_size=8)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+class StepRecorder:
+    """Records (rows, cache width) before every decode step of ``engine``, for white-box checks."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.seen: list[tuple[int, int]] = []
+        self._loop = asyncio.get_running_loop()
+        self._waiters: list[tuple[int, asyncio.Event]] = []
+        step = engine._step
+
+        def recording(batch: Any) -> Any:
+            self.seen.append((len(batch.rows), int(batch.mask.shape[1])))
+            self._loop.call_soon_threadsafe(self._notify)
+            return step(batch)
+
+        engine._step = recording  # type: ignore[method-assign]
+
+    def _notify(self) -> None:
+        for count, event in self._waiters:
+            if len(self.seen) >= count:
+                event.set()
+
+    async def steps(self, count: int) -> None:
+        """Return once ``count`` steps have started."""
+        event = asyncio.Event()
+        self._waiters.append((count, event))
+        self._notify()
+        await event.wait()
+
+
+async def alone(engine: TorchEngine, prompt: list[int], params: SamplingParams) -> GenerateResult:
+    return await generate(engine, prompt, params)
+
+
+def assert_same(got: GenerateResult, expected: GenerateResult) -> None:
+    assert got.token_ids == expected.token_ids
+    assert got.finish_reason == expected.finish_reason
+    assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
+
+async def test_a_request_joins_a_running_generation_and_finishes_first(joining: TorchEngine) -> None:
+    long, short = greedy(400, [NEVER]), greedy(12, [NEVER])
+    expected_long = await alone(joining, PROMPTS[0], long)
+    expected = [await alone(joining, p, short) for p in (PROMPTS[5], WIDE_PROMPT, PROMPTS[1])]
+    recorder = StepRecorder(joining)
+    widths = recorder.seen
+
+    first = asyncio.create_task(generate(joining, PROMPTS[0], long))
+    await recorder.steps(20)  # the long row is decoding
+    late = await asyncio.gather(*(generate(joining, p, short) for p in (PROMPTS[5], WIDE_PROMPT, PROMPTS[1])))
+    assert not first.done(), "the joiners finished while the long generation still ran"
+    for got, want in zip(late, expected, strict=True):
+        assert_same(got, want)
+        assert got.queue_s < 0.5  # started at the next step, not after 400 tokens
+    assert_same(await first, expected_long)
+    assert max(rows for rows, _ in widths) == 4
+    # The wide joiner padded the running row to its width; once it left, the width shrank back.
+    assert max(w for _, w in widths) >= len(WIDE_PROMPT)
+    assert widths[-1] == (1, len(PROMPTS[0]) + 398)
+
+
+async def test_joined_rows_keep_seeds_top_logprobs_and_streams(joining: TorchEngine) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.8, seed=11, top_logprobs=3)
+    expected = await alone(joining, PROMPTS[3], params)
+    streamed: list[tuple[int, float]] = []
+    request = GenerateRequest(
+        prompt_ids=PROMPTS[3], params=params, on_token=lambda t, lp: streamed.append((t, lp))
+    )
+    recorder = StepRecorder(joining)
+    first = asyncio.create_task(generate(joining, PROMPTS[2], greedy(300, [NEVER])))
+    await recorder.steps(10)
+    got = await joining.generate(request)
+    assert not first.done()
+    assert_same(got, expected)
+    assert [t for t, _ in streamed] == list(got.token_ids)
+    for top, want in zip(got.top_logprobs, expected.top_logprobs, strict=True):
+        assert [t for t, _ in top] == [t for t, _ in want]
+        assert [lp for _, lp in top] == pytest.approx([lp for _, lp in want], abs=1e-5)
+    assert len(got.top_logprobs) == len(got.token_ids) and all(len(t) == 3 for t in got.top_logprobs)
+    await first
+
+
+async def test_rows_leaving_trim_the_cache_and_stay_exact(joining: TorchEngine) -> None:
+    wide, narrow = greedy(3, [NEVER]), greedy(40, [NEVER])
+    expected = [await alone(joining, WIDE_PROMPT, wide), await alone(joining, PROMPTS[4], narrow)]
+    widths = StepRecorder(joining).seen
+    results = await asyncio.gather(
+        generate(joining, WIDE_PROMPT, wide), generate(joining, PROMPTS[4], narrow)
+    )
+    for got, want in zip(results, expected, strict=True):
+        assert_same(got, want)
+    assert widths[0] == (2, len(WIDE_PROMPT))
+    # After the wide row left, only the narrow row's own columns remain.
+    assert widths[-1] == (1, len(PROMPTS[4]) + 38)
+
+
+async def test_the_batch_never_exceeds_max_batch_size(tiny_model_dir: Path) -> None:
+    engine = TorchEngine(tiny_model_dir, max_batch_size=2)
+    await engine.start()
+    try:
+        params = greedy(15, [NEVER])
+        expected = [await alone(engine, p, params) for p in PROMPTS[:5]]
+        widths = StepRecorder(engine).seen
+        results = await asyncio.gather(*(generate(engine, p, params) for p in PROMPTS[:5]))
+        for got, want in zip(results, expected, strict=True):
+            assert_same(got, want)
+        assert max(rows for rows, _ in widths) == 2
+        # The first two waited for nothing; the fifth waited for two rows to finish.
+        assert results[4].queue_s > results[0].queue_s
+    finally:
+        await engine.close()
+
+
+async def test_without_joining_newcomers_wait_for_the_batch(joining: TorchEngine) -> None:
+    joining._joinable = False  # as for sliding-window or linear-attention caches
+    first = asyncio.create_task(generate(joining, PROMPTS[0], greedy(200, [NEVER])))
+    await asyncio.sleep(0.05)
+    late = await generate(joining, PROMPTS[1], greedy(2))
+    assert first.done() and late.queue_s > 0.02
+
+
+async def test_a_cancelled_row_leaves_while_others_continue_exactly(joining: TorchEngine) -> None:
+    params = greedy(60, [NEVER])
+    expected = await alone(joining, PROMPTS[6], params)
+    doomed = asyncio.create_task(generate(joining, PROMPTS[0], greedy(1500, [NEVER])))
+    kept = asyncio.create_task(generate(joining, PROMPTS[6], params))
+    await asyncio.sleep(0.02)
+    doomed.cancel()
+    assert_same(await kept, expected)
+    assert doomed.cancelled()
+
+
+async def test_requests_queued_during_a_swap_get_the_new_weights(
+    joining: TorchEngine, tiny_model_dir: Path
+) -> None:
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    perturbed = {k: v + 0.1 for k, v in model.state_dict().items()}
+    running = asyncio.create_task(generate(joining, PROMPTS[0], greedy(200, [NEVER])))
+    await asyncio.sleep(0.02)
+    swap = asyncio.create_task(joining.load_weights(perturbed, 3))
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(generate(joining, PROMPTS[1], greedy(4)))
+    assert (await running).policy_version == 0
+    await swap
+    assert (await queued).policy_version == 3
+
+
+async def test_sleep_level_2_discards_weights_until_load(joining: TorchEngine, tiny_model_dir: Path) -> None:
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    params = greedy(10, [NEVER])
+    before = await generate(joining, PROMPTS[2], params)
+
+    await joining.sleep(2)
+    assert sum(p.numel() for p in joining._model.parameters()) == 0  # the memory is gone
+    await joining.wake()
+    assert not joining.is_sleeping
+    with pytest.raises(EngineUnavailable, match="load_weights"):
+        await generate(joining, PROMPTS[2], params)
+    await joining.load_weights(original, 1)
+    assert (await generate(joining, PROMPTS[2], params)).token_ids == before.token_ids
+
+    # The peers' order: sleep, push the new weights, then wake.
+    await joining.sleep(2)
+    await joining.load_weights(original, 2)
+    await joining.wake(["weights"])
+    await joining.wake(["kv_cache"])
+    after = await generate(joining, PROMPTS[2], params)
+    assert (after.token_ids, after.policy_version) == (before.token_ids, 2)
+    assert joining._model.lm_head.weight is joining._model.model.embed_tokens.weight  # still tied
+
+
+async def test_requests_queued_when_the_engine_falls_asleep_fail(joining: TorchEngine) -> None:
+    running = asyncio.create_task(generate(joining, PROMPTS[0], greedy(100, [NEVER])))
+    await asyncio.sleep(0.02)
+    sleeping = asyncio.create_task(joining.sleep(1))
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(generate(joining, PROMPTS[1], greedy(4)))
+    assert (await running).finish_reason == "length"  # sleep waits for running rows
+    await sleeping
+    with pytest.raises(EngineUnavailable, match="sleep"):
+        await queued
+    await joining.wake()
+    assert len((await generate(joining, PROMPTS[1], greedy(4))).token_ids) >= 1
+
+
+# --- the batched sampler the engine uses, at vocabulary sizes the hand-made tests miss --------
+
+
+@pytest.mark.parametrize(
+    ("vocab", "spread", "in_window"),
+    [(600, 2.5, None), (2000, 5.0, True), (2000, 0.5, False)],
+)
+def test_batched_draws_follow_the_distribution(vocab: int, spread: float, in_window: bool | None) -> None:
+    """Inverse-CDF draws match the probabilities, never leave the nucleus and never pick a
+    zero-probability token: with block padding (600), and for a nucleus found in the candidate
+    window (peaked) or only by the full sort (flat)."""
+    torch.manual_seed(0)
+    logits = torch.randn(vocab) * spread
+    logits[7] = -float("inf")  # probability 0
+    logp = torch.log_softmax(logits, dim=-1)
+    if in_window is not None:
+        assert bool(logp.exp().topk(NUCLEUS_CANDIDATES).values.sum() >= 0.9) == in_window
+    n = 10000
+    for top_p in (1.0, 0.9):
+        draws = draw_rows(logp.expand(n, vocab), [top_p] * n, [None] * n)
+        counts = torch.bincount(draws, minlength=vocab).double()
+        probs = logp.exp().double()
+        if top_p < 1.0:
+            ordered, order = probs.sort(descending=True)
+            kept = order[(ordered.cumsum(0) - ordered) < top_p]
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[kept] = True
+            assert counts[~mask].sum() == 0
+            probs = torch.where(mask, probs, 0.0)
+            probs = probs / probs.sum()
+        assert counts[7] == 0
+        # Chi-square goodness of fit, tokens expected fewer than 20 times pooled into one bin;
+        # the bound is the statistic's mean plus 6 of its standard deviations.
+        expected = probs * n
+        big = expected >= 20
+        observed, wanted = counts[big], expected[big]
+        if expected[~big].sum() > 0:
+            observed = torch.cat([observed, counts[~big].sum()[None]])
+            wanted = torch.cat([wanted, expected[~big].sum()[None]])
+        chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+        df = len(wanted) - 1
+        assert chi2 < df + 6 * (2 * df) ** 0.5, (top_p, chi2, df)

@@ -1,35 +1,100 @@
+"""Table tests of the scheduler's pure decisions."""
+
 from __future__ import annotations
 
 import pytest
 
-from appliance.scheduler.decide import Action, Observation, SchedulePolicy, StartGroups, Stop, Train, decide
+from appliance.scheduler.decide import (
+    Action,
+    Observation,
+    RestartEngine,
+    SchedulePolicy,
+    StartGroups,
+    Stop,
+    Train,
+    admissible_groups,
+    decide,
+)
 
-POLICY = SchedulePolicy(batch_groups=2, group_size=4, max_steps=3)
+SYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=3, mode="sync")
+ASYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=10, mode="async", eta=1)
+
+
+def obs(**fields: object) -> Observation:
+    base: dict[str, object] = {"running_groups": 0, "ready_groups": (), "step": 0}
+    base.update(fields)
+    return Observation(**base)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
-    ("obs", "expected"),
+    ("policy", "observation", "expected"),
     [
-        # Nothing running, nothing ready: start a whole batch.
-        (Observation(running_groups=0, ready_groups=(), step=0), [StartGroups(2)]),
-        # One group running, none ready: top up to the batch.
-        (Observation(running_groups=1, ready_groups=(), step=0), [StartGroups(1)]),
-        # One ready, one running: the batch is covered; wait.
-        (Observation(running_groups=1, ready_groups=("g0",), step=0), []),
-        # Batch ready but a group still running (left over): sync waits for it to end.
-        (Observation(running_groups=1, ready_groups=("g0", "g1"), step=0), []),
+        # --- sync -------------------------------------------------------------------------
+        # Nothing admitted: start a whole batch.
+        (SYNC, obs(), [StartGroups(2)]),
+        # One group running: top up to the batch.
+        (SYNC, obs(running_groups=1, admitted_groups=1, running_rollouts=4), [StartGroups(1)]),
+        # The batch is admitted, one group still running: wait.
+        (SYNC, obs(running_groups=1, ready_groups=("g0",), admitted_groups=2), []),
+        # Batch ready but a straggler runs: sync waits for it.
+        (SYNC, obs(running_groups=1, ready_groups=("g0", "g1"), admitted_groups=3), []),
         # Batch ready, nothing in flight: train the oldest groups.
-        (Observation(running_groups=0, ready_groups=("g0", "g1", "g2"), step=1), [Train(("g0", "g1"))]),
+        (SYNC, obs(ready_groups=("g0", "g1", "g2"), admitted_groups=3, step=1), [Train(("g0", "g1"))]),
         # Step target reached: stop even with work ready.
-        (Observation(running_groups=0, ready_groups=("g0", "g1"), step=3), [Stop("reached step 3")]),
-        # Stop requested wins over everything.
-        (Observation(running_groups=2, ready_groups=(), step=0, stopping=True), [Stop("stop requested")]),
+        (SYNC, obs(ready_groups=("g0", "g1"), step=3), [Stop("reached step 3")]),
+        # --- async: batch ready while calls are in flight -> switch anyway ---------------------
+        (ASYNC, obs(running_groups=2, ready_groups=("g0", "g1"), admitted_groups=4, running_rollouts=8),
+         [Train(("g0", "g1"))]),
+        # Staleness gate closed: version 0, eta 1, four groups admitted (two batches ahead).
+        (ASYNC, obs(running_groups=3, ready_groups=("g0",), admitted_groups=4, running_rollouts=12), []),
+        # ... and open again one version later.
+        (ASYNC, obs(running_groups=2, admitted_groups=4, policy_version=1, step=1, running_rollouts=8),
+         [StartGroups(2)]),
+        # In-flight limit: the bound would allow more, but 16 rollouts already run.
+        (SchedulePolicy(batch_groups=2, group_size=4, mode="async", eta=3, max_inflight_rollouts=16),
+         obs(running_groups=4, admitted_groups=4, running_rollouts=16), []),
+        # A younger group finished first, the oldest still runs: async keeps admission order.
+        (ASYNC, obs(running_groups=1, ready_groups=("g1", "g2"), admitted_groups=3, running_rollouts=4,
+                    ready_in_order=0), [StartGroups(1)]),
+        # Minimum generation slice not reached: no switch yet, keep admitting what is allowed.
+        (SchedulePolicy(batch_groups=1, group_size=2, mode="async", min_generate_s=5.0),
+         obs(running_groups=1, ready_groups=("g0",), admitted_groups=2, running_rollouts=2,
+             generating_for_s=1.0),
+         []),
+        # --- failures and shutdown -----------------------------------------------------------
+        # The engine failed during a switch: restart it before anything else.
+        (ASYNC, obs(ready_groups=("g0", "g1"), admitted_groups=2, engine_failed=True), [RestartEngine()]),
+        # Shutdown requested during training: let the step finish (no action) ...
+        (ASYNC, obs(phase="train", stopping=True, admitted_groups=2), []),
+        # ... then stop.
+        (ASYNC, obs(stopping=True, admitted_groups=2, step=1), [Stop("stop requested")]),
+        # A stop wins over an engine failure: nothing is restarted on the way out.
+        (SYNC, obs(stopping=True, engine_failed=True), [Stop("stop requested")]),
     ],
-)
-def test_decide_table(obs: Observation, expected: list[Action]) -> None:
-    assert decide(POLICY, obs) == expected
+)  # fmt: skip
+def test_decide_table(policy: SchedulePolicy, observation: Observation, expected: list[Action]) -> None:
+    assert decide(policy, observation) == expected
 
 
 def test_no_step_limit_never_stops_by_itself() -> None:
     policy = SchedulePolicy(batch_groups=1, group_size=2, max_steps=None)
-    assert decide(policy, Observation(running_groups=0, ready_groups=("g",), step=10_000)) == [Train(("g",))]
+    assert decide(policy, obs(ready_groups=("g",), admitted_groups=1, step=10_000)) == [Train(("g",))]
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_admission_never_runs_more_than_eta_versions_ahead(eta: int) -> None:
+    """Admit greedily for several versions: group g starts at a version v with g//B - v <= eta."""
+    policy = SchedulePolicy(batch_groups=2, group_size=1, mode="async", eta=eta, max_inflight_rollouts=1000)
+    admitted = 0
+    for version in range(5):
+        more = admissible_groups(policy, obs(policy_version=version, admitted_groups=admitted, step=version))
+        for g in range(admitted, admitted + more):
+            assert g // policy.batch_groups - version <= eta
+        admitted += more
+        # The bound is tight: one more group would break it.
+        assert (admitted // policy.batch_groups) - version == eta + 1
+
+
+def test_in_flight_limit_below_a_group_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least group_size"):
+        SchedulePolicy(batch_groups=2, group_size=4, mode="async", max_inflight_rollouts=3)

@@ -1,0 +1,65 @@
+"""Choosing and building the engine a run serves with.
+
+Owns the mapping from ``config.engine`` to an ``Engine`` implementation. The composition root
+calls ``create_engine``; nothing else constructs engines for a real run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance.config import ApplianceConfig
+from appliance.engines.base import Engine
+from appliance.engines.torch_engine import TorchEngine
+from appliance.engines.vllm_engine import VLLMEngine
+from appliance.errors import ConfigError
+
+ENGINES = ("torch", "vllm")
+
+#: The directory holding the ``appliance`` package: where ``make vllm-cpu`` puts ``.venv-vllm``.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def create_engine(config: ApplianceConfig, model_dir: Path) -> Engine:
+    if config.engine == "torch":
+        return TorchEngine(
+            model_dir, device=config.device, max_batch_size=config.max_batch_size, num_threads=config.threads
+        )
+    if config.engine == "vllm":
+        return VLLMEngine(
+            model_dir,
+            python=vllm_python(config.vllm_python),
+            port=config.vllm_port,
+            device=config.device,
+            max_batch_size=config.max_batch_size,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            tensor_parallel_size=config.tensor_parallel_size,
+            max_model_len=config.vllm_max_model_len,
+            cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib,
+            logprobs_mode=vllm_logprobs_mode(config.temperature),
+            log_path=config.data_dir / "logs" / "vllm.log",
+            startup_timeout_s=config.vllm_startup_timeout_s,
+        )
+    raise ConfigError(f"unknown engine {config.engine!r}; available: {', '.join(ENGINES)}")
+
+
+def vllm_python(path: Path) -> Path:
+    """``path`` as given if it exists (or is absolute), else relative to the project root.
+
+    Never resolved: a virtualenv's ``bin/python`` is a symlink to the base interpreter, and
+    following it would lose the venv (and vLLM with it)."""
+    if path.is_absolute() or path.exists():
+        return path
+    rooted = PROJECT_ROOT / path
+    return rooted if rooted.exists() else path
+
+
+def vllm_logprobs_mode(temperature: float | None) -> str:
+    """Which log-probs vLLM reports: the trainer needs those of the tempered, untruncated policy.
+
+    vLLM offers the raw distribution (exact at temperature 1, any top-p) or the processed one
+    (tempered, but renormalised over the top-p nucleus: exact for any temperature at top_p 1).
+    Training calls sample at the configured temperature, so: raw at 1 (or when the client's
+    temperature is kept), processed otherwise.
+    """
+    return "raw_logprobs" if temperature is None or temperature == 1.0 else "processed_logprobs"

@@ -1,0 +1,537 @@
+"""The vLLM engine: an ``Engine`` whose sampling runs in a vLLM server in its own process.
+
+Owns the conversation with one vLLM OpenAI-compatible server over HTTP (aiohttp, loopback):
+token-in/token-out completions (``/v1/completions`` with a token-id prompt, ``return_token_ids``,
+per-token log-probs, streamed when the caller wants each token), weight pushes (the tensors are
+written as safetensors to ``/dev/shm`` and the server's workers reload them in place through
+``/collective_rpc`` -> ``appliance_reload_weights``: vLLM's ``reload_weights(weights_path=...)``
+plus a fix for tied LM heads, see ``appliance.engines.vllm_worker``), sleep and wake (the dev routes),
+and supervision: a server that dies is restarted and given the current weights again, while calls
+fail fast with the retryable ``EngineUnavailable``. Launching and stopping the process is
+``appliance.engines.vllm_process``; chat templates, tools and HTTP to agents are the proxy's.
+
+What vLLM 0.32 returns, measured on the tiny model (float32, CPU): the completion's ids include
+a sampled stop id (so ``finish_reason == "stop"`` ends with it, as the contract wants); the
+per-token log-probs depend on the server's ``--logprobs-mode``. ``raw_logprobs`` (the default)
+gives log_softmax of the raw logits, i.e. the temperature-1 distribution before top-p: equal to a
+teacher-forced float32 pass within ~3e-6 when the temperature is 1 (or greedy) whatever the
+top-p, but untempered otherwise. ``processed_logprobs`` gives them after temperature *and*
+top-k/top-p (renormalised over the nucleus): exact for any temperature when top_p is 1. So the
+factory picks ``raw_logprobs`` when training samples at temperature 1 and ``processed_logprobs``
+otherwise; vLLM has no mode for "tempered, not truncated".
+
+Invariants: a weight push or a sleep waits until no generation runs, and generations wait while
+one is in progress, so every token carries the version that sampled it; the version changes only
+through ``load_weights`` (a push to a dead server is deferred and replayed after the restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+
+import aiohttp
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from appliance.engines.base import GenerateRequest, GenerateResult
+from appliance.engines.vllm_process import (
+    DEFAULT_VLLM_PYTHON,
+    ParsedChoice,
+    ServerClient,
+    ServerProcess,
+    ServerSettings,
+    completion_body,
+    free_port,
+    parse_choice,
+)
+from appliance.errors import BadRequest, ContextTooLong, EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+#: Consecutive failed restarts after which the supervisor gives up (each waits longer).
+MAX_RESTART_FAILURES = 5
+WAKE_TAGS = frozenset({"weights", "kv_cache"})
+
+
+class GenerationGate:
+    """Generations run together; a weight swap or sleep (``exclusive``) waits until none runs,
+    and new generations wait while one is pending. No awaits in ``finally``: cancel-safe."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._exclusive = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def generation(self) -> AsyncIterator[None]:
+        while not self._open.is_set():
+            await self._open.wait()
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._exclusive:
+            self._open.clear()
+            try:
+                await self._idle.wait()
+                yield
+            finally:
+                self._open.set()
+
+
+def validate_request(request: GenerateRequest, *, max_context: int, vocab_size: int) -> None:
+    """The contract's checks, done here so that errors read the same as the torch engine's."""
+    params, prompt = request.params, request.prompt_ids
+    if not prompt:
+        raise BadRequest("the prompt is empty: send at least one token", param="prompt")
+    if params.max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens")
+    if len(prompt) + params.max_tokens > max_context:
+        raise ContextTooLong(
+            f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}, more than "
+            f"the model's context of {max_context} tokens; shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise BadRequest(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise BadRequest(f"temperature must be >= 0, got {params.temperature}", param="temperature")
+    if not 0 < params.top_p <= 1:
+        raise BadRequest(f"top_p must lie in (0, 1], got {params.top_p}", param="top_p")
+    if not 0 <= params.top_logprobs <= 20:
+        raise BadRequest(f"top_logprobs must lie in [0, 20], got {params.top_logprobs}", param="top_logprobs")
+
+
+class VLLMEngine:
+    """An ``Engine`` backed by a vLLM server that this object launches, supervises and stops.
+
+    ``python`` is the interpreter of vLLM's own virtualenv (``make vllm-cpu``); ``port`` 0 picks
+    a free one; ``base_url`` instead attaches to a server already running on this host (no
+    launch, no supervision; weights still travel through ``/dev/shm``, and the server needs the
+    worker extension, as ``vllm_process.server_command`` sets it up). ``max_batch_size`` is
+    vLLM's ``--max-num-seqs``; ``dtype`` defaults to the checkpoint's own; ``log_path`` receives
+    the server's output; ``policy_version`` is the version of the weights in ``model_dir``.
+    ``switch_times`` holds the seconds the last start, push, sleep, wake and restart took.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        python: Path = DEFAULT_VLLM_PYTHON,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        base_url: str | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        max_batch_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        cpu_kv_cache_gib: int = 1,
+        logprobs_mode: str = "raw_logprobs",
+        log_path: Path | None = None,
+        weights_root: Path | None = None,
+        startup_timeout_s: float = 600.0,
+        policy_version: int = 0,
+        served_model_name: str = "policy",
+    ) -> None:
+        self._model_dir = Path(model_dir)
+        config = json.loads((self._model_dir / "config.json").read_text())
+        self._vocab_size = int(config["vocab_size"])
+        self._tied = bool(config.get("tie_word_embeddings", False))
+        self._settings = ServerSettings(
+            model_dir=self._model_dir,
+            python=Path(python),
+            host=host,
+            served_model_name=served_model_name,
+            device=device,
+            dtype=dtype or str(config.get("dtype") or config.get("torch_dtype") or "auto"),
+            max_model_len=max_model_len,
+            max_num_seqs=max_batch_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            cpu_kv_cache_gib=cpu_kv_cache_gib,
+            extra_args=("--logprobs-mode", logprobs_mode),
+        )
+        self._port = port
+        self._attached_url = base_url.rstrip("/") if base_url else None
+        self._log_path = log_path or Path(tempfile.gettempdir()) / "appliance-vllm.log"
+        self._weights_root_arg = weights_root
+        self._startup_timeout_s = startup_timeout_s
+        self._policy_version = policy_version
+        self._max_context = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._server: ServerProcess | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._gate = GenerationGate()
+        self._inflight: set[asyncio.Task[ParsedChoice]] = set()
+        self._closed = False
+        #: Why the server cannot serve now (restarting, gave up); None while it serves.
+        self._down: str | None = "not started"
+        #: Why the engine cannot serve at all any more (restarts gave up); None otherwise.
+        self._failed: str | None = None
+        #: Sleep state: which of "weights" / "kv_cache" are released, and the last level.
+        self._released: set[str] = set()
+        self._sleep_level = 1
+        self._weights_root: Path | None = None
+        #: The directory holding the weights the server should serve (None: ``model_dir``'s).
+        self._weights_dir: Path | None = None
+        #: The server's weights may differ from ``_weights_dir``: push before serving again.
+        self._push_pending = False
+        self._pushes = 0
+        self.restarts = 0
+        #: Seconds the last start / push / sleep / wake / restart took, for callers to log.
+        self.switch_times: dict[str, float] = {}
+        #: What the server's ``/is_sleeping`` said after the last sleep or wake.
+        self.server_sleeping: bool | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def base_url(self) -> str:
+        if self._attached_url is not None:
+            return self._attached_url
+        if self._server is None:
+            raise EngineUnavailable("the vLLM engine has not been started")
+        return self._server.base_url
+
+    @property
+    def _client(self) -> ServerClient:
+        if self._session is None:
+            raise EngineUnavailable("the vLLM engine has not been started")
+        return ServerClient(self._session, self.base_url)
+
+    @property
+    def server_pid(self) -> int | None:
+        """The launched server's pid (its process group id too); None when attached."""
+        return None if self._server is None else self._server.pid
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._released)
+
+    async def start(self) -> None:
+        if self._closed:
+            raise EngineUnavailable("the vLLM engine is closed; create a new one")
+        if self._session is not None:
+            return
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, connect=30)
+        )
+        started = time.monotonic()
+        try:
+            if self._attached_url is None:
+                self._server = self._new_server(self._port)
+                await self._server.start(self._session, self._startup_timeout_s)
+            await self._read_server_info()
+        except BaseException:
+            await self.close()
+            raise
+        self.switch_times["start"] = time.monotonic() - started
+        self._down = None
+        if self._server is not None:
+            self._supervisor = asyncio.create_task(self._supervise(), name="vllm-supervisor")
+
+    def _new_server(self, port: int) -> ServerProcess:
+        return ServerProcess(
+            self._settings, port=port or free_port(self._settings.host), log_path=self._log_path
+        )
+
+    async def _read_server_info(self) -> None:
+        models = await self._client.call("GET", "/v1/models")
+        self._max_context = int(models["data"][0]["max_model_len"])
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._down = "the vLLM engine was closed"
+        for task in list(self._inflight):
+            task.cancel()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        if self._server is not None:
+            await self._server.stop()
+        if self._session is not None:
+            await self._session.close()
+        if self._weights_root is not None:
+            await asyncio.to_thread(shutil.rmtree, self._weights_root, True)
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise EngineUnavailable("the vLLM engine is closed")
+        if self._session is None:
+            raise EngineUnavailable("the vLLM engine has not been started")
+        if self._failed is not None:
+            raise EngineUnavailable(f"the vLLM server is gone: {self._failed}")
+
+    def _ensure_serving(self) -> None:
+        self._ensure_open()
+        if self._down is not None:
+            raise EngineUnavailable(f"the vLLM server is not serving ({self._down}); retry shortly")
+        if self._push_pending and not self._released:
+            # A push failed half-way: the served weights may not be the version's.
+            raise EngineUnavailable("a weight push did not complete; serving resumes after the next one")
+        if self._released:
+            raise EngineUnavailable("the vLLM engine is asleep (the machine is training); retry shortly")
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self._ensure_serving()
+        validate_request(request, max_context=self._max_context, vocab_size=self._vocab_size)
+        queued = time.monotonic()
+        async with self._gate.generation():
+            self._ensure_serving()
+            version = self._policy_version
+            started = time.monotonic()
+            task = asyncio.ensure_future(self._complete(request))
+            self._inflight.add(task)
+            try:
+                choice = await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if self._closed and (current is None or not current.cancelling()):
+                    raise EngineUnavailable("the vLLM engine was closed") from None
+                raise
+            finally:
+                self._inflight.discard(task)
+                task.cancel()
+        return GenerateResult(
+            token_ids=choice.token_ids,
+            logprobs=choice.logprobs,
+            finish_reason=str(choice.finish_reason),
+            policy_version=version,
+            queue_s=started - queued,
+            gen_s=time.monotonic() - started,
+            # vLLM adds the sampled token to the k most likely when it is not among them.
+            top_logprobs=tuple(top[:k] for top in choice.top_logprobs)
+            if (k := request.params.top_logprobs)
+            else (),
+        )
+
+    async def _complete(self, request: GenerateRequest) -> ParsedChoice:
+        body = completion_body(request, self._settings.served_model_name, self._vocab_size)
+        if request.on_token is None:
+            return parse_choice(await self._client.call("POST", "/v1/completions", body))
+        parts: list[ParsedChoice] = []
+        async for chunk in self._client.stream("/v1/completions", body):
+            part = parse_choice(chunk, final=False)
+            parts.append(part)
+            for token, logprob in zip(part.token_ids, part.logprobs, strict=True):
+                request.on_token(token, logprob)
+        return ParsedChoice.join(parts)
+
+    # -- weights ----------------------------------------------------------------------------
+
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write ``state_dict`` to shared memory and have the server reload it in place, once no
+        generation runs; serve ``version`` from then on. Keys and shapes must match the
+        checkpoint in ``model_dir`` (a tied ``lm_head.weight`` may be left out or included).
+        The swap runs in its own task: if the caller is cancelled, it still completes."""
+        self._ensure_open()
+        tensors = await asyncio.to_thread(self._checked_weights, state_dict)
+        await asyncio.shield(asyncio.ensure_future(self._swap(tensors, version)))
+
+    def _checked_weights(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        expected = self._checkpoint_shapes()
+        weights = dict(state_dict)
+        if self._tied and "lm_head.weight" not in expected:
+            weights.pop("lm_head.weight", None)  # vLLM ties it to the embedding itself
+        missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
+        misshapen = [k for k in expected.keys() & weights.keys() if tuple(weights[k].shape) != expected[k]]
+        if missing or unexpected or misshapen:
+            raise BadRequest(
+                "the state dict does not fit the served model: "
+                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}, "
+                f"wrong shapes {sorted(misshapen)[:5]}"
+            )
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in weights.items():
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.data_ptr() in seen:  # safetensors refuses tensors that share memory
+                tensor = tensor.clone()
+            seen.add(tensor.data_ptr())
+            out[name] = tensor
+        return out
+
+    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for path in sorted(self._model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        return shapes
+
+    async def _swap(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        async with self._gate.exclusive():
+            self._ensure_open()
+            started = time.monotonic()
+            directory = await asyncio.to_thread(self._write_weights, tensors)
+            previous, self._weights_dir, self._push_pending = self._weights_dir, directory, True
+            try:
+                await self._sync_weights()
+            except EngineUnavailable:
+                if not await self._server_died():
+                    self._weights_dir = previous
+                    await asyncio.to_thread(shutil.rmtree, directory, True)
+                    raise
+                # The server died under the push: the supervisor pushes these weights after
+                # the restart, before anything is served again.
+                log.warning("vLLM died during a weight push; version %d is pushed after its restart", version)
+            self._policy_version = version
+            if previous is not None:
+                await asyncio.to_thread(shutil.rmtree, previous, True)
+            self.switch_times["push"] = time.monotonic() - started
+
+    async def _server_died(self, grace_s: float = 2.0) -> bool:
+        """Whether the launched server has exited (waiting ``grace_s`` for it to be reaped)."""
+        server = self._server
+        if server is None:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(server.wait()), grace_s)
+        return server.returncode is not None
+
+    def _write_weights(self, tensors: dict[str, torch.Tensor]) -> Path:
+        if self._weights_root is None:
+            shm = Path("/dev/shm")
+            base = self._weights_root_arg or (shm if shm.is_dir() else None)
+            self._weights_root = Path(tempfile.mkdtemp(prefix="appliance-vllm-weights-", dir=base))
+        self._pushes += 1
+        directory = self._weights_root / f"push-{self._pushes}"
+        directory.mkdir()
+        save_file(tensors, str(directory / "model.safetensors"))
+        return directory
+
+    async def _sync_weights(self) -> None:
+        """Push the current weights if the server may lack them and can take them now."""
+        if not self._push_pending or "weights" in self._released or self._down is not None:
+            return
+        directory = self._weights_dir or self._model_dir
+        # reload_weights(weights_path=...) plus a fix for tied LM heads (vllm_worker.py).
+        body = {"method": "appliance_reload_weights", "args": [str(directory)]}
+        await self._client.call("POST", "/collective_rpc", body)
+        # Cached prefixes hold keys and values of the old weights. The reset fails while blocks
+        # are held (a just-aborted request may still hold some): retry briefly.
+        for _ in range(50):
+            if (await self._client.call("POST", "/reset_prefix_cache"))["success"]:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise EngineUnavailable("vLLM did not reset its prefix cache after a weight push; retry")
+        self._push_pending = False
+
+    # -- sleep and wake ---------------------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        """Wait for running generations, then ``POST /sleep?level=&mode=wait``. Level 2 discards
+        the weights: they are pushed again on wake unless ``load_weights`` comes in between.
+        vLLM on CPU has no sleep mode: the call is made and answered, and frees nothing. While
+        the server restarts there is nothing to put to sleep: only the state is kept."""
+        if level not in (1, 2):
+            raise BadRequest(f"sleep level must be 1 or 2, got {level}", param="level")
+        self._ensure_open()
+        async with self._gate.exclusive():
+            started = time.monotonic()
+            self._sleep_level = level
+            if self._down is None:
+                await self._client.call("POST", f"/sleep?level={level}&mode=wait")
+                self.server_sleeping = bool((await self._client.call("GET", "/is_sleeping"))["is_sleeping"])
+            self._released = set(WAKE_TAGS)
+            self._push_pending = self._push_pending or level == 2
+            self.switch_times["sleep"] = time.monotonic() - started
+
+    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """``POST /wake_up?tags=...``; weights that were discarded or pushed while released go
+        in right after "weights" comes back."""
+        self._ensure_open()
+        unknown = set(tags) - WAKE_TAGS
+        if unknown:
+            raise BadRequest(
+                f"unknown wake tags {sorted(unknown)}; use 'weights' and 'kv_cache'", param="tags"
+            )
+        async with self._gate.exclusive():
+            started = time.monotonic()
+            if self._down is None:
+                await self._client.call("POST", "/wake_up?" + "&".join(f"tags={tag}" for tag in tags))
+            self._released -= set(tags)
+            await self._sync_weights()
+            if self._down is None:
+                self.server_sleeping = bool((await self._client.call("GET", "/is_sleeping"))["is_sleeping"])
+            self.switch_times["wake"] = time.monotonic() - started
+
+    # -- supervision ------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Restart the server whenever it exits, then give it the current weights again."""
+        while True:
+            assert self._server is not None
+            status = await self._server.wait()
+            self._down = f"the server exited with status {status} and is restarting"
+            log.warning("vLLM server exited with status %s; restarting (log: %s)", status, self._log_path)
+            await self._server.stop()  # what is left of its process group
+            started = time.monotonic()
+            failures = 0
+            while not await self._restart():
+                failures += 1
+                if failures >= MAX_RESTART_FAILURES:
+                    self._failed = f"gave up after {failures} failed restarts; see {self._log_path}"
+                    log.error("vLLM: %s", self._failed)
+                    return
+                await asyncio.sleep(min(30.0, 2.0**failures))
+            self.restarts += 1
+            self.switch_times["restart"] = time.monotonic() - started
+            log.info("vLLM restarted in %.1f s (pid %s)", self.switch_times["restart"], self.server_pid)
+
+    async def _restart(self) -> bool:
+        """One attempt: a new server (fresh port), asleep if the engine is, with the weights."""
+        assert self._session is not None
+        try:
+            self._server = self._new_server(0)
+            await self._server.start(self._session, self._startup_timeout_s)
+            await self._read_server_info()
+            async with self._gate.exclusive():
+                self._down = None
+                self._push_pending = self._push_pending or self._weights_dir is not None
+                if self._released:  # it died asleep: the accelerator is still the trainer's
+                    await self._client.call("POST", f"/sleep?level={self._sleep_level}&mode=wait")
+                    self._push_pending = self._push_pending or self._sleep_level == 2
+                await self._sync_weights()
+        except EngineUnavailable as exc:
+            self._down = f"a restart failed: {exc.message}"
+            log.error("vLLM restart failed: %s", exc.message)
+            if self._server is not None:
+                await self._server.stop()
+            return False
+        return True

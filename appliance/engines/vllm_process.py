@@ -1,0 +1,443 @@
+"""One vLLM OpenAI-compatible server: its process, and the shape of what it is sent and answers.
+
+Owns the command line and environment of the server (``python -m
+vllm.entrypoints.openai.api_server`` from vLLM's own virtualenv, with the dev/RL routes on),
+its log file, picking a free port, waiting for ``/health``, stopping its whole process group,
+and the wire format of a token-in/token-out completion (``completion_body``, ``parse_choice``).
+It does not own when to call what, versions, locking or restarts: that is
+``appliance.engines.vllm_engine``.
+
+vLLM never runs in the appliance's interpreter: it pins torch and transformers versions that
+conflict with the trainer's (see ``make vllm-cpu``), so it lives in ``.venv-vllm`` and is only
+ever reached over HTTP on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from appliance.engines.base import GenerateRequest
+from appliance.engines.sampling import TopLogprobs
+from appliance.errors import BadRequest, EngineUnavailable
+
+#: Where ``make vllm-cpu`` / ``make vllm-gpu`` put vLLM's interpreter (relative to the repo root).
+DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
+#: The name ``vllm_worker.py`` is importable under in the server (see ``install_worker_extension``).
+WORKER_MODULE = "appliance_vllm_worker"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSettings:
+    """Everything the server's command line is made of."""
+
+    model_dir: Path
+    python: Path = DEFAULT_VLLM_PYTHON
+    host: str = "127.0.0.1"
+    served_model_name: str = "policy"
+    device: str = "cpu"
+    #: "auto" or a torch dtype name; passed as ``--dtype``.
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    #: GiB of host memory for the KV cache on CPU (``VLLM_CPU_KVCACHE_SPACE``).
+    cpu_kv_cache_gib: int = 1
+    #: Seed of the server's global generator (unseeded requests draw from it).
+    seed: int = 0
+    #: Extra command-line arguments appended as they are.
+    extra_args: tuple[str, ...] = ()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS picks it; a race with another process is possible)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(settings: ServerSettings, port: int) -> list[str]:
+    """The argv that starts the server (the ``vllm`` console script is not used: it fails on
+    vllm-cpu; the module entry point works everywhere)."""
+    cmd = [
+        str(settings.python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(settings.model_dir),
+        "--served-model-name",
+        settings.served_model_name,
+        "--host",
+        settings.host,
+        "--port",
+        str(port),
+        "--dtype",
+        settings.dtype,
+        "--max-num-seqs",
+        str(settings.max_num_seqs),
+        "--seed",
+        str(settings.seed),
+        # CUDA graphs / torch.compile cost minutes at start and break weight reloads.
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+        # Weight pushes go through the appliance's worker extension (see vllm_worker.py).
+        "--worker-extension-cls",
+        f"{WORKER_MODULE}.ApplianceWorkerExtension",
+    ]
+    if settings.max_model_len is not None:
+        cmd += ["--max-model-len", str(settings.max_model_len)]
+    if settings.device != "cpu":
+        cmd += [
+            "--gpu-memory-utilization",
+            str(settings.gpu_memory_utilization),
+            "--tensor-parallel-size",
+            str(settings.tensor_parallel_size),
+            # Sleep mode (a CUDA memory pool that can be released) exists on GPUs only.
+            "--enable-sleep-mode",
+        ]
+    return cmd + list(settings.extra_args)
+
+
+def server_env(settings: ServerSettings, extension_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    # The dev routes: /sleep, /wake_up, /is_sleeping, /collective_rpc, /reset_prefix_cache, ...
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_gib))
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # The appliance's own venv must not leak into vLLM's interpreter: its path holds only the
+    # worker extension.
+    env["PYTHONPATH"] = str(extension_dir)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def install_worker_extension() -> Path:
+    """A fresh directory holding ``vllm_worker.py`` as the module ``WORKER_MODULE``, alone (the
+    appliance's packages must not be importable in vLLM's interpreter)."""
+    directory = Path(tempfile.mkdtemp(prefix="appliance-vllm-ext-"))
+    shutil.copyfile(Path(__file__).with_name("vllm_worker.py"), directory / f"{WORKER_MODULE}.py")
+    return directory
+
+
+class ServerProcess:
+    """One launched server: ``start`` returns once ``/health`` answers; ``stop`` ends its group."""
+
+    def __init__(self, settings: ServerSettings, *, port: int, log_path: Path) -> None:
+        self.settings = settings
+        self.port = port
+        self.log_path = log_path
+        self.process: asyncio.subprocess.Process | None = None
+        self._extension_dir: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the process has been reaped; None while it runs."""
+        return None if self.process is None else self.process.returncode
+
+    async def start(self, session: aiohttp.ClientSession, timeout_s: float) -> float:
+        """Launch the server and wait until it is healthy; returns the seconds that took.
+
+        Raises ``EngineUnavailable`` (with the log's tail) if it exits or times out first; the
+        process is stopped then.
+        """
+        python = self.settings.python
+        if not python.exists():
+            raise EngineUnavailable(
+                f"vLLM's interpreter {python} does not exist: run `make vllm-cpu` (or `make vllm-gpu` "
+                "on a machine with a CUDA GPU) to create its virtualenv, or point vllm_python at one"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._extension_dir = install_worker_extension()
+        started = time.monotonic()
+        with self.log_path.open("ab") as log_file:
+            log_file.write(f"\n==> starting vLLM on port {self.port}\n".encode())
+            log_file.flush()
+            self.process = await asyncio.create_subprocess_exec(
+                *server_command(self.settings, self.port),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                env=server_env(self.settings, self._extension_dir),
+                # Its own process group: vLLM forks an engine-core process, and stop() must
+                # reach it too.
+                start_new_session=True,
+            )
+        try:
+            await self._wait_healthy(session, started + timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+        return time.monotonic() - started
+
+    async def _wait_healthy(self, session: aiohttp.ClientSession, deadline: float) -> None:
+        assert self.process is not None
+        while True:
+            if self.process.returncode is not None:
+                raise EngineUnavailable(
+                    f"the vLLM server exited with status {self.process.returncode} while starting; "
+                    f"its log {self.log_path} ends with:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(
+                    f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=2)
+                ) as response:
+                    if response.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(
+                    f"the vLLM server did not become healthy in time; its log {self.log_path} ends "
+                    f"with:\n{self.log_tail()}"
+                )
+            await asyncio.sleep(0.5)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def wait(self) -> int:
+        """Wait until the server process exits; returns its status."""
+        assert self.process is not None
+        return await self.process.wait()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """End the server and its whole process group; returns once none of it is left.
+
+        SIGTERM goes to the server alone first: it shuts its engine core down itself
+        (signalling the whole group at once makes it log the engine's death as an error).
+        Whatever is left after ``grace_s`` gets SIGTERM, then SIGKILL."""
+        process = self.process
+        follows = False
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), grace_s)
+                follows = True
+            except TimeoutError:
+                self._kill_group(signal.SIGKILL)
+                await process.wait()
+        # After a clean exit the rest of the group (engine core, workers, multiprocessing's
+        # resource tracker, which unlinks leftover shared memory in /dev/shm on its way out)
+        # follows the leader; a SIGKILL now would leave that memory behind. After a crash the
+        # orphans stay: ask them, wait, then insist.
+        if not await self._group_gone(grace_s if follows else 0.0):
+            self._kill_group(signal.SIGTERM)
+            if not await self._group_gone(grace_s):
+                self._kill_group(signal.SIGKILL)
+        if self._extension_dir is not None:
+            shutil.rmtree(self._extension_dir, ignore_errors=True)
+            self._extension_dir = None
+
+    async def _group_gone(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no process of the group is left."""
+        deadline = time.monotonic() + timeout_s
+        while self.process is not None:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the server process alone: what a crash looks like (its engine core lives on
+        until ``stop`` ends the group). Tests use it."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+    def _kill_group(self, sig: signal.Signals) -> None:
+        if self.process is None:
+            return
+        # The group id is the leader's pid (start_new_session); it outlives the leader while
+        # any member lives, and killpg on a gone group raises ProcessLookupError.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
+
+class ServerClient:
+    """JSON calls and server-sent-event streams to one server; what goes wrong on the wire comes
+    out as ``EngineUnavailable`` (retryable) or, for a 4xx, ``BadRequest``."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        self.session = session
+        self.base_url = base_url
+
+    async def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        try:
+            async with self.session.request(
+                method, self.base_url + path, data=None if body is None else json.dumps(body), headers=_JSON
+            ) as response:
+                try:
+                    text = await response.text()
+                except BaseException:
+                    response.close()  # a cancelled call drops the connection: vLLM aborts it
+                    raise
+                _raise_for_status(response.status, text, path)
+                return json.loads(text) if text else None
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"the vLLM server did not answer {path}: {exc!r}; retry shortly") from exc
+
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The ``data:`` events of a server-sent-event response, until ``[DONE]``."""
+        try:
+            async with self.session.post(
+                self.base_url + path, data=json.dumps(body), headers=_JSON
+            ) as response:
+                if response.status != 200:
+                    _raise_for_status(response.status, await response.text(), path)
+                try:
+                    async for raw in response.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        event = json.loads(data)
+                        if "error" in event:
+                            _raise_for_status(int(event["error"].get("code") or 500), data.decode(), path)
+                        yield event
+                except BaseException:
+                    # Cancelled or failed mid-stream: drop the connection, which makes vLLM
+                    # abort the request (a connection released for keep-alive would not).
+                    response.close()
+                    raise
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"the vLLM server broke off {path}: {exc!r}; retry shortly") from exc
+        raise EngineUnavailable(f"the vLLM server ended the stream of {path} without [DONE]; retry")
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _raise_for_status(status: int, text: str, path: str) -> None:
+    if status < 400:
+        return
+    try:
+        message = str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = text[:500]
+    if 400 <= status < 500:
+        raise BadRequest(f"vLLM rejected {path}: {message}")
+    raise EngineUnavailable(f"vLLM failed on {path} (HTTP {status}): {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedChoice:
+    """The tokens of one completion (or of one streamed chunk of it)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[TopLogprobs, ...]
+    #: "stop" / "length"; None for a chunk that is not the last.
+    finish_reason: str | None
+
+    @staticmethod
+    def join(parts: list[ParsedChoice]) -> ParsedChoice:
+        """The whole completion from its streamed chunks, in order."""
+        choice = ParsedChoice(
+            token_ids=tuple(t for p in parts for t in p.token_ids),
+            logprobs=tuple(lp for p in parts for lp in p.logprobs),
+            top_logprobs=tuple(top for p in parts for top in p.top_logprobs),
+            finish_reason=parts[-1].finish_reason if parts else None,
+        )
+        return _checked(choice)
+
+
+def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> dict[str, Any]:
+    """The ``/v1/completions`` body that samples ``request`` token for token.
+
+    Explicit stop ids replace the model's end-of-sequence ids (``ignore_eos``), as in the engine
+    contract; ids outside the vocabulary (the contract's "never stop" id) are left out, since no
+    sampled token can equal them. ``return_tokens_as_token_ids`` keys the top log-probs by id.
+    """
+    params = request.params
+    stop = [t for t in params.stop_token_ids if 0 <= t < vocab_size]
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": [int(t) for t in request.prompt_ids],
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "logprobs": params.top_logprobs,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "stream": request.on_token is not None,
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop_token_ids:
+        body["stop_token_ids"] = stop
+        body["ignore_eos"] = True
+    return body
+
+
+def parse_choice(response: dict[str, Any], *, final: bool = True) -> ParsedChoice:
+    """The tokens of ``choices[0]`` of a completion response or stream chunk.
+
+    vLLM returns a sampled stop id as the last of ``token_ids`` (with its log-prob), so nothing
+    is added here; ``final`` responses must end with "stop" or "length".
+    """
+    try:
+        choice = response["choices"][0]
+        token_ids = tuple(int(t) for t in choice.get("token_ids") or ())
+        logprobs_block = choice.get("logprobs") or {}
+        logprobs = tuple(float(lp) for lp in logprobs_block.get("token_logprobs") or ())
+        tops = tuple(_top(entry) for entry in logprobs_block.get("top_logprobs") or ())
+        finish = choice.get("finish_reason")
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise EngineUnavailable(f"vLLM answered a completion in an unexpected shape: {exc!r}") from exc
+    parsed = ParsedChoice(token_ids, logprobs, tops, finish)
+    return _checked(parsed) if final else parsed
+
+
+def _top(entry: dict[str, float] | None) -> TopLogprobs:
+    """``{"token_id:12": -0.1, ...}`` as ((12, -0.1), ...), most likely first."""
+    pairs = ((int(key.rpartition(":")[2]), float(lp)) for key, lp in (entry or {}).items())
+    return tuple(sorted(pairs, key=lambda pair: -pair[1]))
+
+
+def _checked(choice: ParsedChoice) -> ParsedChoice:
+    if choice.finish_reason == "abort":
+        raise EngineUnavailable("vLLM aborted the generation (paused, sleeping or restarting); retry")
+    if choice.finish_reason not in ("stop", "length"):
+        raise EngineUnavailable(f"vLLM ended a completion with finish_reason {choice.finish_reason!r}")
+    if len(choice.logprobs) != len(choice.token_ids) or not choice.token_ids:
+        raise EngineUnavailable(
+            f"vLLM returned {len(choice.token_ids)} token ids but {len(choice.logprobs)} log-probs"
+        )
+    return choice

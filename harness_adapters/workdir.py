@@ -1,0 +1,112 @@
+"""Rollout directories: a fresh place on disk for each rollout, and its removal.
+
+Owns the layout of one rollout's directory and its lifetime. It knows nothing about what runs
+there. Layout (``<root>/<rollout id>-<random>/``)::
+
+    work/           the agent's working directory: a copy of the task's repo snapshot (a
+                    directory, or a .tar/.tar.gz/.zip archive unpacked), else empty
+    home/  tmp/     HOME and TMPDIR of every process of the rollout
+    task.json       {"id": ..., "data": {...}}: the whole task, for agents that want it
+    reward          an agent may write its reward here (a float), see ``LA_REWARD_FILE``
+    agent.stdout    agent.stderr    verifier.stdout    verifier.stderr
+
+Creating one is blocking file I/O (a repo copy), so it runs in a thread. A failure to create
+it is an ``InfraError``: nothing has started yet, so the rollout can be retried as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from harness_adapters.base import InfraError, Task
+
+KeepPolicy = Literal["never", "failed", "always"]
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
+
+
+def default_root() -> Path:
+    return Path(tempfile.gettempdir()) / "lightning-appliance" / "rollouts"
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutDir:
+    root: Path
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def task_json(self) -> Path:
+        return self.root / "task.json"
+
+    @property
+    def reward_file(self) -> Path:
+        return self.root / "reward"
+
+    def log(self, name: str, stream: Literal["stdout", "stderr"]) -> Path:
+        return self.root / f"{name}.{stream}"
+
+
+def _safe_name(rollout_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", rollout_id)[:80] or "rollout"
+
+
+def copy_snapshot(source: Path, dest: Path) -> None:
+    """Copy a directory, or unpack an archive, into ``dest`` (which must not exist yet)."""
+    if source.is_dir():
+        shutil.copytree(source, dest, symlinks=True)
+    elif source.is_file() and source.name.endswith(ARCHIVE_SUFFIXES):
+        dest.mkdir()
+        shutil.unpack_archive(source, dest, filter="data")
+    else:
+        raise FileNotFoundError(f"repo snapshot {str(source)!r} is neither a directory nor an archive")
+
+
+def _create(root: Path, task: Task, rollout_id: str, source: Path | None) -> RolloutDir:
+    root.mkdir(parents=True, exist_ok=True)
+    rdir = RolloutDir(Path(tempfile.mkdtemp(prefix=_safe_name(rollout_id) + "-", dir=root)))
+    try:
+        if source is not None:
+            copy_snapshot(source, rdir.work)
+        else:
+            rdir.work.mkdir()
+        rdir.home.mkdir()
+        rdir.tmp.mkdir()
+        rdir.task_json.write_text(json.dumps({"id": task.id, "data": task.data}, default=str))
+    except BaseException:
+        shutil.rmtree(rdir.root, ignore_errors=True)
+        raise
+    return rdir
+
+
+async def create_rollout_dir(
+    root: Path, task: Task, rollout_id: str, *, source: Path | None = None
+) -> RolloutDir:
+    """A new rollout directory (with the task's snapshot copied in); ``InfraError`` on failure."""
+    try:
+        return await asyncio.to_thread(_create, root, task, rollout_id, source)
+    except OSError as exc:
+        raise InfraError(f"could not create the rollout directory under {str(root)!r}: {exc}") from exc
+
+
+async def release_rollout_dir(rdir: RolloutDir, *, failed: bool, keep: KeepPolicy) -> None:
+    """Remove the directory unless the policy keeps it (failed rollouts, by default)."""
+    if keep == "always" or (keep == "failed" and failed):
+        return
+    await asyncio.to_thread(shutil.rmtree, rdir.root, True)

@@ -1,0 +1,88 @@
+"""Predict sync vs async scheduling on this machine: seconds per step, GPU busy, speedup.
+
+Drives the scheduler's own ``decide`` in the discrete-event simulator
+(``appliance/scheduler/simulate.py``) for a SWE-agent-like long-tailed workload and a uniform one,
+in sync mode and async mode at each staleness bound, and prints one table. The cost model
+defaults to a 9B model on one H200; give measured figures with the flags or a JSON file whose
+keys are the fields of ``CostModel`` (``docs/scheduler.md``: what to measure, and where).
+
+    .venv/bin/python scripts/simulate.py [--steps 20] [--batch-groups 8] [--group-size 8]
+        [--switch-s 12] [--train-step-s 30] [--tokens-per-s 8000] [--b-half 48] [--cost-json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from appliance.scheduler.simulate import WORKLOADS, CostModel, compare, format_table
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="default: swe and uniform")
+parser.add_argument("--steps", type=int, default=20, help="measured steps (after the warm-up)")
+parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+parser.add_argument("--batch-groups", type=int, default=8, help="groups per training step")
+parser.add_argument("--group-size", type=int, default=8, help="rollouts per group")
+parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2], help="async staleness bounds")
+parser.add_argument("--min-generate-s", type=float, default=0.0, help="SchedulePolicy.min_generate_s")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--cost-json", type=Path, help="JSON object of CostModel fields (flags override it)")
+parser.add_argument("--tokens-per-s", type=float, help="peak aggregate decode tokens/s")
+parser.add_argument("--b-half", type=float, help="decoding sequences at half the peak")
+parser.add_argument("--prefill-tokens-per-s", type=float, help="aggregate prefill tokens/s")
+parser.add_argument("--train-step-s", type=float, help="fixed seconds per training step")
+parser.add_argument("--train-s-per-token", type=float, help="training seconds per trained token")
+parser.add_argument("--switch-s", type=float, help="seconds of each switch (both directions)")
+parser.add_argument("--switch-to-train-s", type=float, help="seconds of the switch to training")
+parser.add_argument("--switch-to-generate-s", type=float, help="seconds of the switch back")
+parser.add_argument(
+    "--keep-kv", action="store_true", help="running rollouts keep their KV cache over a switch"
+)
+args = parser.parse_args()
+
+cost = CostModel()
+if args.cost_json is not None:
+    cost = CostModel.from_mapping(json.loads(args.cost_json.read_text()), cost)
+flags = {
+    "peak_tokens_per_s": args.tokens_per_s,
+    "b_half": args.b_half,
+    "prefill_tokens_per_s": args.prefill_tokens_per_s,
+    "train_step_s": args.train_step_s,
+    "train_s_per_token": args.train_s_per_token,
+    "switch_to_train_s": args.switch_to_train_s if args.switch_to_train_s is not None else args.switch_s,
+    "switch_to_generate_s": args.switch_to_generate_s
+    if args.switch_to_generate_s is not None
+    else args.switch_s,
+    "kv_dropped_on_switch": False if args.keep_kv else None,
+}
+cost = CostModel.from_mapping({name: value for name, value in flags.items() if value is not None}, cost)
+
+print("cost model: " + ", ".join(f"{name}={value}" for name, value in asdict(cost).items()))
+print(
+    f"{args.batch_groups} groups x {args.group_size} rollouts per step, {args.steps} steps measured after "
+    f"{args.warmup}, seed {args.seed}\n"
+)
+results = compare(
+    [WORKLOADS[name] for name in args.workload or ["swe", "uniform"]],
+    cost,
+    etas=args.etas,
+    batch_groups=args.batch_groups,
+    group_size=args.group_size,
+    steps=args.steps,
+    warmup=args.warmup,
+    seed=args.seed,
+    min_generate_s=args.min_generate_s,
+)
+print(format_table(results))
+print(
+    """
+s/step   end-to-end seconds per training step
+busy     decoding (even one sequence), prefilling or training; switch / train: their own shares
+stale    mean versions behind of trained sampled tokens
+max      most versions behind of a sampled token; async masks those over eta (masked: their share)
+batch    mean sequences decoding at once
+KV drop  cached context tokens a switch discarded per step (prefilled again afterwards)
+speedup  sync s/step over this row's; tokens: this row's trained tokens/s over sync's"""
+)

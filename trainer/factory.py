@@ -1,0 +1,49 @@
+"""Choosing a training backend by name: :func:`make_trainer`.
+
+Owns the names of the backends and which class each one builds. It does not own the backends
+(``trainer.policy``: plain torch + transformers on one device; ``trainer.verl_backend``: verl's
+FSDP engine) nor the configuration that picks one (the appliance's config).
+
+Both take ``model_dir`` and the common options ``device``, ``lr``, ``weight_decay``,
+``grad_clip``, ``clip_ratio``, ``clip_ratio_high``, ``temperature``, ``max_tokens_per_microbatch``,
+``loss``, ``off_policy``, ``is_cap``, ``normalization``, ``max_sample_tokens``, ``overflow``. Only
+"verl" has ``kl_coef``/``kl_type`` (a reference model), ``lora_rank``/``lora_alpha``,
+``mini_batches``, ``param_dtype`` and ``gradient_checkpointing``. The defaults differ in one
+place: ``off_policy`` is "bypass" for "torch" (its historical behaviour) and "decoupled" (truncated
+importance sampling) for "verl".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from trainer.items import Trainer
+
+Backend = Literal["torch", "verl"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+
+#: Options only the verl backend understands.
+VERL_ONLY_OPTIONS = frozenset(
+    {"kl_coef", "kl_type", "lora_rank", "lora_alpha", "mini_batches", "param_dtype", "gradient_checkpointing"}
+)
+
+
+def make_trainer(backend: Backend, model_dir: str | Path, **options: Any) -> Trainer:
+    """A trainer of ``backend`` ("torch" or "verl") for the model in ``model_dir``.
+
+    Raises ``ValueError`` for an unknown backend, or for verl-only options given to "torch"
+    (rather than silently training without, say, the KL term that was asked for).
+    """
+    if backend == "torch":
+        unsupported = sorted(VERL_ONLY_OPTIONS & options.keys())
+        if unsupported:
+            raise ValueError(f"options {unsupported} need backend='verl'; the torch backend has none of them")
+        from trainer.policy import PolicyTrainer  # heavy imports: only the chosen backend's
+
+        return PolicyTrainer(model_dir, **options)
+    if backend == "verl":
+        from trainer.verl_backend import VerlFSDPTrainer
+
+        return VerlFSDPTrainer(model_dir, **options)
+    raise ValueError(f"unknown trainer backend {backend!r}; use one of {', '.join(BACKENDS)}")
