@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from openai import AsyncOpenAI
+
+from appliance.app import Appliance
 from appliance.config import ApplianceConfig, load_config
+from appliance.rollouts import ActiveRollout
+from store.events import LLMCallCompleted
 
 
 def make_config(tmp_path: Path, model_dir: Path, **overrides: object) -> ApplianceConfig:
@@ -19,3 +24,26 @@ def make_config(tmp_path: Path, model_dir: Path, **overrides: object) -> Applian
     }
     values.update(overrides)
     return load_config(overrides=values, env={})
+
+
+def register_rollout(app: Appliance, name: str = "r1") -> ActiveRollout:
+    """A live rollout registered with the proxy directly (no harness, no RolloutCreated event)."""
+    return app.registry.register(name, task_id="t", group="g", task={})
+
+
+def rollout_base(app: Appliance, active: ActiveRollout) -> str:
+    """The rollout's base URL without ``/v1`` (what Anthropic clients take)."""
+    return f"{app.proxy_url}/rollouts/{active.rollout}"
+
+
+def openai_client(app: Appliance, active: ActiveRollout) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=rollout_base(app, active) + "/v1", api_key=active.token, max_retries=0)
+
+
+async def recorded_calls(app: Appliance) -> list[LLMCallCompleted]:
+    """Every model call in the store, in order."""
+    return [
+        s.event
+        for s in await app.store.read(types={"LLMCallCompleted"})
+        if isinstance(s.event, LLMCallCompleted)
+    ]

@@ -23,8 +23,10 @@ from appliance.chat.tools import new_tool_call_id
 from appliance.errors import StoreError
 from appliance.proxy.anthropic_messages import ContentStream, to_content, to_messages, to_tools
 from appliance.rollouts import ActiveRollout
-from store.events import LLMCallCompleted
 from tests.support import make_config
+from tests.support import recorded_calls as calls_recorded
+from tests.support import register_rollout as rollout
+from tests.support import rollout_base as base
 
 WEATHER_TOOL: ToolParam = {
     "name": "get_weather",
@@ -52,24 +54,8 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_model_dir(tiny_model_dir)
 
 
-def rollout(app: Appliance, name: str = "r1") -> ActiveRollout:
-    return app.registry.register(name, task_id="t", group="g", task={})
-
-
-def base(app: Appliance, active: ActiveRollout) -> str:
-    return f"{app.proxy_url}/rollouts/{active.rollout}"
-
-
 def client(app: Appliance, active: ActiveRollout, key: str | None = None) -> AsyncAnthropic:
     return AsyncAnthropic(base_url=base(app, active), api_key=key or active.token, max_retries=0)
-
-
-async def calls_recorded(app: Appliance) -> list[LLMCallCompleted]:
-    return [
-        s.event
-        for s in await app.store.read(types={"LLMCallCompleted"})
-        if isinstance(s.event, LLMCallCompleted)
-    ]
 
 
 def text_of(message: AnthropicMessage) -> str:

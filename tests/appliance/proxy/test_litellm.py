@@ -19,9 +19,10 @@ import aiohttp
 import pytest
 
 from appliance.app import Appliance
-from appliance.rollouts import ActiveRollout
-from store.events import LLMCallCompleted
 from tests.support import make_config
+from tests.support import recorded_calls as calls_recorded
+from tests.support import register_rollout as rollout
+from tests.support import rollout_base as base
 from trainer.samples import build_samples
 
 QUESTION = [{"role": "user", "content": "What is 1 + 2?"}]
@@ -50,23 +51,6 @@ def offline_litellm(monkeypatch: pytest.MonkeyPatch) -> None:
 async def app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Appliance]:
     async with Appliance(make_config(tmp_path, tiny_model_dir)) as appliance:
         yield appliance
-
-
-def rollout(app: Appliance, name: str = "r1") -> ActiveRollout:
-    return app.registry.register(name, task_id="t", group="g", task={})
-
-
-def base(app: Appliance, active: ActiveRollout) -> str:
-    """The rollout's base URL without ``/v1`` (what Anthropic clients take)."""
-    return f"{app.proxy_url}/rollouts/{active.rollout}"
-
-
-async def calls_recorded(app: Appliance) -> list[LLMCallCompleted]:
-    return [
-        s.event
-        for s in await app.store.read(types={"LLMCallCompleted"})
-        if isinstance(s.event, LLMCallCompleted)
-    ]
 
 
 def looks_like_litellm(user_agent: str) -> bool:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
 
 from appliance.app import Appliance
 from appliance.rollouts import ActiveRollout
-from store.events import LLMCallCompleted
 from tests.support import make_config
+from tests.support import openai_client as client
+from tests.support import recorded_calls as recorded
 
 
 @pytest.fixture
@@ -24,20 +24,6 @@ async def app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Appliance]:
 @pytest.fixture
 def active(app: Appliance) -> ActiveRollout:
     return app.registry.register("r1", task_id="t", group="g", task={})
-
-
-def client(app: Appliance, active: ActiveRollout) -> AsyncOpenAI:
-    return AsyncOpenAI(
-        base_url=f"{app.proxy_url}/rollouts/{active.rollout}/v1", api_key=active.token, max_retries=0
-    )
-
-
-async def recorded(app: Appliance) -> list[LLMCallCompleted]:
-    return [
-        s.event
-        for s in await app.store.read(types={"LLMCallCompleted"})
-        if isinstance(s.event, LLMCallCompleted)
-    ]
 
 
 async def test_text_prompt_and_its_continuation_are_one_token_sequence(

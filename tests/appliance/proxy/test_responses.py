@@ -12,14 +12,14 @@ from typing import Any, cast
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
 
 from appliance.app import Appliance
 from appliance.chat.tokenizer import Tokenizer
 from appliance.engines.base import GenerateRequest, GenerateResult
 from appliance.rollouts import ActiveRollout
-from store.events import LLMCallCompleted
 from tests.support import make_config
+from tests.support import openai_client as client
+from tests.support import recorded_calls as recorded
 from trainer.samples import build_samples
 
 ADD_TOOL: Any = {
@@ -46,20 +46,6 @@ def active(app: Appliance) -> ActiveRollout:
 @pytest.fixture
 def tokenizer(tiny_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_model_dir(tiny_model_dir)
-
-
-def client(app: Appliance, active: ActiveRollout) -> AsyncOpenAI:
-    return AsyncOpenAI(
-        base_url=f"{app.proxy_url}/rollouts/{active.rollout}/v1", api_key=active.token, max_retries=0
-    )
-
-
-async def recorded(app: Appliance) -> list[LLMCallCompleted]:
-    return [
-        s.event
-        for s in await app.store.read(types={"LLMCallCompleted"})
-        if isinstance(s.event, LLMCallCompleted)
-    ]
 
 
 @contextlib.contextmanager

@@ -11,31 +11,17 @@ import pytest
 from openai import AsyncOpenAI
 
 from appliance.app import Appliance
-from appliance.rollouts import ActiveRollout
-from store.events import LLMCallCompleted, RewardReported
+from store.events import RewardReported
 from tests.support import make_config
+from tests.support import recorded_calls as calls_recorded
+from tests.support import register_rollout as rollout
+from tests.support import rollout_base as base
 
 
 @pytest.fixture
 async def app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Appliance]:
     async with Appliance(make_config(tmp_path, tiny_model_dir)) as appliance:
         yield appliance
-
-
-def rollout(app: Appliance, name: str = "r1") -> ActiveRollout:
-    return app.registry.register(name, task_id="t", group="g", task={})
-
-
-def base(app: Appliance, active: ActiveRollout) -> str:
-    return f"{app.proxy_url}/rollouts/{active.rollout}"
-
-
-async def calls_recorded(app: Appliance) -> list[LLMCallCompleted]:
-    return [
-        s.event
-        for s in await app.store.read(types={"LLMCallCompleted"})
-        if isinstance(s.event, LLMCallCompleted)
-    ]
 
 
 async def test_chat_completion_through_the_openai_sdk(app: Appliance) -> None:
