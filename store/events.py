@@ -99,6 +99,8 @@ class RolloutCreated(Event):
     #: The policy version being served when the rollout started.
     policy_version: int
     adapter: str
+    #: "train" (its group is trained on) or "validation" (evaluation sampling, never trained on).
+    purpose: str = "train"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,6 +153,19 @@ class RewardReported(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CallRewardReported(Event):
+    """An intermediate reward for one call of a rollout (kept for analysis; the rollout's reward
+    is still the last ``RewardReported``)."""
+
+    rollout: str
+    call_id: str
+    reward: float
+    source: str
+    #: Optional label the reporter gave this signal ("tests_passed", "format", ...).
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RolloutFinished(Event):
     """The harness ended. ``status`` is "finished" or "failed"; a failure carries its reason."""
 
@@ -199,3 +214,55 @@ class PolicyVersionPublished(Event):
     step: int
     #: Path of the checkpoint holding these weights, relative to the run directory.
     checkpoint: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidationCompleted(Event):
+    """A round of validation rollouts (evaluation sampling, held-out tasks) ended."""
+
+    step: int
+    policy_version: int
+    rollouts: tuple[str, ...]
+    #: Mean and standard deviation of the rewards of the rollouts that finished with one.
+    reward_mean: float
+    reward_std: float
+    #: Rollouts that failed or reported no reward (counted, not averaged in).
+    failed: int
+    #: The sampling parameters validation calls were served with.
+    sampling: JsonObject = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointSaved(Event):
+    """A full checkpoint (model, optimizer, trainer state) is durable on disk."""
+
+    step: int
+    policy_version: int
+    #: Relative to the run directory.
+    path: str
+    #: "periodic" (every N steps), "requested" (operator), or "shutdown".
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelExported(Event):
+    """The policy was exported as a Hugging Face model directory."""
+
+    step: int
+    policy_version: int
+    path: str
+
+
+# --- operator control --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlRequested(Event):
+    """An operator asked the run to change course (dashboard or admin API).
+
+    ``action`` is "pause" (no new rollouts, no steps; calls in flight finish), "resume",
+    "checkpoint" (save one now) or "stop" (finish the current step, save, exit).
+    """
+
+    action: str
+    source: str = "admin"

@@ -19,6 +19,9 @@ from typing import Any
 from store.codec import StoredEvent
 from store.events import (
     ApplianceStarted,
+    CallRewardReported,
+    CheckpointSaved,
+    ControlRequested,
     Event,
     JsonObject,
     LLMCallCompleted,
@@ -28,6 +31,7 @@ from store.events import (
     RolloutCreated,
     RolloutFinished,
     TrainStepCompleted,
+    ValidationCompleted,
 )
 
 STATUSES = ("running", "finished", "failed")
@@ -51,6 +55,10 @@ class RolloutView:
     error: str = ""
     #: The training step that consumed this rollout, or None while it is untrained.
     trained_step: int | None = None
+    #: "train" or "validation" (validation rollouts are never trained on).
+    purpose: str = "train"
+    #: Intermediate rewards reported on single calls, in order.
+    call_rewards: list[CallRewardReported] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +76,11 @@ class RunState:
     position: int = 0
     rollouts: dict[str, RolloutView] = field(default_factory=dict)
     steps: list[TrainStepCompleted] = field(default_factory=list)
+    validations: list[ValidationCompleted] = field(default_factory=list)
+    #: True between an operator's "pause" and "resume".
+    paused: bool = False
+    #: The last full checkpoint saved (relative path), if any.
+    last_checkpoint: CheckpointSaved | None = None
 
     @classmethod
     def from_events(cls, events: Iterable[Event | StoredEvent]) -> RunState:
@@ -100,6 +113,7 @@ class RunState:
                     task=event.task,
                     adapter=event.adapter,
                     created_version=event.policy_version,
+                    purpose=event.purpose,
                 )
             case LLMCallCompleted():
                 if view := self.rollouts.get(event.rollout):
@@ -107,6 +121,16 @@ class RunState:
             case RewardReported():
                 if view := self.rollouts.get(event.rollout):
                     view.reward = event.reward
+            case CallRewardReported():
+                if view := self.rollouts.get(event.rollout):
+                    view.call_rewards.append(event)
+            case ValidationCompleted():
+                self.validations.append(event)
+            case CheckpointSaved():
+                self.last_checkpoint = event
+            case ControlRequested():
+                if event.action in ("pause", "resume"):
+                    self.paused = event.action == "pause"
             case RolloutFinished():
                 if view := self.rollouts.get(event.rollout):
                     view.status = event.status
@@ -131,7 +155,8 @@ class RunState:
         """
         groups: dict[str, list[RolloutView]] = {}
         for view in self.rollouts.values():
-            groups.setdefault(view.group, []).append(view)
+            if view.purpose == "train":
+                groups.setdefault(view.group, []).append(view)
         return {
             name: views
             for name, views in groups.items()
@@ -163,6 +188,8 @@ class RunState:
             "steps": len(self.steps),
             "rollouts": counts,
             "mean_reward": fmean(last_rewards) if last_rewards else None,
+            "validation_reward": self.validations[-1].reward_mean if self.validations else None,
+            "paused": self.paused,
             "calls": len(calls),
             "tokens_sampled": sum(len(call.response_ids) for call in calls),
         }

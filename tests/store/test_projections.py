@@ -5,6 +5,9 @@ from __future__ import annotations
 from store import (
     ApplianceStarted,
     ApplianceStopped,
+    CallRewardReported,
+    CheckpointSaved,
+    ControlRequested,
     Event,
     LLMCallCompleted,
     PhaseChanged,
@@ -15,6 +18,7 @@ from store import (
     RunState,
     StoredEvent,
     TrainStepCompleted,
+    ValidationCompleted,
 )
 
 
@@ -140,6 +144,8 @@ def test_summary() -> None:
         "steps": 1,
         "rollouts": {"running": 1, "finished": 3, "failed": 1},
         "mean_reward": 0.75,  # a1 = 1.0 and a2 = 0.5, the rollouts of the last step
+        "validation_reward": None,
+        "paused": False,
         "calls": 3,
         "tokens_sampled": 9,
     }
@@ -161,3 +167,47 @@ def test_incremental_fold_equals_batch_fold() -> None:
     for position, event in enumerate(RUN, start=1):
         state.apply(event, position)
     assert state == RunState.from_events(StoredEvent(p, e) for p, e in enumerate(RUN, start=1))
+
+
+def test_validation_rollouts_are_never_ready_for_training() -> None:
+    events: list[Event] = [
+        created("t1", "g1"),
+        RolloutCreated(
+            ts=0.0,
+            rollout="v1",
+            task_id="held-out",
+            group="val-1",
+            task={},
+            policy_version=0,
+            adapter="python",
+            purpose="validation",
+        ),
+        RewardReported(ts=0.0, rollout="t1", reward=1.0, source="agent"),
+        RewardReported(ts=0.0, rollout="v1", reward=0.5, source="agent"),
+        RolloutFinished(ts=0.0, rollout="t1", status="finished"),
+        RolloutFinished(ts=0.0, rollout="v1", status="finished"),
+        ValidationCompleted(
+            ts=0.0, step=0, policy_version=0, rollouts=("v1",), reward_mean=0.5, reward_std=0.0, failed=0
+        ),
+    ]
+    state = RunState.from_events(events)
+    assert list(state.ready_groups()) == ["g1"]
+    assert state.rollouts["v1"].purpose == "validation"
+    assert state.summary()["validation_reward"] == 0.5
+
+
+def test_control_call_rewards_and_checkpoints_fold() -> None:
+    state = RunState.from_events(
+        [
+            created("a", "g"),
+            CallRewardReported(ts=0.0, rollout="a", call_id="c1", reward=0.25, source="agent", name="fmt"),
+            CallRewardReported(ts=0.0, rollout="a", call_id="c2", reward=0.75, source="agent"),
+            ControlRequested(ts=0.0, action="pause"),
+            CheckpointSaved(ts=0.0, step=3, policy_version=3, path="checkpoints/s3", reason="requested"),
+        ]
+    )
+    assert [(r.call_id, r.reward) for r in state.rollouts["a"].call_rewards] == [("c1", 0.25), ("c2", 0.75)]
+    assert state.paused
+    assert state.last_checkpoint is not None and state.last_checkpoint.step == 3
+    state.apply(ControlRequested(ts=0.0, action="resume"))
+    assert not state.paused
