@@ -8,7 +8,12 @@ parts for a real run, so tests that build an ``Appliance`` exercise the producti
 
 Recovery rules on start: rollouts that were running when the process died are recorded as
 failed ("interrupted"); finished rollouts that no step consumed stay available for training;
-the engine and trainer load the checkpoint of the last ``PolicyVersionPublished``.
+the engine and trainer load the weights of the last ``PolicyVersionPublished`` (with the
+optimizer state of the last full checkpoint, see ``appliance.training``).
+
+A clean stop (``run`` returned: the step target, a signal, or an operator's "stop") saves a
+full checkpoint (``CheckpointSaved`` "shutdown") and exports the policy as a Hugging Face model
+directory (``ModelExported``, config ``export_dir``), unless nothing was ever trained.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -32,17 +37,18 @@ from appliance.controller import RolloutController
 from appliance.engines.base import Engine
 from appliance.engines.factory import create_engine
 from appliance.proxy.calls import CallService, ServingGate
+from appliance.proxy.control import RUN_STATE
 from appliance.proxy.http import ProxySettings
 from appliance.proxy.server import ProxyServer, build_app
 from appliance.rollouts import RolloutRegistry
 from appliance.scheduler.decide import SchedulePolicy
 from appliance.scheduler.live import LiveState
-from appliance.scheduler.runner import SchedulerRunner
+from appliance.scheduler.runner import SchedulerRunner, Validation
 from appliance.training import TrainingService
-from harness_adapters.base import HarnessAdapter, Task
+from appliance.validation import training_tasks, validation_tasks
+from harness_adapters.base import HarnessAdapter
 from harness_adapters.lifecycle import RetryPolicy
 from harness_adapters.registry import load_adapter
-from harness_adapters.tasks import TaskSet, arithmetic_tasks
 from store.events import ApplianceStarted, ApplianceStopped, RolloutFinished, TrainStepCompleted
 from store.eventstore import EventStore
 from store.projections import RunState
@@ -143,13 +149,14 @@ class Appliance:
             store=self.store,
             engine=self.engine,
             advantage=config.advantage,
+            checkpoint_every=config.checkpoint_every,
         )
         if state.policy_version > 0:
-            await training.restore(state.policy_version)
+            await training.restore(state)
 
         gate = ServingGate(hold_timeout_s=config.hold_timeout_s)
         self.admin_token = config.admin_token or _admin_token(config.data_dir / "admin_token")
-        self.registry = RolloutRegistry(tokenizer, detect_format(model_dir))
+        self.registry = RolloutRegistry(tokenizer, detect_format(model_dir), max_rollouts=config.max_rollouts)
         calls = CallService(
             engine=self.engine,
             store=self.store,
@@ -163,8 +170,12 @@ class Appliance:
             max_tokens_cap=config.max_tokens_cap,
             temperature_override=config.temperature,
             admin_token=self.admin_token,
+            max_body_bytes=config.max_body_bytes,
+            max_queued_calls=config.max_queued_calls,
         )
-        self.proxy = ProxyServer(build_app(calls, self.registry, settings), config.host, config.port)
+        proxy_app = build_app(calls, self.registry, settings)
+        proxy_app[RUN_STATE] = state  # the object the live projection keeps folding
+        self.proxy = ProxyServer(proxy_app, config.host, config.port)
         await self.proxy.start()
         self._stack.push_async_callback(self.proxy.close)
         if config.host not in ("127.0.0.1", "localhost", "::1"):
@@ -188,7 +199,8 @@ class Appliance:
         self._stack.push_async_callback(_cancel_and_wait, follower)
         await self.live.wait_for(self.store.last_position)
 
-        groups_so_far = len({view.group for view in state.rollouts.values()})
+        groups_so_far = len({view.group for view in state.rollouts.values() if view.purpose == "train"})
+        held_out = validation_tasks(config)
         self.controller = RolloutController(
             store=self.store,
             registry=self.registry,
@@ -197,7 +209,7 @@ class Appliance:
                 config.adapter or {"adapter": "python", "agent": config.agent},
                 workdir_root=config.data_dir / "rollouts",
             ),
-            tasks=_task_stream(config, groups_so_far),
+            tasks=training_tasks(config, groups_so_far),
             proxy_url=lambda: self.proxy.url,
             model_name=self.model_name,
             policy_version=lambda: self.engine.policy_version,
@@ -216,6 +228,8 @@ class Appliance:
                 eta=config.eta,
                 max_inflight_rollouts=config.max_inflight_rollouts,
                 min_generate_s=config.min_generate_s,
+                validate_every=config.validate_every if held_out else 0,
+                validation_tasks=max(1, len(held_out)),
             ),
             live=self.live,
             controller=self.controller,
@@ -225,6 +239,11 @@ class Appliance:
             sleep_level=config.sleep_level,
             drop_stale=config.stale_tokens == "drop",
             on_step=self._on_step,
+            validation=Validation(
+                tasks=held_out,
+                temperature=config.validation_temperature,
+                max_tokens=config.validation_max_tokens or config.max_tokens,
+            ),
         )
         if self._stop_requested:
             self.runner.request_stop()
@@ -257,23 +276,21 @@ class Appliance:
             self.runner.request_stop()
 
     async def run(self) -> str:
-        """Run the scheduler until it stops; returns the reason."""
+        """Run the scheduler until it stops, then save and export the policy; returns the reason."""
         assert self.runner is not None, "use 'async with Appliance(...)' first"
         self._stop_reason = await self.runner.run()
+        await self._save_final()
         return self._stop_reason
 
-
-def _task_stream(config: ApplianceConfig, start: int) -> Iterator[Task]:
-    """The run's tasks, one per group, continuing after the ``start`` groups already drawn."""
-    if config.tasks is None:
-        return arithmetic_tasks(seed=config.seed, start=start)
-    taskset = TaskSet.load(
-        config.tasks,
-        split=config.task_split,
-        validation_fraction=config.validation_fraction,
-        seed=config.seed,
-    )
-    return taskset.stream(seed=config.seed, start=start)
+    async def _save_final(self) -> None:
+        """The shutdown checkpoint and the Hugging Face export (nothing if nothing was trained)."""
+        await self.live.wait_for(self.store.last_position)
+        state = self.live.state
+        if state.step == 0 and state.policy_version == 0:
+            return
+        await self.training.checkpoint(state, "shutdown")
+        exported = await self.training.export(state, self.config.export_path)
+        log.info("exported policy v%d to %s", exported.policy_version, exported.path)
 
 
 def _admin_token(path: Path) -> str:

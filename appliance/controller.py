@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from appliance.rollouts import ActiveRollout, RolloutRegistry
 from harness_adapters.base import ClientConfig, HarnessAdapter, Task
@@ -60,29 +60,62 @@ class RolloutController:
     async def start_group(self, size: int) -> str:
         """Start ``size`` rollouts of the next task; returns the group id once they are durable."""
         group = f"g{self._next_group:06d}"
-        self._next_group += 1
         task = next(self._tasks)
+        self._next_group += 1
+        await self._launch(group, [(f"{group}-r{j}", task) for j in range(size)], purpose="train")
+        return group
+
+    async def start_validation(
+        self, group: str, tasks: Sequence[Task], *, temperature: float, max_tokens: int
+    ) -> list[str]:
+        """Start one validation rollout per task, served with the evaluation sampling
+        (``temperature``, ``max_tokens``); returns their ids once they are durable."""
+        rollouts = [(f"{group}-t{j:03d}", task) for j, task in enumerate(tasks)]
+        actives = await self._launch(
+            group, rollouts, purpose="validation", temperature=temperature, max_tokens=max_tokens
+        )
+        return [active.rollout for active in actives]
+
+    async def _launch(
+        self,
+        group: str,
+        rollouts: Sequence[tuple[str, Task]],
+        *,
+        purpose: str,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+    ) -> list[ActiveRollout]:
+        """Record ``RolloutCreated`` for each (rollout id, task), then register and run them.
+
+        The registry's room is checked before anything is recorded, so a refused group leaves
+        no rollout behind that would look like it is running."""
+        self._registry.ensure_room(len(rollouts))
         version = self._policy_version()
         now = time.time()
         created = [
             RolloutCreated(
                 ts=now,
-                rollout=f"{group}-r{j}",
+                rollout=rollout,
                 task_id=task.id,
                 group=group,
                 task=task.data,
                 policy_version=version,
                 adapter=self._adapter.name,
+                purpose=purpose,
             )
-            for j in range(size)
+            for rollout, task in rollouts
         ]
         await self._store.append(created)
-        for event in created:
+        actives = []
+        for event, (_, task) in zip(created, rollouts, strict=True):
             active = self._registry.register(event.rollout, task_id=task.id, group=group, task=task.data)
-            runner = asyncio.create_task(self._run(active, task), name=f"rollout {event.rollout}")
+            active.temperature_override = temperature
+            active.max_tokens_override = max_tokens
+            actives.append(active)
+            runner = asyncio.create_task(self._run(active, task), name=f"rollout {active.rollout}")
             self._running.add(runner)
             runner.add_done_callback(self._running.discard)
-        return group
+        return actives
 
     async def _run(self, active: ActiveRollout, task: Task) -> None:
         rollout = active.rollout

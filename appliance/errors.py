@@ -68,6 +68,21 @@ class Conflict(ApplianceError):
     code = "conflict"
 
 
+class Overloaded(ApplianceError):
+    """A limit of the appliance is reached (calls held at once, live rollouts); retry later.
+
+    The proxy answers 429 with a ``Retry-After`` header of ``retry_after_s`` seconds."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
 class EngineUnavailable(ApplianceError):
     """The engine is stopped or failed; the call may be retried."""
 
@@ -76,9 +91,31 @@ class EngineUnavailable(ApplianceError):
     code = "engine_unavailable"
 
 
+class TrainingFailed(ApplianceError):
+    """The trainer failed the same step several times in a row; the run stops."""
+
+    status = 500
+    error_type = "server_error"
+    code = "training_failed"
+
+
 class StoreError(ApplianceError):
     """The event store could not make an event durable; nothing was acknowledged."""
 
     status = 503
     error_type = "server_error"
     code = "store_unavailable"
+
+
+class StoreFull(StoreError):
+    """The disk (or the store's size cap) is full: nothing more is durable until space returns."""
+
+    status = 507
+    code = "store_full"
+
+
+class StoreCorrupted(StoreError):
+    """The event log fails its checksum chain (or has a gap): it was changed outside the appliance."""
+
+    status = 500
+    code = "store_corrupted"

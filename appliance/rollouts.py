@@ -16,7 +16,7 @@ from typing import Any
 from appliance.chat.formats import CHATML, ChatFormat
 from appliance.chat.render import Conversation
 from appliance.chat.tokenizer import Tokenizer
-from appliance.errors import NotFound, Unauthorized
+from appliance.errors import NotFound, Overloaded, Unauthorized
 
 
 @dataclass(slots=True)
@@ -33,6 +33,10 @@ class ActiveRollout:
     #: that continues it reuses those ids instead of re-tokenizing.
     text_prefix: str = ""
     text_prefix_ids: list[int] = field(default_factory=list)
+    #: Evaluation sampling of a validation rollout: the temperature and completion length its
+    #: calls are served with, whatever the client or the training rules ask (None: no override).
+    temperature_override: float | None = None
+    max_tokens_override: int | None = None
 
 
 #: Rollout id of calls on the plain ``/v1`` prefix; no ``RolloutCreated`` event names it.
@@ -40,12 +44,26 @@ DEFAULT_ROLLOUT = "default"
 
 
 class RolloutRegistry:
-    def __init__(self, tokenizer: Tokenizer, fmt: ChatFormat = CHATML) -> None:
+    def __init__(self, tokenizer: Tokenizer, fmt: ChatFormat = CHATML, max_rollouts: int = 4096) -> None:
         self._tokenizer = tokenizer
         self.fmt = fmt
+        #: Live rollouts at most (the rollout-less default one not counted).
+        self.max_rollouts = max_rollouts
         self._active: dict[str, ActiveRollout] = {}
 
+    def ensure_room(self, count: int = 1) -> None:
+        """Raise ``Overloaded`` (429) unless ``count`` more rollouts fit under ``max_rollouts``."""
+        if len(self) + count > self.max_rollouts:
+            raise Overloaded(
+                f"{len(self)} rollouts are live and at most {self.max_rollouts} may be (max_rollouts); "
+                "wait for some to finish",
+                code="too_many_rollouts",
+                retry_after_s=5,
+            )
+
     def register(self, rollout: str, *, task_id: str, group: str, task: dict[str, Any]) -> ActiveRollout:
+        if rollout != DEFAULT_ROLLOUT and rollout not in self._active:
+            self.ensure_room()
         active = ActiveRollout(
             rollout=rollout,
             task_id=task_id,

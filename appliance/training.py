@@ -2,31 +2,51 @@
 
 Owns the glue between the trainer package, the store and the engine. For a batch of finished
 rollout groups it builds token-exact samples from the recorded call events, computes GRPO
-advantages per group, takes one policy-gradient step (in a worker thread), writes a checkpoint,
-makes ``TrainStepCompleted`` + ``PolicyVersionPublished`` durable in one append, and only then
-pushes the weights into the engine. A batch with nothing trainable (every rollout failed) is
-still consumed by a step, but publishes no new version.
+advantages per group, takes one policy-gradient step (in a worker thread), writes the new
+version to disk, makes ``TrainStepCompleted`` + ``PolicyVersionPublished`` durable in one
+append, and only then pushes the weights into the engine. A batch with nothing trainable (every
+rollout failed) is still consumed by a step, but publishes no new version. Also owns the full
+checkpoints taken on request and at shutdown, restoring the trainer after a restart, and the
+final Hugging Face export.
 
-Order matters for crash safety: checkpoint on disk -> events durable -> engine updated. A crash
-before the append leaves the old version current (its checkpoint is still kept); a crash after
-it resumes from the new checkpoint.
+What goes to disk: every new version's weights (``checkpoints/weights/``, no optimizer moments),
+because ``PolicyVersionPublished`` promises durable weights; every ``checkpoint_every`` steps a
+full checkpoint instead (model + optimizer + trainer state, ``CheckpointSaved`` "periodic" in
+the same append). A restart loads the last published version's weights with the optimizer state
+of the last full checkpoint (``RunState.last_checkpoint``): the step count, the policy and the
+rollouts consumed are exactly the log's; only the optimizer's moments may be up to
+``checkpoint_every - 1`` steps old.
+
+Order matters for crash safety: files on disk -> events durable -> engine updated. A crash
+before the append leaves the old version current (its files are still kept, and the files the
+crashed step wrote are discarded on restart); a crash after it resumes from the new version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from appliance.engines.base import Engine
-from store.events import Event, PolicyVersionPublished, TrainStepCompleted
+from store.events import (
+    CheckpointSaved,
+    Event,
+    ModelExported,
+    PolicyVersionPublished,
+    TrainStepCompleted,
+)
 from store.eventstore import EventStore
 from store.projections import RolloutView, RunState
 from trainer.advantage import AdvantageMode, compute_advantages
-from trainer.checkpoints import CheckpointStore
+from trainer.checkpoints import CheckpointStore, WeightsStore
 from trainer.items import Trainer, TrainItem
 from trainer.samples import Sample, build_samples
+
+log = logging.getLogger(__name__)
 
 ADVANTAGE_MODES: dict[str, AdvantageMode] = {"grpo": "grpo", "rloo": "rloo", "reinforce": "reinforce"}
 
@@ -40,18 +60,78 @@ class TrainingService:
         store: EventStore,
         engine: Engine,
         advantage: str = "grpo",
+        checkpoint_every: int = 0,
     ) -> None:
         self.trainer = trainer
         self.advantage = advantage
         self.checkpoints = checkpoints
+        self.weights = WeightsStore(checkpoints.directory / "weights", keep=checkpoints.keep)
+        self.checkpoint_every = checkpoint_every
         self.store = store
         self.engine = engine
 
-    async def restore(self, version: int) -> int:
-        """Load the trainer and the engine at ``version`` from its checkpoint; returns its step."""
-        await asyncio.to_thread(self.trainer.load, self.checkpoints, version)
+    @property
+    def run_dir(self) -> Path:
+        """The directory that the paths in events are relative to."""
+        return self.checkpoints.directory.parent
+
+    def _relative(self, path: Path) -> str:
+        return str(path.relative_to(self.run_dir))
+
+    async def restore(self, state: RunState) -> int:
+        """Load the trainer and the engine at the log's policy version; returns the step.
+
+        The version's file is the one its ``PolicyVersionPublished`` names: a full checkpoint,
+        or weights that take their optimizer state from the last full checkpoint at or before
+        it. Files of versions the log never published are deleted first.
+        """
+        version = state.policy_version
+        for store in (self.checkpoints, self.weights):
+            if discarded := store.discard_after(version):
+                log.info("discarded unpublished versions %s in %s", discarded, store.directory)
+        source: CheckpointStore = self.checkpoints
+        if state.checkpoint and (self.run_dir / state.checkpoint).parent == self.weights.directory:
+            base = state.last_checkpoint
+            optimizer_from = (
+                self.run_dir / base.path if base is not None and base.policy_version <= version else None
+            )
+            source = WeightsStore(self.weights.directory, self.weights.keep, optimizer_from=optimizer_from)
+        await asyncio.to_thread(self.trainer.load, source, version)
+        self.trainer.global_step = state.step
         await self.engine.load_weights(self.trainer.state_dict_for_engine(), version)
-        return self.trainer.global_step
+        return state.step
+
+    async def checkpoint(self, state: RunState, reason: str) -> CheckpointSaved:
+        """Save a full checkpoint of the trainer as it stands (between steps) and record it.
+
+        Nothing is written when the last full checkpoint already holds this step and version
+        (e.g. a periodic one just before a shutdown): the event then names that file.
+        """
+        version = state.policy_version
+        last = state.last_checkpoint
+        if (
+            last is not None
+            and (last.step, last.policy_version) == (state.step, version)
+            and (self.run_dir / last.path).is_file()
+        ):
+            path = self.run_dir / last.path
+        else:
+            self.trainer.global_step = state.step
+            path = await asyncio.to_thread(self.trainer.save, self.checkpoints, version)
+        saved = CheckpointSaved(
+            ts=time.time(), step=state.step, policy_version=version, path=self._relative(path), reason=reason
+        )
+        await self.store.append([saved])
+        return saved
+
+    async def export(self, state: RunState, directory: Path) -> ModelExported:
+        """Write the current policy as a Hugging Face model directory and record it."""
+        path = await asyncio.to_thread(self.trainer.export_hf, directory)
+        exported = ModelExported(
+            ts=time.time(), step=state.step, policy_version=state.policy_version, path=str(path.resolve())
+        )
+        await self.store.append([exported])
+        return exported
 
     async def train(
         self, state: RunState, groups: Sequence[str], *, eta: int | None = None, drop_stale: bool = True
@@ -101,14 +181,19 @@ class TrainingService:
             metrics.update(output.metrics())
             version = state.policy_version + 1
             self.trainer.global_step = step
-            path = await asyncio.to_thread(self.trainer.save, self.checkpoints, version)
-            published = PolicyVersionPublished(
-                ts=time.time(),
-                policy_version=version,
-                step=step,
-                checkpoint=str(path.relative_to(self.checkpoints.directory.parent)),
+            periodic = self.checkpoint_every > 0 and step % self.checkpoint_every == 0
+            target = self.checkpoints if periodic else self.weights
+            path = await asyncio.to_thread(self.trainer.save, target, version)
+            relative = self._relative(path)
+            events.append(
+                PolicyVersionPublished(ts=time.time(), policy_version=version, step=step, checkpoint=relative)
             )
-            events.append(published)
+            if periodic:
+                events.append(
+                    CheckpointSaved(
+                        ts=time.time(), step=step, policy_version=version, path=relative, reason="periodic"
+                    )
+                )
         metrics["reward_mean"] = sum(rewards) / len(rewards) if rewards else 0.0
         metrics["rollouts_failed"] = float(sum(1 for v in views if v.status == "failed"))
         metrics["stale_tokens"] = float(stale_tokens)

@@ -24,6 +24,7 @@ from store.events import (
     RolloutFinished,
     TokenIds,
     TrainStepCompleted,
+    TrainStepFailed,
     ValidationCompleted,
 )
 from store.eventstore import EventStore, read_events_sync
@@ -52,6 +53,7 @@ __all__ = [
     "StoredEvent",
     "TokenIds",
     "TrainStepCompleted",
+    "TrainStepFailed",
     "ValidationCompleted",
     "read_events_sync",
     "register_upcaster",

@@ -19,11 +19,22 @@ bytes of float64, and more precision than the sampler's own bf16/fp32 logits giv
 
 Upcasters transform the JSON payload only: packed fields keep their layout across versions. A new
 packed field must be added after the existing ones and have a default; old blobs simply end early.
+
+Prefix sharing: a call's ``prompt_ids`` usually start with the previous call's prompt + response
+(same rollout). :func:`share_prefix` stores such a field as a reference instead: the count word
+gets :data:`SHARED_FLAG` set and is followed by the position of the earlier call and the shared
+length, then only the new suffix. :func:`decode` rebuilds the field from the earlier call's
+:func:`prefix_source` (the store resolves the reference, see :func:`shared_prefix_ref`). Blobs
+written before this existed never set the flag (counts stay below 2**31).
+
+Row checksums: :func:`chain_digest` hashes a row's columns together with the previous row's
+digest (BLAKE2b, 16 bytes), so each digest covers the whole log up to its row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import struct
 import sys
@@ -35,7 +46,7 @@ from typing import Any
 
 from appliance.errors import StoreError
 from store import events as _events
-from store.events import EVENT_TYPES, Event, JsonObject
+from store.events import EVENT_TYPES, Event, JsonObject, LLMCallCompleted, TokenIds
 
 Upcaster = Callable[[JsonObject], JsonObject]
 
@@ -43,6 +54,15 @@ Upcaster = Callable[[JsonObject], JsonObject]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 
 _COUNT = struct.Struct("<I")
+#: Set in a packed field's count word: the field is (earlier call's position, shared length, suffix).
+SHARED_FLAG = 0x8000_0000
+_REF = struct.Struct("<QI")
+#: Shorter common prefixes are stored whole (a reference costs 12 bytes, three tokens).
+MIN_SHARED_TOKENS = 8
+#: The one packed field stored with a shared prefix, per event type.
+_SHARED_FIELD = {LLMCallCompleted.type: "prompt_ids"}
+_DIGEST_SIZE = 16
+_ROW_HEADER = struct.Struct("<qqdIiII")
 _TYPECODES = {"TokenIds": "i", "Floats": "f"}  # int32 / float32 on every platform we run on
 assert array("i").itemsize == 4 and array("f").itemsize == 4
 _SWAP = sys.byteorder == "big"
@@ -132,21 +152,82 @@ def encode(event: Event) -> EncodedEvent:
     """Split ``event`` into the columns of a row. Raises StoreError if it cannot be stored."""
     layout = _layout(type(event))
     payload = {name: getattr(event, name) for name in layout.json_fields}
-    parts: list[bytes] = []
     try:
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        for name, code in layout.packed:
-            values = array(code, getattr(event, name))
-            if _SWAP:
-                values.byteswap()
-            parts += (_COUNT.pack(len(values)), values.tobytes())
+        # SQLite text and the checksum are UTF-8: a lone surrogate must fail here, before the
+        # row is queued, not in the writer.
+        data.encode("utf-8")
+        (event.rollout_id or "").encode("utf-8")
+        blob = _pack(event, layout.packed, None)
     except (TypeError, ValueError, OverflowError) as exc:
         raise StoreError(f"cannot encode {event.type} event: {exc}") from exc
-    return EncodedEvent(event.type, event.version, event.rollout_id, event.ts, data, b"".join(parts))
+    return EncodedEvent(event.type, event.version, event.rollout_id, event.ts, data, blob)
 
 
-def decode(type_name: str, version: int, ts: float, data: str, blob: bytes) -> Event:
-    """Rebuild the event stored in a row, upcasting its payload to the current class version."""
+def prefix_source(event: Event) -> TokenIds | None:
+    """The tokens a later call of the same rollout may start with (prompt + response), if any."""
+    if isinstance(event, LLMCallCompleted):
+        return event.prompt_ids + event.response_ids
+    return None
+
+
+def share_prefix(row: EncodedEvent, event: Event, position: int, source: TokenIds) -> EncodedEvent:
+    """``row`` (``encode(event)``) with its shared field stored as a reference to ``source``.
+
+    ``source`` is :func:`prefix_source` of the earlier event at ``position``. The row comes back
+    unchanged when the common prefix is shorter than :data:`MIN_SHARED_TOKENS`.
+    """
+    name = _SHARED_FIELD.get(event.type)
+    if name is None:
+        return row
+    shared = _common_prefix(getattr(event, name), source)
+    if shared < MIN_SHARED_TOKENS:
+        return row
+    blob = _pack(event, _layout(type(event)).packed, (name, position, shared))
+    return dataclasses.replace(row, blob=blob)
+
+
+def shared_prefix_ref(type_name: str, blob: bytes) -> int | None:
+    """The position of the earlier event a row's shared field refers to, or None."""
+    name = _SHARED_FIELD.get(type_name)
+    cls = EVENT_TYPES.get(type_name)
+    if name is None or cls is None:
+        return None
+    offset = 0
+    for field_name, code in _layout(cls).packed:
+        if offset == len(blob):
+            return None
+        (count,) = _COUNT.unpack_from(blob, offset)
+        offset += _COUNT.size
+        if count & SHARED_FLAG:
+            return int(_REF.unpack_from(blob, offset)[0]) if field_name == name else None
+        offset += count * array(code).itemsize
+    return None
+
+
+def chain_digest(previous: bytes, position: int, row: EncodedEvent) -> bytes:
+    """The checksum of the row at ``position``, chained over ``previous`` (b"" before the first)."""
+    type_bytes = row.type.encode()
+    rollout = b"" if row.rollout is None else row.rollout.encode()
+    data = row.data.encode()
+    digest = hashlib.blake2b(previous, digest_size=_DIGEST_SIZE)
+    header = _ROW_HEADER.pack(
+        position, row.version, row.ts, len(type_bytes), -1 if row.rollout is None else len(rollout),
+        len(data), len(row.blob),
+    )  # fmt: skip
+    for part in (header, type_bytes, rollout, data, row.blob):
+        digest.update(part)
+    return digest.digest()
+
+
+def decode(
+    type_name: str, version: int, ts: float, data: str, blob: bytes, prefix: TokenIds | None = None
+) -> Event:
+    """Rebuild the event stored in a row, upcasting its payload to the current class version.
+
+    ``prefix`` is :func:`prefix_source` of the event :func:`shared_prefix_ref` names, when it
+    names one.
+    """
     cls = EVENT_TYPES.get(type_name)
     if cls is None:
         known = ", ".join(sorted(EVENT_TYPES))
@@ -165,13 +246,48 @@ def decode(type_name: str, version: int, ts: float, data: str, blob: bytes) -> E
             fields = upcaster(fields)
         for name in layout.tuple_fields & fields.keys():
             fields[name] = tuple(fields[name])
-        fields.update(_unpack(blob, layout.packed))
+        fields.update(_unpack(blob, layout.packed, prefix))
         return cls(ts=ts, **fields)
     except (TypeError, ValueError, KeyError, struct.error) as exc:
         raise StoreError(f"cannot decode {type_name} v{version}: {exc}") from exc
 
 
-def _unpack(blob: bytes, packed: tuple[tuple[str, str], ...]) -> dict[str, tuple[Any, ...]]:
+def _pack(event: Event, packed: tuple[tuple[str, str], ...], shared: tuple[str, int, int] | None) -> bytes:
+    """The blob of ``event``; ``shared`` = (field, earlier position, shared length) or None."""
+    parts: list[bytes] = []
+    for name, code in packed:
+        values = array(code, getattr(event, name))
+        flag, ref = 0, b""
+        if shared is not None and shared[0] == name:
+            _, position, length = shared
+            values = values[length:]
+            flag, ref = SHARED_FLAG, _REF.pack(position, length)
+        if len(values) >= SHARED_FLAG:
+            raise ValueError(f"field {name!r} has too many values ({len(values)})")
+        if _SWAP:
+            values.byteswap()
+        parts += (_COUNT.pack(len(values) | flag), ref, values.tobytes())
+    return b"".join(parts)
+
+
+def _common_prefix(values: TokenIds, source: TokenIds) -> int:
+    """Length of the longest common prefix, by bisection over slice comparisons (done in C)."""
+    limit = min(len(values), len(source))
+    if values[:limit] == source[:limit]:
+        return limit
+    low, high = 0, limit  # values[:low] == source[:low], values[:high] != source[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if values[:middle] == source[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _unpack(
+    blob: bytes, packed: tuple[tuple[str, str], ...], prefix: TokenIds | None
+) -> dict[str, tuple[Any, ...]]:
     out: dict[str, tuple[Any, ...]] = {}
     offset = 0
     for name, code in packed:
@@ -179,6 +295,14 @@ def _unpack(blob: bytes, packed: tuple[tuple[str, str], ...]) -> dict[str, tuple
             break  # written before this field existed: the dataclass default applies
         (count,) = _COUNT.unpack_from(blob, offset)
         offset += _COUNT.size
+        head: tuple[Any, ...] = ()
+        if count & SHARED_FLAG:
+            count &= ~SHARED_FLAG
+            position, length = _REF.unpack_from(blob, offset)
+            offset += _REF.size
+            if prefix is None or len(prefix) < length:
+                raise ValueError(f"field {name!r} shares {length} tokens with the event at {position}")
+            head = prefix[:length]
         values = array(code)
         end = offset + count * values.itemsize
         if end > len(blob):
@@ -186,7 +310,7 @@ def _unpack(blob: bytes, packed: tuple[tuple[str, str], ...]) -> dict[str, tuple
         values.frombytes(blob[offset:end])
         if _SWAP:
             values.byteswap()
-        out[name] = tuple(values)
+        out[name] = head + tuple(values)
         offset = end
     if offset != len(blob):
         raise ValueError(f"{len(blob) - offset} unexpected trailing bytes in blob")

@@ -193,6 +193,18 @@ class SwitchPhaseCompleted(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainStepFailed(Event):
+    """The trainer raised during a step: nothing of it is durable, its groups stay ready and the
+    step is tried again (the run stops after a few failures in a row)."""
+
+    step: int
+    groups: tuple[str, ...]
+    error: str
+    #: Failed attempts at this step in a row, this one included.
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainStepCompleted(Event):
     """A gradient step consumed these rollouts; each rollout is trained on at most once."""
 

@@ -81,6 +81,10 @@ class RunState:
     paused: bool = False
     #: The last full checkpoint saved (relative path), if any.
     last_checkpoint: CheckpointSaved | None = None
+    #: An operator asked for a checkpoint that no ``CheckpointSaved`` "requested" answered yet.
+    checkpoint_requested: bool = False
+    #: An operator asked this process to stop (a later ``ApplianceStarted`` clears it).
+    stop_requested: bool = False
 
     @classmethod
     def from_events(cls, events: Iterable[Event | StoredEvent]) -> RunState:
@@ -100,6 +104,7 @@ class RunState:
             case ApplianceStarted():
                 self.run_id = event.run_id
                 self.starts += 1
+                self.stop_requested = False
             case PhaseChanged():
                 self.phase = event.phase
             case PolicyVersionPublished():
@@ -128,9 +133,15 @@ class RunState:
                 self.validations.append(event)
             case CheckpointSaved():
                 self.last_checkpoint = event
+                if event.reason == "requested":
+                    self.checkpoint_requested = False
             case ControlRequested():
                 if event.action in ("pause", "resume"):
                     self.paused = event.action == "pause"
+                elif event.action == "checkpoint":
+                    self.checkpoint_requested = True
+                elif event.action == "stop":
+                    self.stop_requested = True
             case RolloutFinished():
                 if view := self.rollouts.get(event.rollout):
                     view.status = event.status

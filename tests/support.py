@@ -21,6 +21,10 @@ def make_config(tmp_path: Path, model_dir: Path, **overrides: object) -> Applian
         "group_size": 2,
         "batch_groups": 2,
         "max_tokens": 8,
+        # Always two calls per rollout (the default agent of `up` makes one or two).
+        "agent": "harness_adapters.examples.arithmetic:agent",
+        # Validation rounds are tested on their own (tests/appliance/test_validation.py).
+        "validate_every": 0,
     }
     values.update(overrides)
     return load_config(overrides=values, env={})

@@ -7,6 +7,12 @@ final Hugging Face model directory (:func:`export_hf_model`). It does not own wh
 state dicts (the trainers) nor the event that announces a version (``PolicyVersionPublished``,
 whose ``checkpoint`` field is :meth:`CheckpointStore.relative_path`).
 
+Two kinds of files, both in the trainers' own format so a trainer's ``save``/``load`` serve
+both: full checkpoints (:class:`CheckpointStore`, ``checkpoints/v*.pt``) and per-version
+weights (:class:`WeightsStore`, ``checkpoints/weights/v*.pt``), which leave out the optimizer's
+per-parameter state (for Adam, two more copies of the model). Loading from a ``WeightsStore``
+puts a full checkpoint's optimizer state under the version's weights.
+
 Invariant: a file named ``v*.pt`` is always complete. It is written to a temporary file in the
 same directory, flushed and fsynced, renamed over its final name (``os.replace`` is atomic on
 POSIX) and the directory is fsynced so the rename itself survives a power cut. A crash leaves at
@@ -145,12 +151,56 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {path} records version {payload['version']}, not {version}")
         return payload
 
+    def discard_after(self, version: int) -> list[int]:
+        """Delete the versions newer than ``version`` (written by a step that crashed before its
+        events became durable: never published, and stale once the step is retried)."""
+        newer = [v for v in self.versions() if v > version]
+        for stale in newer:
+            self.path(stale).unlink(missing_ok=True)
+        if newer:
+            _fsync_directory(self.directory)
+        return newer
+
     def _prune(self, protect: int) -> None:
         stale = [v for v in self.versions()[: -self.keep] if v != protect]
         for version in stale:
             self.path(version).unlink(missing_ok=True)
         if stale:
             _fsync_directory(self.directory)
+
+
+class WeightsStore(CheckpointStore):
+    """Per-version policy weights: what a trainer's ``save`` writes, minus the optimizer's
+    per-parameter state (its ``param_groups`` and the trainer state stay; both are small).
+
+    ``load`` returns the version's weights with the optimizer state of the full checkpoint
+    ``optimizer_from`` (the run's last one; None: no moments, the optimizer starts afresh), so
+    ``Trainer.load(weights_store, version)`` restores a version saved between full checkpoints.
+    """
+
+    def __init__(self, directory: Path, keep: int = 3, optimizer_from: Path | None = None) -> None:
+        super().__init__(directory, keep)
+        self.optimizer_from = optimizer_from
+
+    def save(
+        self,
+        version: int,
+        step: int,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+        trainer_state: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write the version's weights (the optimizer's ``state`` left out) atomically, prune."""
+        slim = {key: value for key, value in optimizer_state.items() if key != "state"}
+        slim["state"] = {}
+        return super().save(version, step, model_state, slim, trainer_state)
+
+    def load(self, version: int) -> dict[str, Any]:
+        """The version's weights, step and trainer state with ``optimizer_from``'s optimizer."""
+        payload = super().load(version)
+        if self.optimizer_from is not None:
+            payload["optimizer"] = read_checkpoint(self.optimizer_from)["optimizer"]
+        return payload
 
 
 #: Files of a model directory that hold weights: never copied by :func:`export_hf_model` (the

@@ -30,6 +30,7 @@ def create_engine(config: ApplianceConfig, model_dir: Path) -> Engine:
             model_dir,
             python=vllm_python(config.vllm_python),
             port=config.vllm_port,
+            base_url=config.vllm_url,
             device=config.device,
             max_batch_size=config.max_batch_size,
             gpu_memory_utilization=config.gpu_memory_utilization,

@@ -458,9 +458,14 @@ class TorchEngine:
                     await asyncio.shield(self._work)
                 except Exception as exc:
                     log.exception("torch engine: the step loop failed with %d rows", len(self._running))
+                    # The batch is dropped, the engine serves on: its calls may be retried.
+                    error = EngineUnavailable(
+                        f"the torch engine failed while generating ({type(exc).__name__}: {exc}); retry"
+                    )
+                    error.__cause__ = exc
                     for row in self._running:
                         if not row.pending.future.done():
-                            row.pending.future.set_exception(exc)
+                            row.pending.future.set_exception(error)
                 finally:
                     self._running = []
             if self._inbox:

@@ -34,7 +34,7 @@ from aiohttp import web
 from appliance.chat.messages import Message, ToolCall
 from appliance.errors import ApplianceError, BadRequest
 from appliance.proxy import validate
-from appliance.proxy.calls import CallOutcome, PreparedCall
+from appliance.proxy.calls import CallOutcome, CallStream, PreparedCall
 from appliance.proxy.http import (
     CALLS,
     SETTINGS,
@@ -365,13 +365,24 @@ class ContentStream:
 
 
 async def _stream(request: web.Request, call: PreparedCall, model: str) -> web.StreamResponse:
-    response = await sse_start(request)
+    # Generation starts first, so the headers and opening events go out while the engine prefills.
+    # Leaving the block early (the client went away) cancels the generation.
+    async with request.app[CALLS].stream(call) as items:
+        response = await sse_start(request)
+        await _relay(response, request, call, model, items)
+    await response.write_eof()
+    return response
+
+
+async def _relay(
+    response: web.StreamResponse, request: web.Request, call: PreparedCall, model: str, items: CallStream
+) -> None:
     await _event(response, "message_start", {"message": _message(call, model, [], (None, None), 0)})
     await _event(response, "ping", {})
     reasoning = call.rollout.conversation.fmt.reasoning
     blocks = ContentStream(response, reasoning=reasoning, hold_space=bool(call.tools))
     try:
-        async for item in request.app[CALLS].stream(call):
+        async for item in items:
             if isinstance(item, str):
                 await blocks.push(item)
                 continue
@@ -395,8 +406,6 @@ async def _stream(request: web.Request, call: PreparedCall, model: str) -> web.S
         log.exception("unhandled error while streaming %s", request.path)
         error = ApplianceError("internal error; see the appliance log")
         await sse_send(response, _error_body(error), event="error")
-    await response.write_eof()
-    return response
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
@@ -410,5 +419,15 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     return web.json_response(_message(call, body["model"], content, stop, len(outcome.result.token_ids)))
 
 
+async def count_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/messages/count_tokens``: the prompt's length as this model renders it (tools and
+    system included). Nothing is generated or recorded."""
+    body = await json_body(request)
+    validate.required_str(body, "model")
+    rendered = rollout_of(request).conversation.render(to_messages(body), to_tools(body))
+    return web.json_response({"input_tokens": len(rendered.prompt_ids)})
+
+
 def add_routes(app: web.Application) -> None:
     add_post(app, "/messages", create_message)
+    add_post(app, "/messages/count_tokens", count_tokens)

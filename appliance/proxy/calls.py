@@ -82,7 +82,8 @@ class ServingGate:
 
     async def enter(self) -> None:
         try:
-            await asyncio.wait_for(self._open.wait(), self.hold_timeout_s)
+            if not self._open.is_set():
+                await asyncio.wait_for(self._open.wait(), self.hold_timeout_s)
         except TimeoutError:
             raise EngineUnavailable(
                 f"the model was busy training for more than {self.hold_timeout_s:g} s; retry the call"
@@ -128,6 +129,38 @@ class CallOutcome:
     call_id: str
     #: The sampled text without the stop token (tool-call blocks included).
     text: str
+
+
+class CallStream:
+    """A call being generated: an async iterator of text deltas and finally the ``CallOutcome``.
+
+    Generation is already running when the stream is created. ``aclose`` (or leaving
+    ``async with``) cancels it if it has not finished, whether or not it was iterated.
+    """
+
+    def __init__(
+        self, run: asyncio.Task[CallOutcome], items: AsyncGenerator[str | CallOutcome, None]
+    ) -> None:
+        self._run = run
+        self._items = items
+
+    def __aiter__(self) -> CallStream:
+        return self
+
+    async def __anext__(self) -> str | CallOutcome:
+        return await self._items.__anext__()
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+        if not self._run.done():
+            self._run.cancel()
+        await asyncio.gather(self._run, return_exceptions=True)
+
+    async def __aenter__(self) -> CallStream:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
 
 
 class CallService:
@@ -201,6 +234,10 @@ class CallService:
         user_agent: str,
         started: float,
     ) -> PreparedCall:
+        if rollout.temperature_override is not None:
+            params = replace(params, temperature=rollout.temperature_override)
+        if rollout.max_tokens_override is not None:
+            params = replace(params, max_tokens=rollout.max_tokens_override)
         prompt_len = len(rendered.prompt_ids)
         if prompt_len + params.max_tokens > self.engine.max_context:
             raise ContextTooLong(
@@ -217,41 +254,44 @@ class CallService:
         """Generate the whole completion, record it, and return it."""
         return await self._run(call, None)
 
-    async def stream(self, call: PreparedCall) -> AsyncGenerator[str | CallOutcome, None]:
-        """Yield text deltas as they are sampled, then the ``CallOutcome`` (after it is durable).
+    def stream(self, call: PreparedCall) -> CallStream:
+        """Start generating now; the returned stream yields text deltas as they are sampled, then
+        the ``CallOutcome`` (after it is durable).
 
-        With tools declared, text from a ``<tool_call>`` block on is held back: the surface
-        sends the parsed tool calls from the outcome instead. Closing the iterator early (the
-        client went away) cancels the generation, which is recorded as cancelled.
+        Generation starts before the caller iterates, so a surface can write its response
+        headers while the engine prefills. With tools declared, text from a ``<tool_call>`` block
+        on is held back: the surface sends the parsed tool calls from the outcome instead.
+        Closing the stream early (the client went away) cancels the generation, which is
+        recorded as cancelled. Use it as ``async with calls.stream(call) as items:``.
         """
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         run = asyncio.create_task(self._run(call, queue.put_nowait))
         run.add_done_callback(lambda _: queue.put_nowait(None))
+        return CallStream(run, self._relay(call, run, queue))
+
+    async def _relay(
+        self, call: PreparedCall, run: asyncio.Task[CallOutcome], queue: asyncio.Queue[int | None]
+    ) -> AsyncGenerator[str | CallOutcome, None]:
         decoder = IncrementalDecoder(self.tokenizer)
         text = ""
         sent = 0
         stop_ids = set(call.params.stop_token_ids)
         markers = (*call.stop, *((TOOL_CALL_OPEN,) if call.tools else ()))
-        try:
-            while (token := await queue.get()) is not None:
-                if token in stop_ids:
-                    continue
-                text += decoder.push(token)
-                safe = _stream_safe(text, markers)
-                if len(safe) > sent:
-                    yield safe[sent:]
-                    sent = len(safe)
-            outcome = await run
-            # What was held back to the end (a trailing partial character, text that only
-            # looked like the start of a marker) goes out now, as the final text has it.
-            final = outcome.message.content if outcome.message.tool_calls else outcome.text
-            if len(final) > sent and final.startswith(text[:sent]):
-                yield final[sent:]
-            yield outcome
-        finally:
-            if not run.done():
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
+        while (token := await queue.get()) is not None:
+            if token in stop_ids:
+                continue
+            text += decoder.push(token)
+            safe = _stream_safe(text, markers)
+            if len(safe) > sent:
+                yield safe[sent:]
+                sent = len(safe)
+        outcome = await run
+        # What was held back to the end (a trailing partial character, text that only
+        # looked like the start of a marker) goes out now, as the final text has it.
+        final = outcome.message.content if outcome.message.tool_calls else outcome.text
+        if len(final) > sent and final.startswith(text[:sent]):
+            yield final[sent:]
+        yield outcome
 
     async def _run(self, call: PreparedCall, on_token: Callable[[int], None] | None) -> CallOutcome:
         # Every token sampled for this call, with its log-prob and the policy version that

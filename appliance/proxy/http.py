@@ -1,23 +1,29 @@
-"""HTTP plumbing shared by every API surface: app state keys, auth, JSON bodies, SSE.
+"""HTTP plumbing shared by every API surface: app state keys, auth, limits, JSON bodies, SSE.
 
 Owns how a request is tied to a rollout (the rollout id in the path, its token as
 ``Authorization: Bearer`` or ``x-api-key``; the rollout-less ``/v1`` prefix takes the admin
-token), how a body is read as JSON, and how server-sent events are written. Surfaces import
-these; nothing here knows any surface's shapes.
+token), the limit on model calls held at once (``Admission``: beyond ``max_queued_calls`` a call
+is refused at once with a 429 and ``Retry-After``, before its body is read, so nothing is
+recorded for it), how a body is read as JSON, and how server-sent events are written. Surfaces
+import these; nothing here knows any surface's shapes.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import BadRequest, Unauthorized
+from appliance.errors import BadRequest, Overloaded, Unauthorized
 from appliance.proxy.calls import CallService
 from appliance.rollouts import DEFAULT_ROLLOUT, ActiveRollout, RolloutRegistry
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,13 +36,48 @@ class ProxySettings:
     #: Token for the admin API and the rollout-less ``/v1`` routes.
     admin_token: str = ""
     max_body_bytes: int = 4 * 1024 * 1024
+    #: Model calls held at once (reading the body, waiting while training, queued in the engine,
+    #: generating, streaming); one more is refused with a 429.
+    max_queued_calls: int = 4096
+
+
+class Admission:
+    """Counts the model calls the proxy holds and refuses those beyond ``limit``.
+
+    The count covers a call's whole life in its handler, so it bounds the engine's queue, the
+    calls waiting at the serving gate and the open streams together (the backpressure a
+    harness sees is a 429 it can retry, never an unbounded queue)."""
+
+    def __init__(self, limit: int, retry_after_s: int = 1) -> None:
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.held = 0
+        #: The most calls held at once so far, and the calls refused.
+        self.peak = 0
+        self.refused = 0
+
+    def enter(self) -> None:
+        if self.held >= self.limit:
+            self.refused += 1
+            raise Overloaded(
+                f"the appliance already holds {self.limit} model calls (max_queued_calls); "
+                f"retry in {self.retry_after_s} s",
+                code="too_many_queued_calls",
+                retry_after_s=self.retry_after_s,
+            )
+        self.held += 1
+        self.peak = max(self.peak, self.held)
+
+    def leave(self) -> None:
+        self.held -= 1
 
 
 CALLS = web.AppKey("calls", CallService)
 REGISTRY = web.AppKey("registry", RolloutRegistry)
 SETTINGS = web.AppKey("settings", ProxySettings)
+ADMISSION = web.AppKey("admission", Admission)
 
-__all__ = ["CALLS", "DEFAULT_ROLLOUT", "REGISTRY", "SETTINGS", "ProxySettings"]
+__all__ = ["ADMISSION", "CALLS", "DEFAULT_ROLLOUT", "REGISTRY", "SETTINGS", "Admission", "ProxySettings"]
 
 
 def request_token(request: web.Request) -> str | None:
@@ -63,12 +104,24 @@ def rollout_of(request: web.Request) -> ActiveRollout:
     return registry.authorize(rollout, request_token(request))
 
 
+#: A ``\\uD800``-``\\uDFFF`` escape: JSON allows it, but alone it is no character.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
 async def json_body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
         body = json.loads(raw)
+        if _SURROGATE_ESCAPE.search(raw):
+            # A pair decodes to one character; a lone surrogate would fail later, where the
+            # call is recorded (no UTF-8 for it), so it is refused here.
+            json.dumps(body, ensure_ascii=False).encode()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except UnicodeEncodeError:
+        raise BadRequest(
+            "the request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)"
+        ) from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
@@ -93,15 +146,34 @@ async def sse_send(response: web.StreamResponse, data: Any, event: str | None = 
 PREFIXES = ("/rollouts/{rollout}/v1", "/v1")
 
 
-def add_post(app: web.Application, path: str, handler: Any) -> None:
+def add_post(app: web.Application, path: str, handler: Handler) -> None:
+    """A model-call route under both prefixes, counted by the app's ``Admission``."""
+
+    async def admitted(request: web.Request) -> web.StreamResponse:
+        admission = request.app[ADMISSION]
+        admission.enter()
+        try:
+            return await handler(request)
+        finally:
+            admission.leave()
+
     for prefix in PREFIXES:
-        app.router.add_post(prefix + path, handler)
+        app.router.add_post(prefix + path, admitted)
 
 
-def add_get(app: web.Application, path: str, handler: Any) -> None:
+def add_get(app: web.Application, path: str, handler: Handler) -> None:
     for prefix in PREFIXES:
         app.router.add_get(prefix + path, handler)
 
 
 def user_agent(request: web.Request) -> str:
-    return request.headers.get("User-Agent", "")
+    """The client's User-Agent as recorded: bytes that are not UTF-8 become U+FFFD (aiohttp
+    hands them over as surrogate escapes, which the event log cannot store)."""
+    agent = request.headers.get("User-Agent", "")
+    if agent.isascii():
+        return agent
+    try:
+        raw = agent.encode("utf-8", "surrogateescape")  # the bytes as they came
+    except UnicodeEncodeError:
+        raw = agent.encode("utf-8", "surrogatepass")
+    return raw.decode("utf-8", "replace")

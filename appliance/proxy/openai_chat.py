@@ -9,7 +9,6 @@ Owns the conversion between Chat Completions bodies and the internal call path
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -183,11 +182,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             out["usage"] = None
         return out
 
-    response = await sse_start(request)
-    await sse_send(response, chunk({"role": "assistant", "content": "", "refusal": None}))
-    try:
-        # Closing the stream early (the client went away) cancels the generation.
-        async with contextlib.aclosing(calls.stream(call)) as items:
+    # Generation starts first, so the headers and the role chunk go out while the engine prefills.
+    # Leaving the block early (the client went away) cancels the generation.
+    async with calls.stream(call) as items:
+        response = await sse_start(request)
+        await sse_send(response, chunk({"role": "assistant", "content": "", "refusal": None}))
+        try:
             async for item in items:
                 if isinstance(item, str):
                     await sse_send(response, chunk({"content": item}))
@@ -203,10 +203,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 await sse_send(response, chunk({}, _finish(item)))
                 if include_usage:
                     await sse_send(response, {**base, "choices": [], "usage": _usage(item)})
-    except ApplianceError as exc:
-        # The status line is gone already: the error travels as an event, as OpenAI sends it.
-        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
-        await sse_send(response, {"error": error})
+        except ApplianceError as exc:
+            # The status line is gone already: the error travels as an event, as OpenAI sends it.
+            error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
+            await sse_send(response, {"error": error})
     await sse_send(response, "[DONE]")
     await response.write_eof()
     return response

@@ -10,7 +10,6 @@ builds its transcript as text still yields one exact token sequence.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -188,18 +187,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
 
     ((call, text),) = prepared
-    response = await sse_start(request)
-    if echo:
-        await sse_send(
-            response,
-            {
-                **base,
-                "object": "text_completion",
-                "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}],
-            },
-        )
-    try:
-        async with contextlib.aclosing(calls.stream(call)) as items:
+    # Generation starts first, so the headers go out while the engine prefills.
+    async with calls.stream(call) as items:
+        response = await sse_start(request)
+        if echo:
+            await sse_send(
+                response,
+                {
+                    **base,
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}],
+                },
+            )
+        try:
             async for item in items:
                 if isinstance(item, str):
                     chunk = {"index": 0, "text": item, "finish_reason": None, "logprobs": None}
@@ -208,9 +208,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     finish = "length" if item.result.finish_reason == "length" else "stop"
                     chunk = {"index": 0, "text": "", "finish_reason": finish, "logprobs": None}
                 await sse_send(response, {**base, "object": "text_completion", "choices": [chunk]})
-    except ApplianceError as exc:
-        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
-        await sse_send(response, {"error": error})
+        except ApplianceError as exc:
+            error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
+            await sse_send(response, {"error": error})
     await sse_send(response, "[DONE]")
     await response.write_eof()
     return response

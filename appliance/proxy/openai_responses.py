@@ -16,7 +16,6 @@ Output items re-sent as input convert back to exactly the assistant message the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -27,7 +26,7 @@ from aiohttp import web
 
 from appliance.chat.messages import Message, ToolCall, tools_from_openai
 from appliance.errors import ApplianceError, BadRequest
-from appliance.proxy.calls import CallOutcome, PreparedCall
+from appliance.proxy.calls import CallOutcome, CallStream, PreparedCall
 from appliance.proxy.http import (
     CALLS,
     SETTINGS,
@@ -305,8 +304,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if not stream:
         outcome = await request.app[CALLS].complete(call)
         return web.json_response(_response(call.call_id, echo, _output(outcome), outcome))
-    response = await sse_start(request)
-    await _ResponseStream(request, response, call, echo).run()
+    # Generation starts first, so the headers and opening events go out while the engine prefills.
+    async with request.app[CALLS].stream(call) as items:
+        response = await sse_start(request)
+        await _ResponseStream(request, response, call, echo).run(items)
     await response.write_eof()
     return response
 
@@ -356,7 +357,7 @@ class _ResponseStream:
         )
         self.sent += text
 
-    async def run(self) -> None:
+    async def run(self, items: CallStream) -> None:
         started = _response(self.call.call_id, self.echo, [], None)
         await self.send("response.created", response=started)
         await self.send("response.in_progress", response=started)
@@ -365,19 +366,17 @@ class _ResponseStream:
         strip = bool(self.call.tools)
         held = ""
         try:
-            # ``CallService.stream`` is an async generator; closing it early cancels the generation.
-            async with contextlib.aclosing(self.request.app[CALLS].stream(self.call)) as items:
-                async for item in items:
-                    if isinstance(item, CallOutcome):
-                        await self.finish(item)
-                    elif not strip:
-                        await self.delta(item)
-                    else:
-                        held = (held + item) if self.sent else (held + item).lstrip()
-                        text = held.rstrip()
-                        if text:
-                            held = held[len(text) :]
-                            await self.delta(text)
+            async for item in items:
+                if isinstance(item, CallOutcome):
+                    await self.finish(item)
+                elif not strip:
+                    await self.delta(item)
+                else:
+                    held = (held + item) if self.sent else (held + item).lstrip()
+                    text = held.rstrip()
+                    if text:
+                        held = held[len(text) :]
+                        await self.delta(text)
         except ApplianceError as exc:
             await self.send("error", code=exc.code, message=exc.message, param=exc.param)
 

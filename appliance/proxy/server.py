@@ -18,12 +18,21 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from appliance.errors import ApplianceError, BadRequest
-from appliance.proxy import anthropic_messages, openai_chat, openai_completions, openai_responses
+from appliance.proxy import (
+    admin_feed,
+    anthropic_messages,
+    control,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+)
 from appliance.proxy.calls import CallService
 from appliance.proxy.http import (
+    ADMISSION,
     CALLS,
     REGISTRY,
     SETTINGS,
+    Admission,
     ProxySettings,
     add_get,
     check_admin,
@@ -42,11 +51,16 @@ __all__ = ["ProxyServer", "ProxySettings", "build_app"]
 
 def error_response(request: web.Request, exc: ApplianceError) -> web.Response:
     if anthropic_messages.is_anthropic(request):
-        return anthropic_messages.error_response(exc)
-    payload = {
-        "error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
-    }
-    return web.json_response(payload, status=exc.status)
+        response = anthropic_messages.error_response(exc)
+    else:
+        payload = {
+            "error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
+        }
+        response = web.json_response(payload, status=exc.status)
+    if exc.status in (429, 503):
+        # Retryable: say when (the openai and anthropic clients honour it).
+        response.headers["Retry-After"] = str(getattr(exc, "retry_after_s", 1))
+    return response
 
 
 class _HTTPError(ApplianceError):
@@ -94,6 +108,8 @@ async def report_reward(request: web.Request) -> web.Response:
     reward = body.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise BadRequest("'reward' must be a finite number", param="reward")
+    if "call_id" in body:  # an intermediate reward on one call, not the rollout's
+        return await control.report_call_reward(request, rollout, body, float(reward))
     event = RewardReported(ts=time.time(), rollout=rollout.rollout, reward=float(reward), source="http")
     await request.app[CALLS].store.append([event])
     rollout.reward = float(reward)
@@ -104,13 +120,17 @@ async def admin_status(request: web.Request) -> web.Response:
     """The live rollouts and the serving gate; the full run state is in the event log."""
     check_admin(request)
     calls = request.app[CALLS]
+    run = request.app.get(control.RUN_STATE)
     return web.json_response(
         {
+            "paused": run.paused if run is not None else False,
             "rollouts": len(request.app[REGISTRY]),
             "serving": calls.gate.is_open,
             "inflight": calls.gate.inflight,
             "policy_version": calls.engine.policy_version,
             "events": calls.store.last_position,
+            "calls_held": request.app[ADMISSION].held,
+            "calls_refused": request.app[ADMISSION].refused,
         }
     )
 
@@ -124,6 +144,7 @@ def build_app(calls: CallService, registry: RolloutRegistry, settings: ProxySett
     app[CALLS] = calls
     app[REGISTRY] = registry
     app[SETTINGS] = settings
+    app[ADMISSION] = Admission(settings.max_queued_calls)
     openai_chat.add_routes(app)
     openai_completions.add_routes(app)
     openai_responses.add_routes(app)
@@ -132,6 +153,8 @@ def build_app(calls: CallService, registry: RolloutRegistry, settings: ProxySett
     app.router.add_post("/rollouts/{rollout}/reward", report_reward)
     app.router.add_get("/healthz", health)
     app.router.add_get("/admin/status", admin_status)
+    admin_feed.add_routes(app)
+    control.add_routes(app)
     return app
 
 
@@ -146,7 +169,8 @@ class ProxyServer:
 
     async def start(self) -> None:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
+        # A deep accept queue: a thousand harness connections may open at the same moment.
+        site = web.TCPSite(self._runner, self._host, self._port, backlog=4096)
         await site.start()
         port = self._port
         for address in self._runner.addresses:

@@ -15,6 +15,14 @@ Two modes share it:
   Groups are trained in admission order: a group that finishes early waits for older ones, so
   no group is trained later than the step the staleness bound planned for it.
 
+Operator control and validation are part of the observation too: while ``paused`` no group
+is admitted, no step trained and no validation round started (rollouts under way finish, calls
+are served); a requested checkpoint is saved at the next decision outside a step; a validation
+round (``validation_tasks`` held-out rollouts) starts at step 0 and every ``validate_every``
+steps, runs beside the admissions, and holds training back until it ends, so every rollout of
+a round is served by one policy version. A round that ended is recorded (``FinishValidation``)
+before anything else happens, and a stop waits for a round in flight.
+
 Staleness bound (``eta``): group number ``g`` (0-based, in admission order) is trained at the
 earliest by step ``g // batch_groups + 1``, i.e. with weights of version ``g // batch_groups``.
 It may start only while ``g // batch_groups - policy_version <= eta``: a rollout never starts
@@ -46,6 +54,10 @@ class SchedulePolicy:
     #: Seconds generation runs at least before a switch to training (async mode), so a switch
     #: never starves the rollouts that were just admitted.
     min_generate_s: float = 0.0
+    #: Steps between validation rounds (a round runs at step 0 too); 0: no validation.
+    validate_every: int = 0
+    #: Rollouts per validation round (one per held-out task).
+    validation_tasks: int = 1
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.group_size < 1:
@@ -89,6 +101,16 @@ class Observation:
     #: never overtaken by shorter ones admitted after it (which would make its tokens older
     #: than the staleness bound allows).
     ready_in_order: int | None = None
+    #: An operator paused the run (``ControlRequested`` "pause" not yet resumed).
+    paused: bool = False
+    #: An operator asked for a checkpoint that has not been saved yet.
+    checkpoint_requested: bool = False
+    #: Rollouts of the validation round not yet recorded as completed (0: no round open), and
+    #: how many of them still run. Neither count is in ``running_*`` nor ``admitted_groups``.
+    validation_open: int = 0
+    validation_running: int = 0
+    #: The step of the last recorded validation round (None: none yet).
+    last_validation_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +133,22 @@ class Stop:
     reason: str
 
 
-Action = StartGroups | Train | RestartEngine | Stop
+@dataclass(frozen=True, slots=True)
+class SaveCheckpoint:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartValidation:
+    tasks: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishValidation:
+    pass
+
+
+Action = StartGroups | Train | RestartEngine | Stop | SaveCheckpoint | StartValidation | FinishValidation
 
 
 def admissible_groups(policy: SchedulePolicy, obs: Observation) -> int:
@@ -124,18 +161,39 @@ def admissible_groups(policy: SchedulePolicy, obs: Observation) -> int:
     return max(0, min(by_staleness, by_inflight))
 
 
+def validation_due(policy: SchedulePolicy, obs: Observation) -> bool:
+    """A validation round should start now: at step 0 and every ``validate_every`` steps, once."""
+    return (
+        policy.validate_every > 0
+        and obs.step % policy.validate_every == 0
+        and obs.last_validation_step != obs.step
+        and not obs.validation_open
+    )
+
+
 def decide(policy: SchedulePolicy, obs: Observation) -> list[Action]:
     """What to do now. An empty list means: wait for the next observation."""
     if obs.phase == "train":
         return []  # a step is under way; it ends on its own (a stop waits for it)
+    if obs.validation_open and not obs.validation_running:
+        return [FinishValidation()]
+    if obs.checkpoint_requested:
+        return [SaveCheckpoint("requested")]
     if obs.stopping:
-        return [Stop("stop requested")]
+        # A validation round in flight ends first (its rollouts end or time out on their own).
+        return [] if obs.validation_running else [Stop("stop requested")]
+    due = validation_due(policy, obs) and not obs.paused
     if policy.max_steps is not None and obs.step >= policy.max_steps:
-        return [Stop(f"reached step {policy.max_steps}")]
+        if due:
+            return [StartValidation(policy.validation_tasks)]  # the final round
+        return [] if obs.validation_running else [Stop(f"reached step {policy.max_steps}")]
     if obs.engine_failed:
         return [RestartEngine()]
+    if obs.paused:
+        return []
+    actions: list[Action] = [StartValidation(policy.validation_tasks)] if due else []
     ready = len(obs.ready_groups)
-    if ready >= policy.batch_groups:
+    if ready >= policy.batch_groups and not due and not obs.validation_open:
         if policy.mode == "sync" and obs.running_groups == 0:
             return [Train(obs.ready_groups[: policy.batch_groups])]
         in_order = ready if obs.ready_in_order is None else obs.ready_in_order
@@ -146,4 +204,4 @@ def decide(policy: SchedulePolicy, obs: Observation) -> list[Action]:
         ):
             return [Train(obs.ready_groups[: policy.batch_groups])]
     more = admissible_groups(policy, obs)
-    return [StartGroups(more)] if more > 0 else []
+    return [*actions, StartGroups(more)] if more > 0 else actions

@@ -9,7 +9,11 @@ engine and the training service, and the switch between generating and training:
 
 Each phase is recorded as a ``SwitchPhaseCompleted`` event with its duration. The runner keeps
 no state of the run: every observation is read from the live projection of the log, plus the
-few facts only the effects know (the phase, since when it generates, a failed engine).
+few facts only the effects know (the phase, since when it generates, a failed engine). Operator
+control arrives the same way (``ControlRequested`` events folded into ``RunState``: paused, a
+checkpoint or a stop requested), so a restart while paused stays paused. It also carries out
+requested checkpoints (between steps) and validation rounds: it starts a round's rollouts with
+the evaluation sampling and records ``ValidationCompleted`` when they have all ended.
 """
 
 from __future__ import annotations
@@ -17,35 +21,56 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from appliance.controller import RolloutController
 from appliance.engines.base import Engine
-from appliance.errors import EngineUnavailable
+from appliance.errors import EngineUnavailable, TrainingFailed
 from appliance.proxy.calls import ServingGate
 from appliance.scheduler.decide import (
+    FinishValidation,
     Observation,
     RestartEngine,
+    SaveCheckpoint,
     SchedulePolicy,
     StartGroups,
+    StartValidation,
     Stop,
     Train,
     decide,
 )
 from appliance.scheduler.live import LiveState
 from appliance.training import TrainingService
-from store.events import PhaseChanged, SwitchPhaseCompleted, TrainStepCompleted
+from appliance.validation import round_result
+from harness_adapters.base import Task
+from store.events import PhaseChanged, SwitchPhaseCompleted, TrainStepCompleted, TrainStepFailed
 from store.projections import RolloutView, RunState
 
 log = logging.getLogger(__name__)
 
+#: Failed attempts at one training step, in a row, after which the run stops.
+MAX_TRAIN_FAILURES = 3
+
 
 def _groups(state: RunState) -> dict[str, list[RolloutView]]:
+    """Training groups (validation rollouts left out), in admission order."""
     groups: dict[str, list[RolloutView]] = {}
     for view in state.rollouts.values():
-        groups.setdefault(view.group, []).append(view)
+        if view.purpose == "train":
+            groups.setdefault(view.group, []).append(view)
     return groups
+
+
+def open_validation(state: RunState) -> list[RolloutView]:
+    """The rollouts of the validation round that no ``ValidationCompleted`` records yet."""
+    recorded = {rollout for round_ in state.validations for rollout in round_.rollouts}
+    return [
+        view
+        for view in state.rollouts.values()
+        if view.purpose == "validation" and view.rollout not in recorded
+    ]
 
 
 def _dead(views: list[RolloutView]) -> bool:
@@ -67,7 +92,8 @@ def observe(
     interrupted by a restart) counts neither as ready nor as admitted: its failures stay
     recorded, and another group takes its place."""
     groups = _groups(state)
-    running = state.running()
+    running = [view for view in state.running() if view.purpose == "train"]
+    validating = open_validation(state)
     ready = [
         group for group, views in state.ready_groups().items() if any(RunState.trainable(v) for v in views)
     ]
@@ -84,7 +110,7 @@ def observe(
         running_groups=len({view.group for view in running}),
         ready_groups=tuple(ready),
         step=state.step,
-        stopping=stopping,
+        stopping=stopping or state.stop_requested,
         policy_version=state.policy_version,
         admitted_groups=sum(1 for views in groups.values() if not _dead(views)),
         running_rollouts=len(running),
@@ -92,7 +118,24 @@ def observe(
         generating_for_s=generating_for_s,
         engine_failed=engine_failed,
         ready_in_order=in_order,
+        paused=state.paused,
+        checkpoint_requested=state.checkpoint_requested,
+        validation_open=len(validating),
+        validation_running=sum(1 for view in validating if view.status == "running"),
+        last_validation_step=state.validations[-1].step if state.validations else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Validation:
+    """What a validation round runs: the held-out tasks and the evaluation sampling."""
+
+    tasks: Sequence[Task]
+    temperature: float = 0.0
+    max_tokens: int = 16
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "max_tokens": self.max_tokens}
 
 
 class SchedulerRunner:
@@ -108,6 +151,7 @@ class SchedulerRunner:
         sleep_level: int = 1,
         drop_stale: bool = True,
         on_step: Callable[[TrainStepCompleted, RunState], None] | None = None,
+        validation: Validation | None = None,
     ) -> None:
         self.policy = policy
         self.live = live
@@ -118,10 +162,12 @@ class SchedulerRunner:
         self.sleep_level = sleep_level
         self.drop_stale = drop_stale
         self.on_step = on_step
+        self.validation = validation or Validation(tasks=())
         self._stop = asyncio.Event()
         self._phase = "generate"
         self._generating_since = time.monotonic()
         self._engine_failed = False
+        self._train_failures = 0
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -180,6 +226,35 @@ class SchedulerRunner:
                         await self._switch(groups)
                     case RestartEngine():
                         await self._restart_engine()
+                    case SaveCheckpoint(reason=reason):
+                        await self.training.checkpoint(self.live.state, reason)
+                    case StartValidation(tasks=count):
+                        await self._start_validation(count)
+                    case FinishValidation():
+                        await self._finish_validation()
+
+    async def _start_validation(self, count: int) -> None:
+        """Start a round: one rollout per held-out task, with the evaluation sampling."""
+        state = self.live.state
+        rounds = len({view.group for view in state.rollouts.values() if view.purpose == "validation"})
+        await self.controller.start_validation(
+            f"v{rounds:04d}",
+            self.validation.tasks[:count],
+            temperature=self.validation.temperature,
+            max_tokens=self.validation.max_tokens,
+        )
+
+    async def _finish_validation(self) -> None:
+        """Record the open round, all of whose rollouts have ended (no step ran meanwhile)."""
+        state = self.live.state
+        views = open_validation(state)
+        if not views:
+            return
+        # The sampling the proxy actually used (recorded on each call), else the configured one.
+        sampling = next((c.sampling for v in views for c in v.calls), None) or self.validation.sampling()
+        await self._record(
+            round_result(views, step=state.step, policy_version=views[0].created_version, sampling=sampling)
+        )
 
     async def _timed(self, step: int, phase: str, work: Callable[[], Awaitable[Any]]) -> Any:
         started = time.perf_counter()
@@ -204,23 +279,46 @@ class SchedulerRunner:
             await self._timed(step, "sleep", lambda: self.engine.sleep(self.sleep_level))
             if hasattr(trainer, "onload"):
                 await self._timed(step, "onload", lambda: asyncio.to_thread(trainer.onload))
-            trained = await self._timed(
-                step, "train", lambda: self.training.train(state, groups, eta=eta, drop_stale=self.drop_stale)
-            )
+            try:
+                trained = await self._timed(
+                    step,
+                    "train",
+                    lambda: self.training.train(state, groups, eta=eta, drop_stale=self.drop_stale),
+                )
+                self._train_failures = 0
+            except Exception as exc:  # nothing of the step is durable: its groups stay ready
+                trained = None
+                await self._train_failed(step, groups, exc)
             if hasattr(trainer, "offload"):
                 await self._timed(step, "offload", lambda: asyncio.to_thread(trainer.offload))
             # Level 2 discarded the engine's weights: push the current ones even without a new step.
-            version = trained.version
+            version = trained.version if trained is not None else None
             if version is None and self.sleep_level == 2:
                 version = self.live.state.policy_version
             await self._wake_and_push(step, version)
             await self.live.wait_for(self.live.store.last_position)
-            if self.on_step is not None:
+            if self.on_step is not None and trained is not None:
                 self.on_step(trained.completed, self.live.state)
         finally:
             self._generating_since = time.monotonic()
             self.gate.open()
             await self._phase_changed("generate")
+
+    async def _train_failed(self, step: int, groups: tuple[str, ...], exc: Exception) -> None:
+        """Record a failed step; the next ``decide`` tries it again, up to MAX_TRAIN_FAILURES."""
+        self._train_failures += 1
+        log.error("training step %d failed (attempt %d)", step, self._train_failures, exc_info=exc)
+        error = f"{type(exc).__name__}: {exc}"
+        await self._record(
+            TrainStepFailed(
+                ts=time.time(), step=step, groups=groups, error=error, attempt=self._train_failures
+            )
+        )
+        if self._train_failures >= MAX_TRAIN_FAILURES:
+            raise TrainingFailed(
+                f"training step {step} failed {self._train_failures} times in a row ({error});"
+                " the run stopped, its rollouts are kept: fix the trainer and start it again"
+            ) from exc
 
     async def _wake_and_push(self, step: int, version: int | None) -> None:
         try:

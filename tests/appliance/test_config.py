@@ -36,6 +36,10 @@ def test_adapter_from_json_environment() -> None:
         ({"APPLIANCE_MODE": "sometimes"}, "mode must be"),
         ({"APPLIANCE_TRAINER": "jax"}, "trainer must be one of"),
         ({"APPLIANCE_ADAPTER": "{not json"}, "adapter"),
+        ({"APPLIANCE_CHECKPOINT_EVERY": "-1"}, "checkpoint_every must be 0"),
+        ({"APPLIANCE_VALIDATE_EVERY": "-2"}, "validate_every must be 0"),
+        ({"APPLIANCE_VALIDATION_TASKS": "0"}, "validation_tasks must be at least 1"),
+        ({"APPLIANCE_VALIDATION_TEMPERATURE": "9"}, "validation_temperature must be between"),
     ],
 )
 def test_bad_settings_are_one_readable_error(env: dict[str, str], message: str) -> None:
@@ -47,3 +51,10 @@ def test_secrets_stay_out_of_the_recorded_config() -> None:
     config = load_config(env={"APPLIANCE_ADMIN_TOKEN": "s3cret"})
     assert config.admin_token == "s3cret"
     assert "s3cret" not in str(config.to_json())
+
+
+def test_export_dir_defaults_into_the_run_directory(tmp_path: Path) -> None:
+    config = load_config(overrides={"data_dir": tmp_path / "run"}, env={})
+    assert config.export_path == tmp_path / "run" / "export"
+    elsewhere = load_config(overrides={"data_dir": tmp_path / "run"}, env={"APPLIANCE_EXPORT_DIR": "/srv/m"})
+    assert elsewhere.export_path == Path("/srv/m")

@@ -5,7 +5,6 @@ Runs the real command line in a subprocess, the way a user runs it.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,23 +20,7 @@ from store.events import (
     TrainStepCompleted,
 )
 from store.eventstore import read_events_sync
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def up(data_dir: Path, model_dir: Path, steps: int) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable, "-m", "appliance.cli", "up", "--headless",
-            "--data-dir", str(data_dir), "--model", str(model_dir), "--port", "0",
-            "--steps", str(steps), "--group-size", "2", "--batch-groups", "1",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+from tests.appliance.appliance_process import ROOT, up
 
 
 def test_sigkill_between_steps_then_resume(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -258,11 +258,11 @@ async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "events.db"
     await (await EventStore.open(path)).close()
     with sqlite3.connect(path) as db:
-        db.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+        db.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
     for readonly in (False, True):
-        with pytest.raises(StoreError, match="schema version 2, newer"):
+        with pytest.raises(StoreError, match="schema version 9, newer"):
             await EventStore.open(path, readonly=readonly)
-    with pytest.raises(StoreError, match="schema version 2"):
+    with pytest.raises(StoreError, match="schema version 9"):
         read_events_sync(path)
 
 
@@ -277,7 +277,7 @@ async def test_a_foreign_database_is_refused(tmp_path: Path) -> None:
 async def test_another_writer_is_detected(store: EventStore) -> None:
     await store.append([reward(1)])
     with sqlite3.connect(store.path) as db:
-        db.execute("INSERT INTO events VALUES (2, 'RewardReported', 1, 'r', 0, '{}', x'')")
+        db.execute("INSERT INTO events VALUES (2, 'RewardReported', 1, 'r', 0, '{}', x'', NULL)")
     with pytest.raises(StoreError, match="another process wrote"):
         await store.append([reward(2)])
 
@@ -299,3 +299,15 @@ async def test_open_and_close_leak_no_file_descriptors(tmp_path: Path) -> None:
     for _ in range(5):
         await cycle()
     assert _open_fds() == before
+
+
+async def test_a_lone_surrogate_is_refused_before_it_reaches_the_writer(store: EventStore) -> None:
+    bad = ApplianceStopped(ts=1.0, reason="broken \ud800 text")
+    with pytest.raises(StoreError, match="cannot encode"):
+        await store.append([bad])
+    with pytest.raises(StoreError, match="cannot encode"):
+        await store.append([RewardReported(ts=1.0, rollout="r\udfff", reward=1.0, source="agent")])
+    # The writer is still alive: later appends commit and read back.
+    (position,) = await asyncio.wait_for(store.append([ApplianceStopped(ts=2.0, reason="fine")]), 10)
+    assert [s.event for s in await store.read()] == [ApplianceStopped(ts=2.0, reason="fine")]
+    assert position == 1

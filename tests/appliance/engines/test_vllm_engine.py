@@ -153,7 +153,10 @@ class TestVLLMEngine(EngineContract):
         task = asyncio.create_task(
             engine.generate(GenerateRequest(prompt_ids=PROMPTS[0], params=long, on_token=on_token))
         )
-        await asyncio.sleep(0.5)
+        for _ in range(200):  # until vLLM reports it running (slow on a loaded machine)
+            if await running_requests(engine.base_url) == 1:
+                break
+            await asyncio.sleep(0.05)
         assert await running_requests(engine.base_url) == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

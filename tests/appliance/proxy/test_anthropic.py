@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from anthropic import AsyncAnthropic
 from anthropic.types import Message as AnthropicMessage
-from anthropic.types import ToolParam
+from anthropic.types import MessageParam, ToolParam
 
 from appliance.app import Appliance
 from appliance.chat.messages import Message, ToolCall
@@ -81,6 +81,24 @@ async def test_plain_message(app: Appliance) -> None:
     assert call.surface == "anthropic.messages"
     assert call.request["max_tokens"] == 6
     assert "anthropic" in call.user_agent.lower()
+
+
+async def test_count_tokens_is_the_rendered_prompt_length_and_records_nothing(app: Appliance) -> None:
+    active = rollout(app)
+    messages: list[MessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    async with client(app, active) as sdk:
+        counted = await sdk.messages.count_tokens(
+            model=app.model_name, system="Be brief.", messages=messages, tools=[WEATHER_TOOL]
+        )
+        created = await sdk.messages.create(
+            model=app.model_name, max_tokens=3, system="Be brief.", messages=messages, tools=[WEATHER_TOOL]
+        )
+    (call,) = await calls_recorded(app)  # only the create() call was recorded
+    assert counted.input_tokens == len(call.prompt_ids) == created.usage.input_tokens
+    bare = await AsyncAnthropic(base_url=base(app, active), api_key=active.token).messages.count_tokens(
+        model=app.model_name, messages=messages
+    )
+    assert bare.input_tokens < counted.input_tokens  # the tool schema and system are counted
 
 
 @pytest.mark.parametrize(
@@ -424,7 +442,7 @@ async def test_anthropic_error_shape_on_other_routes(app: Appliance) -> None:
         assert plain.status == 401
         assert (await plain.json())["error"]["type"] == "authentication_error"
         missing = await http.post(
-            f"{app.proxy_url}/v1/messages/count_tokens",
+            f"{app.proxy_url}/v1/messages/batches",
             json=GOOD,
             headers={"anthropic-version": "2023-06-01"},
         )

@@ -6,10 +6,13 @@ import pytest
 
 from appliance.scheduler.decide import (
     Action,
+    FinishValidation,
     Observation,
     RestartEngine,
+    SaveCheckpoint,
     SchedulePolicy,
     StartGroups,
+    StartValidation,
     Stop,
     Train,
     admissible_groups,
@@ -98,3 +101,90 @@ def test_admission_never_runs_more_than_eta_versions_ahead(eta: int) -> None:
 def test_in_flight_limit_below_a_group_is_refused() -> None:
     with pytest.raises(ValueError, match="at least group_size"):
         SchedulePolicy(batch_groups=2, group_size=4, mode="async", max_inflight_rollouts=3)
+
+
+VALIDATING = SchedulePolicy(batch_groups=2, group_size=4, max_steps=4, mode="sync", validate_every=2,
+                            validation_tasks=3)  # fmt: skip
+VALIDATING_ASYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=4, mode="async", eta=1,
+                                  validate_every=2, validation_tasks=3)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("policy", "observation", "expected"),
+    [
+        # --- operator pause ----------------------------------------------------------------------
+        # Paused: nothing is admitted, even with nothing running ...
+        (SYNC, obs(paused=True), []),
+        # ... and no step is trained, even with a whole batch ready.
+        (SYNC, obs(paused=True, ready_groups=("g0", "g1"), admitted_groups=2), []),
+        (ASYNC, obs(paused=True, running_groups=2, ready_groups=("g0", "g1"), admitted_groups=4,
+                    running_rollouts=8), []),
+        # A step under way when the pause arrives finishes on its own.
+        (SYNC, obs(paused=True, phase="train"), []),
+        # Paused, a stop still stops, and a failed engine is still restarted (calls are served).
+        (SYNC, obs(paused=True, stopping=True), [Stop("stop requested")]),
+        (SYNC, obs(paused=True, engine_failed=True), [RestartEngine()]),
+        # Resumed (not paused): back to admitting.
+        (SYNC, obs(paused=False), [StartGroups(2)]),
+        # --- requested checkpoint ----------------------------------------------------------------
+        # Saved at the next decision outside a step, before anything else, also while paused.
+        (SYNC, obs(checkpoint_requested=True, ready_groups=("g0", "g1"), admitted_groups=2),
+         [SaveCheckpoint("requested")]),
+        (SYNC, obs(checkpoint_requested=True, paused=True), [SaveCheckpoint("requested")]),
+        (SYNC, obs(checkpoint_requested=True, stopping=True), [SaveCheckpoint("requested")]),
+        # Never inside a step.
+        (ASYNC, obs(checkpoint_requested=True, phase="train"), []),
+        # --- validation rounds -------------------------------------------------------------------
+        # Off by default: no round at step 0.
+        (SYNC, obs(), [StartGroups(2)]),
+        # Baseline round at step 0, beside the first batch's admissions.
+        (VALIDATING, obs(), [StartValidation(3), StartGroups(2)]),
+        # The round runs: the batch is ready but training waits for the round (sync) ...
+        (VALIDATING, obs(ready_groups=("g0", "g1"), admitted_groups=2, validation_open=3,
+                         validation_running=1, last_validation_step=None), []),
+        # ... and in async mode too, while admissions continue within the bound.
+        (VALIDATING_ASYNC, obs(ready_groups=("g0", "g1"), admitted_groups=2, validation_open=3,
+                               validation_running=2), [StartGroups(2)]),
+        # Every rollout of the round ended: record it first.
+        (VALIDATING, obs(ready_groups=("g0", "g1"), admitted_groups=2, validation_open=3,
+                         validation_running=0), [FinishValidation()]),
+        # Recorded at step 0: train the ready batch.
+        (VALIDATING, obs(ready_groups=("g0", "g1"), admitted_groups=2, last_validation_step=0),
+         [Train(("g0", "g1"))]),
+        # Step 1 is not a validation step.
+        (VALIDATING, obs(step=1, admitted_groups=2, last_validation_step=0), [StartGroups(2)]),
+        # Step 2 is: a new round with the next batch.
+        (VALIDATING, obs(step=2, admitted_groups=4, last_validation_step=0),
+         [StartValidation(3), StartGroups(2)]),
+        # Paused: no new round.
+        (VALIDATING, obs(step=2, admitted_groups=4, last_validation_step=0, paused=True), []),
+        # The step target reached at a validation step: a final round, then stop once recorded.
+        (VALIDATING, obs(step=4, admitted_groups=8, last_validation_step=2), [StartValidation(3)]),
+        (VALIDATING, obs(step=4, admitted_groups=8, validation_open=3, validation_running=3,
+                         last_validation_step=2), []),
+        (VALIDATING, obs(step=4, admitted_groups=8, last_validation_step=4), [Stop("reached step 4")]),
+        # A stop waits for the round in flight, then records it, then stops.
+        (VALIDATING, obs(stopping=True, validation_open=3, validation_running=1), []),
+        (VALIDATING, obs(stopping=True, validation_open=3, validation_running=0), [FinishValidation()]),
+        (VALIDATING, obs(stopping=True, last_validation_step=0), [Stop("stop requested")]),
+    ],
+)  # fmt: skip
+def test_decide_control_and_validation(
+    policy: SchedulePolicy, observation: Observation, expected: list[Action]
+) -> None:
+    assert decide(policy, observation) == expected
+
+
+def test_validation_never_runs_beside_a_step() -> None:
+    """Whatever the observation outside a step: a Train is never decided while a round is open
+    or due, so every rollout of a round is served by one policy version."""
+    for step in range(5):
+        for open_, running in ((0, 0), (3, 0), (3, 2)):
+            for last in (None, step, step - 1):
+                observation = obs(step=step, ready_groups=("a", "b"), admitted_groups=2 * (step + 1),
+                                  validation_open=open_, validation_running=running,
+                                  last_validation_step=last)  # fmt: skip
+                actions = decide(VALIDATING, observation)
+                starts_round = any(isinstance(a, StartValidation) for a in actions)
+                if open_ or starts_round:
+                    assert not any(isinstance(a, Train) for a in actions), (observation, actions)

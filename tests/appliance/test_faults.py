@@ -1,0 +1,250 @@
+"""Faults the run survives, and what the user sees of each.
+
+* Engine failure mid-generation (torch, in process): the call gets a retryable 503 in the OpenAI
+  shape, the engine serves on. For the vLLM engine (its own process): the server killed during a
+  call, the call gets a 503, the supervisor restarts it and later calls succeed (``vllm`` +
+  ``slow``; the engine-level test is ``test_supervisor_restarts_a_killed_server`` in
+  tests/appliance/engines/test_vllm_engine.py).
+* Trainer failure mid-step: ``TrainStepFailed`` is recorded, the groups stay ready and the step
+  is tried again; no rollout is lost or trained twice. Failing every time stops the run with
+  ``TrainingFailed`` after a few attempts.
+* Disk full: calls are answered 507 ``store_full`` with nothing half-written; when space
+  returns, calls succeed and the checksum chain verifies.
+* Slow client: a stream nobody reads does not hold up other rollouts' calls.
+
+Covered elsewhere: a crashing harness is recorded as a failed rollout
+(tests/harness_adapters/test_contract.py), a client that disconnects mid-stream cancels its
+generation and the call is recorded as cancelled
+(``test_client_disconnect_mid_stream_cancels_and_is_recorded`` in
+tests/appliance/proxy/test_openai_chat.py), SIGKILL at random points
+(tests/appliance/test_crash_consistency.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+
+from appliance.app import Appliance
+from appliance.engines.factory import vllm_python
+from appliance.engines.torch_engine import TorchEngine
+from appliance.engines.vllm_engine import VLLMEngine
+from appliance.errors import TrainingFailed
+from appliance.scheduler.runner import MAX_TRAIN_FAILURES
+from store.events import TrainStepCompleted, TrainStepFailed
+from tests.support import make_config, openai_client, recorded_calls, register_rollout
+
+USER: list[Any] = [{"role": "user", "content": "What is 3 + 4?"}]
+STORY: list[Any] = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture
+async def app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Appliance]:
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_tokens=8, max_steps=2)) as appliance:
+        yield appliance
+
+
+def error_body(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.response.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"])
+    return dict(body["error"])
+
+
+async def test_an_engine_failure_mid_generation_is_a_retryable_503(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = app.engine
+    assert isinstance(engine, TorchEngine)
+    real_step = engine._step
+    failures: list[int] = []
+
+    def failing_step(batch: Any) -> Any:  # the first decode step after the prefill fails once
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected: device-side assert triggered")
+        return real_step(batch)
+
+    monkeypatch.setattr(engine, "_step", failing_step)
+    active = register_rollout(app)
+    async with openai_client(app, active) as oai:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
+        assert caught.value.status_code == 503
+        assert caught.value.response.headers["Retry-After"] == "1"
+        error = error_body(caught.value)
+        assert error["code"] == "engine_unavailable"
+        assert "injected: device-side assert" in error["message"]
+        again = await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
+    assert failures == [1]
+    assert [c.call_id for c in await recorded_calls(app)] == [again.id.removeprefix("chatcmpl-")]
+
+
+async def test_a_trainer_failure_mid_step_is_retried_and_trains_each_rollout_once(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = app.training.trainer
+    real_step = trainer.step
+    attempts: list[int] = []
+
+    def failing_once(items: Any) -> Any:
+        attempts.append(len(items))
+        if len(attempts) == 1:
+            raise RuntimeError("injected: CUDA out of memory")
+        return real_step(items)
+
+    monkeypatch.setattr(trainer, "step", failing_once)
+    assert await app.run() == "reached step 2"
+    events = [s.event for s in await app.store.read()]
+    (failed,) = [e for e in events if isinstance(e, TrainStepFailed)]
+    assert (failed.step, failed.attempt) == (1, 1)
+    assert "RuntimeError: injected: CUDA out of memory" in failed.error
+    steps = [e for e in events if isinstance(e, TrainStepCompleted)]
+    assert [s.step for s in steps] == [1, 2]
+    trained = [r for s in steps for r in s.rollouts]
+    assert len(trained) == len(set(trained)) == 2 * 2 * 2  # steps x groups x group size
+    # The failed step's groups were trained by the retry, not dropped.
+    assert set(failed.groups) == {app.live.state.rollouts[r].group for r in steps[0].rollouts}
+    assert len(attempts) == 3
+
+
+async def test_a_trainer_failing_every_time_stops_the_run_with_its_reason(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def always_failing(items: Any) -> Any:
+        raise ValueError("injected: NaN loss")
+
+    monkeypatch.setattr(app.training.trainer, "step", always_failing)
+    with pytest.raises(TrainingFailed, match=r"step 1 failed 3 times in a row.*NaN loss"):
+        await app.run()
+    events = [s.event for s in await app.store.read()]
+    failed = [e for e in events if isinstance(e, TrainStepFailed)]
+    assert [e.attempt for e in failed] == list(range(1, MAX_TRAIN_FAILURES + 1))
+    assert not [e for e in events if isinstance(e, TrainStepCompleted)]
+
+
+async def test_a_full_disk_answers_507_and_recovers_when_space_returns(app: Appliance) -> None:
+    active = register_rollout(app)
+    acknowledged: list[str] = []
+    async with openai_client(app, active) as oai:
+        await app.store.set_max_bytes(0)  # hold the file at its current size: it fills up
+        with pytest.raises(openai.APIStatusError) as caught:
+            for _ in range(50):
+                answer = await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
+                acknowledged.append(answer.id.removeprefix("chatcmpl-"))
+        assert caught.value.status_code == 507
+        error = error_body(caught.value)
+        assert error["code"] == "store_full"
+        assert "full; free space" in error["message"]
+
+        await app.store.set_max_bytes(None)  # space returns
+        answer = await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
+        acknowledged.append(answer.id.removeprefix("chatcmpl-"))
+    assert [c.call_id for c in await recorded_calls(app)] == acknowledged
+    report = await app.store.verify()
+    assert report.events == app.store.last_position
+
+
+async def open_unread_stream(
+    app: Appliance, rollout: str, token: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A streamed call from a client that reads the headers, then stops reading (tiny buffers)."""
+    url = urlsplit(app.proxy_url)
+    assert url.hostname is not None and url.port is not None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (url.hostname, url.port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    # Top log-probabilities make each event ~2 KB: the stream outgrows the socket buffers and the
+    # transport's high-water mark, so the proxy's writes for it wait on the client.
+    request = {"model": "m", "messages": USER, "stream": True, "max_tokens": 1500}
+    body = json.dumps({**request, "logprobs": True, "top_logprobs": 20}).encode()
+    writer.write(
+        f"POST /rollouts/{rollout}/v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    status = await reader.readline()
+    assert b" 200 " in status, status
+    while await reader.readline() not in (b"\r\n", b""):
+        pass  # headers
+    return reader, writer  # the caller keeps the writer: collecting it would close the connection
+
+
+async def test_a_slow_reader_does_not_hold_up_other_rollouts(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config = make_config(tmp_path, tiny_model_dir, max_tokens=8, max_tokens_cap=1500)
+    async with Appliance(config) as app:
+        slow, other = register_rollout(app, "slow"), register_rollout(app, "other")
+        reader, writer = await open_unread_stream(app, slow.rollout, slow.token)
+        async with openai_client(app, other) as oai, asyncio.timeout(120):  # a hang fails, not slowness
+            answers = [
+                await oai.chat.completions.create(model="m", messages=USER, max_tokens=8) for _ in range(3)
+            ]
+        assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
+        others = [c for c in await recorded_calls(app) if c.rollout == "other"]
+        assert len(others) == 3
+        async with asyncio.timeout(120):  # now read the slow stream: whole and in order
+            rest = await reader.read()
+        writer.close()
+        assert b"data: [DONE]" in rest
+        async with asyncio.timeout(30):
+            while not [c for c in await recorded_calls(app) if c.rollout == "slow"]:
+                await app.live.wait_change(app.live.position)
+        (call,) = [c for c in await recorded_calls(app) if c.rollout == "slow"]
+        assert call.finish_reason in ("stop", "length")
+
+
+VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"vLLM's virtualenv is missing ({VLLM_PYTHON})")
+async def test_a_killed_vllm_server_is_a_503_then_restarted(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config = make_config(
+        tmp_path, tiny_model_dir, engine="vllm", vllm_python=VLLM_PYTHON, max_tokens=8, max_tokens_cap=1500
+    )
+    async with Appliance(config) as app:
+        engine = app.engine
+        assert isinstance(engine, VLLMEngine) and engine.server_pid is not None
+        active = register_rollout(app)
+        async with openai_client(app, active) as oai:
+            await oai.chat.completions.create(model="m", messages=USER, max_tokens=4)
+            # Greedy, this prompt runs for ~800 tokens on the tiny model: the kill lands mid-way.
+            stream = await oai.chat.completions.create(
+                model="m", messages=STORY, max_tokens=1500, temperature=0, stream=True
+            )
+            killed = False
+            with pytest.raises(openai.APIError) as in_flight:
+                async for _chunk in stream:
+                    if not killed:  # the first token arrived: generation is under way
+                        os.kill(engine.server_pid, signal.SIGKILL)
+                        killed = True
+            assert isinstance(in_flight.value.body, dict)
+            assert in_flight.value.body["code"] == "engine_unavailable"
+            with pytest.raises(openai.APIStatusError) as caught:  # while the server restarts
+                await oai.chat.completions.create(model="m", messages=USER, max_tokens=4)
+            assert caught.value.status_code == 503
+            assert error_body(caught.value)["code"] == "engine_unavailable"
+            async with asyncio.timeout(540):
+                while True:  # what a client does with a 503: retry until it serves again
+                    try:
+                        again = await oai.chat.completions.create(model="m", messages=USER, max_tokens=4)
+                        break
+                    except openai.APIStatusError as exc:
+                        assert exc.status_code == 503
+                        await asyncio.sleep(0.5)
+        assert engine.restarts == 1
+        assert (await recorded_calls(app))[-1].call_id == again.id.removeprefix("chatcmpl-")

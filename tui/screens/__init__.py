@@ -1,0 +1,1 @@
+"""The dashboard's pushed screens: rollout detail, confirmation, keyboard help."""
