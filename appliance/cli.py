@@ -88,12 +88,16 @@ def progress_line(step: Any, state: Any, started: float, rollouts_at_start: int)
     metrics = step.metrics
     done = sum(1 for v in state.rollouts.values() if v.status != "running") - rollouts_at_start
     rate = done / max(time.monotonic() - started, 1e-9)
-    return (
+    line = (
         f"step {step.step:>4}  policy v{state.policy_version:<4}  "
         f"reward {metrics.get('reward_mean', 0.0):.3f}  rollouts {len(step.rollouts):>3}  "
         f"samples {step.samples:>3}  tokens {step.tokens:>5}  loss {metrics.get('loss', 0.0):+.4f}  "
         f"{rate:.2f} rollouts/s  step {step.duration_s:.2f}s"
     )
+    if state.validations:  # the latest round that ended (rounds run between steps)
+        last = state.validations[-1]
+        line += f"  validation {last.reward_mean:.3f} (v{last.policy_version})"
+    return line
 
 
 async def _up(config: ApplianceConfig, headless: bool) -> int:
@@ -167,12 +171,15 @@ def tui_app(args: argparse.Namespace) -> DashboardApp:
                 f"--url needs the admin token: pass --token or run where {token_file} exists"
             )
         return DashboardApp(
-            HttpSource(args.url, token), control=ControlClient(args.url, token), data_dir=data_dir
+            HttpSource(args.url, token),
+            control=ControlClient(args.url, token),
+            data_dir=data_dir,
+            freeze_gc=True,
         )
     db: Path = args.db or data_dir / "events.sqlite"
     if not db.is_file():
         raise ApplianceError(f"no event store at {db}; pass --db FILE or --url URL")
-    return DashboardApp(SqliteSource(db, live=False), data_dir=db.parent)
+    return DashboardApp(SqliteSource(db, live=False), data_dir=db.parent, freeze_gc=True)
 
 
 def status_report(data_dir: Path) -> dict[str, Any]:
@@ -199,6 +206,17 @@ def status_report(data_dir: Path) -> dict[str, Any]:
     summary["starts"] = state.starts
     summary["checkpoint"] = state.checkpoint
     summary["chain"] = _chain_status(db)
+    summary["validations"] = [
+        {
+            "step": v.step,
+            "policy_version": v.policy_version,
+            "rollouts": len(v.rollouts),
+            "failed": v.failed,
+            "reward_mean": v.reward_mean,
+            "reward_std": v.reward_std,
+        }
+        for v in state.validations
+    ]
     return summary
 
 
@@ -231,6 +249,12 @@ def _print_status(summary: dict[str, Any]) -> None:
         print(
             f"  step {s['step']:>4}  rollouts {s['rollouts']:>3}  samples {s['samples']:>3}  "
             f"tokens {s['tokens']:>5}  reward {s['reward_mean'] or 0:.3f}  loss {s['loss'] or 0:+.4f}"
+        )
+    for v in summary["validations"]:
+        print(
+            f"  validation at step {v['step']:>4}  policy v{v['policy_version']}  "
+            f"rollouts {v['rollouts']:>3}  failed {v['failed']}  "
+            f"reward {v['reward_mean']:.3f} +- {v['reward_std']:.3f}"
         )
 
 

@@ -135,7 +135,10 @@ class TimedDashboard(DashboardApp):
 
 async def measure(db: Path, presses: int) -> tuple[list[float], int]:
     """Latencies (s) of ``presses`` tab switches, and the events folded at the last one."""
-    app = TimedDashboard(SqliteSource(db, live=True), usage=SystemSampler().sample, find_tokenizer=False)
+    # As ``lightning-appliance tui`` runs it: its own process, folded events frozen out of the GC.
+    app = TimedDashboard(
+        SqliteSource(db, live=True), usage=SystemSampler().sample, find_tokenizer=False, freeze_gc=True
+    )
     app.frames = []
     app.frame_drawn = asyncio.Event()
     latencies: list[float] = []

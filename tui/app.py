@@ -22,7 +22,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
-from textual.widgets import Footer, Header, TabbedContent, TabPane
+from textual.widgets import Header, TabbedContent, TabPane
 
 from tui.detail import Decoder, rollout_detail, tokenizer_decoder
 from tui.messages import ControlFailed, ControlSent, EventsApplied, RolloutSelected, SourceFailed
@@ -34,6 +34,7 @@ from tui.source import PAGE, EventSource
 from tui.system import SystemSampler, Usage
 from tui.widgets.curves import CurvesPanel
 from tui.widgets.eventlog import EventLogPanel
+from tui.widgets.keybar import KeyBar
 from tui.widgets.overview import OverviewPanel
 from tui.widgets.rollouts import RolloutsPanel
 
@@ -50,6 +51,10 @@ REDRAW_EVERY_S = 0.5
 
 class ControlSender(Protocol):
     async def send(self, action: str) -> int: ...
+
+
+#: Events folded between two turns of the event loop while following the log.
+FOLD_SLICE = 32
 
 
 class DashboardApp(App[None]):
@@ -83,8 +88,13 @@ class DashboardApp(App[None]):
         data_dir: Path | None = None,
         poll_interval_s: float = 0.25,
         usage_interval_s: float = 2.0,
+        freeze_gc: bool = False,
     ) -> None:
         super().__init__()
+        #: Move folded events out of the cyclic collector's reach after each batch. Only for a
+        #: dashboard in its own process (``tui``): inside ``up`` it would also pin whatever
+        #: cyclic garbage the appliance holds at that moment, for the life of the run.
+        self.freeze_gc = freeze_gc
         self.source = source
         self.control = control
         self.model = DashboardModel()
@@ -112,7 +122,7 @@ class DashboardApp(App[None]):
                 yield RolloutsPanel(id="rollouts-panel")
             with TabPane("4 Events", id="events"):
                 yield EventLogPanel(id="events-panel")
-        yield Footer()
+        yield KeyBar(self.BINDINGS, id="keys")
 
     async def on_mount(self) -> None:
         self.usage = await asyncio.to_thread(self.sampler)
@@ -144,10 +154,15 @@ class DashboardApp(App[None]):
                 continue
             failing = False
             if events:
-                self.model.extend(events)
+                # Folded a slice at a time, yielding to the event loop in between, so that a key
+                # press waits for one slice at most, not for a whole page of events.
+                for start in range(0, len(events), FOLD_SLICE):
+                    self.model.extend(events[start : start + FOLD_SLICE])
+                    await asyncio.sleep(0)
                 # The folded events live as long as the dashboard: move them out of the cyclic
                 # collector's generations, so that a full collection never pauses a key press.
-                gc.freeze()
+                if self.freeze_gc:
+                    gc.freeze()
                 self.post_message(EventsApplied(len(events), self.model.position))
             backlog = len(events) >= PAGE
             if not backlog:

@@ -32,3 +32,20 @@ async def test_tui_db_builds_a_read_only_dashboard(tmp_path: Path) -> None:
     (tmp_path / "admin_token").write_text("secret\n")
     live = tui_app(argparse.Namespace(db=None, url="http://127.0.0.1:9", token=None, data_dir=tmp_path))
     assert live.source.live and live.control is not None
+
+
+async def test_status_lists_validation_rounds_apart_from_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from appliance.cli import status_report
+
+    await write_run(tmp_path / "events.sqlite")
+    report = status_report(tmp_path)
+    assert report["validations"], "the fixture run has validation rounds"
+    assert main(["status", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "validation at step" in line]
+    assert len(lines) == len(report["validations"])
+    first = report["validations"][0]
+    assert f"reward {first['reward_mean']:.3f}" in lines[0]
+    assert "checksum chain verified" in out

@@ -13,9 +13,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import DataTable, Static
 
 from tui.detail import RolloutDetail
+from tui.widgets.keybar import KeyBar
 
 #: Token segments drawn per rollout (a long agent run is cut with a note).
 MAX_SEGMENTS = 400
@@ -108,4 +109,4 @@ class RolloutScreen(Screen[None]):
             yield calls
             yield Static(conversation_text(self.detail), id="rollout-conversation")
             yield Static(segments_text(self.detail), id="rollout-segments")
-        yield Footer()
+        yield KeyBar([*self.BINDINGS, *self.app.BINDINGS], id="keys")

@@ -1,0 +1,48 @@
+"""The key hints at the bottom of each screen.
+
+Owns :class:`KeyBar`: one fixed line built once from a screen's bindings. Textual's ``Footer``
+recomposes itself on every focus change (each tab switch), which cost most of a key press's
+redraw time; the bindings here never change while a screen is shown, so one line is enough.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.markup import escape
+from textual.binding import Binding, BindingType
+from textual.widgets import Static
+
+#: How a binding's key is shown where its name is not what a person types.
+KEY_LABELS = {"question_mark": "?", "escape": "esc", "enter": "enter"}
+
+
+def key_hints(bindings: Iterable[BindingType]) -> str:
+    """``key description`` pairs of the bindings that show, as Rich markup on one line."""
+    parts = []
+    # Help first: on a narrow terminal the line is cut at the right edge, and ``?`` lists the rest.
+    ordered = sorted(bindings, key=lambda b: not (isinstance(b, Binding) and b.key == "question_mark"))
+    for binding in ordered:
+        if not isinstance(binding, Binding) or not binding.show or not binding.description:
+            continue
+        first = binding.key.split(",")[0].strip()
+        key = KEY_LABELS.get(first, first)
+        parts.append(f"[b]{escape(key)}[/b] {escape(binding.description)}")
+    return "  ".join(parts)
+
+
+class KeyBar(Static):
+    """One line of key hints, docked at the bottom."""
+
+    DEFAULT_CSS = """
+    KeyBar {
+        dock: bottom;
+        height: 1;
+        background: $panel;
+        color: $text-muted;
+        padding: 0 1;
+    }
+    """
+
+    def __init__(self, bindings: Iterable[BindingType], *, id: str | None = None) -> None:
+        super().__init__(key_hints(bindings), id=id)
