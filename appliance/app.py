@@ -1,9 +1,12 @@
 """The composition root: one object that starts the appliance in dependency order.
 
-Owns ``Appliance``: it opens the store, replays the log into the run's state, recovers what a
-crash left behind, loads the engine and the trainer at the stored policy version, starts the
-proxy, the live projection, the rollout controller and the scheduler, and on exit stops them in
-reverse order (every background loop cancelled and awaited). Nothing else constructs these
+Owns ``Appliance``: it locks the data directory (one appliance per directory, held until it
+exits) and runs the preflight checks (``appliance.preflight``) before anything loads, so a
+start that cannot work fails in one line with nothing written; then it opens the store,
+replays the log into the run's state, recovers what a crash left behind, loads the engine and
+the trainer at the stored policy version, starts the proxy, the live projection, the rollout
+controller and the scheduler, and on exit stops them in reverse order (every background loop
+cancelled and awaited). Nothing else constructs these
 parts for a real run, so tests that build an ``Appliance`` exercise the production wiring.
 
 Recovery rules on start: rollouts that were running when the process died are recorded as
@@ -30,14 +33,18 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
 
+from appliance import preflight
 from appliance.chat.formats import detect_format
 from appliance.chat.tokenizer import Tokenizer
 from appliance.config import ApplianceConfig
 from appliance.controller import RolloutController
 from appliance.engines.base import Engine
 from appliance.engines.factory import create_engine
-from appliance.proxy.calls import CallService, ServingGate
+from appliance.errors import StopForced
+from appliance.health import Health
+from appliance.proxy.calls import CallService
 from appliance.proxy.control import RUN_STATE
+from appliance.proxy.gate import ServingGate
 from appliance.proxy.http import ProxySettings
 from appliance.proxy.server import ProxyServer, build_app
 from appliance.rollouts import RolloutRegistry
@@ -77,13 +84,23 @@ class Appliance:
         *,
         adapter: HarnessAdapter | None = None,
         on_step: StepCallback | None = None,
+        on_notice: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self._adapter = adapter
         self._on_step = on_step
+        self._on_notice = on_notice
         self._stack = AsyncExitStack()
         self._stop_reason = "stopped"
         self._stop_requested = False
+        #: This process recorded its ``ApplianceStarted``: only then does it record a stop.
+        self._recorded_start = False
+        #: Why the stop was forced (None: it was not), and the task a forced stop cancels.
+        self._forced: str | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._force_timer: asyncio.TimerHandle | None = None
+        self._stage = "start-up (loading the model and the store)"
+        self._closing = False
         self.runner: SchedulerRunner | None = None
 
     # The parts, available after ``__aenter__``.
@@ -96,17 +113,26 @@ class Appliance:
     training: TrainingService
     model_name: str
     admin_token: str
+    health: Health
 
     @property
     def proxy_url(self) -> str:
         return self.proxy.url
 
     async def __aenter__(self) -> Appliance:
+        self._task = asyncio.current_task()
         try:
             await self._start()
+        except asyncio.CancelledError:
+            await self._stack.aclose()
+            if self._forced is None:
+                raise
+            self._uncancel()
+            raise StopForced(f"stopped during start-up: {self._forced}") from None
         except BaseException:
             await self._stack.aclose()
             raise
+        self._stage = "the scheduler"
         return self
 
     async def __aexit__(
@@ -114,11 +140,23 @@ class Appliance:
     ) -> None:
         if exc is not None:
             self._stop_reason = f"error: {type(exc).__name__}: {exc}"
-        await self._stack.aclose()
+        self._stage = "closing the proxy, the engine and the store"
+        self._closing = True
+        try:
+            await self._stack.aclose()
+        except asyncio.CancelledError:
+            if self._forced is None:
+                raise
+            # Forced while closing (a second signal): the part being closed was cut short; the
+            # ones after it (engine, ApplianceStopped, store) still closed.
+            self._uncancel()
 
     async def _start(self) -> None:
         config = self.config
-        config.data_dir.mkdir(parents=True, exist_ok=True)
+        # One appliance per data directory, then the checks that need nothing loaded: a start
+        # that cannot work fails here in one line, before the model loads or the store is written.
+        self._stack.enter_context(preflight.data_dir_lock(config.data_dir))
+        await asyncio.to_thread(preflight.check, config)
         self.model_name, model_dir = await asyncio.to_thread(resolve_model, config)
 
         self.store = await EventStore.open(config.db_path)
@@ -173,11 +211,17 @@ class Appliance:
             max_body_bytes=config.max_body_bytes,
             max_queued_calls=config.max_queued_calls,
         )
-        proxy_app = build_app(calls, self.registry, settings)
+        self.health = Health()
+        proxy_app = build_app(calls, self.registry, settings, self.health)
         proxy_app[RUN_STATE] = state  # the object the live projection keeps folding
-        self.proxy = ProxyServer(proxy_app, config.host, config.port)
-        await self.proxy.start()
+        self.proxy = ProxyServer(
+            proxy_app, config.host, config.port, shutdown_timeout_s=min(2.0, config.stop_timeout_s / 4)
+        )
         self._stack.push_async_callback(self.proxy.close)
+        try:
+            await self.proxy.start()
+        except OSError as exc:  # the port was taken after preflight checked it
+            raise preflight.bind_error(config.host, config.port, exc) from None
         if config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("the proxy listens on %s: any host that can reach it can call the model", config.host)
 
@@ -194,6 +238,7 @@ class Appliance:
                 )
             ]
         )
+        self._recorded_start = True
         self.live = LiveState(self.store, state, state.position)
         follower = asyncio.create_task(self.live.follow(), name="live projection")
         self._stack.push_async_callback(_cancel_and_wait, follower)
@@ -230,6 +275,7 @@ class Appliance:
                 min_generate_s=config.min_generate_s,
                 validate_every=config.validate_every if held_out else 0,
                 validation_tasks=max(1, len(held_out)),
+                breaker_failures=config.breaker_failures,
             ),
             live=self.live,
             controller=self.controller,
@@ -244,6 +290,12 @@ class Appliance:
                 temperature=config.validation_temperature,
                 max_tokens=config.validation_max_tokens or config.max_tokens,
             ),
+            health=self.health,
+            drain_timeout_s=config.drain_timeout_s,
+            phase_timeout_s=config.phase_timeout_s,
+            on_notice=self._on_notice,
+            breaker_backoff_s=config.breaker_backoff_s,
+            breaker_backoff_max_s=config.breaker_backoff_max_s,
         )
         if self._stop_requested:
             self.runner.request_stop()
@@ -266,20 +318,87 @@ class Appliance:
             log.info("recovered %d interrupted rollouts", len(interrupted))
 
     async def _record_stop(self) -> None:
+        if not self._recorded_start:  # it failed to start: a stop of nothing is not an event
+            return
         with contextlib.suppress(Exception):
             await self.store.append([ApplianceStopped(ts=time.time(), reason=self._stop_reason)])
 
     def request_stop(self) -> None:
-        """Ask the scheduler to stop after what it is doing now (safe from a signal handler)."""
+        """Ask the run to stop after what it is doing now (safe from a signal handler). The stop
+        is bounded: if the run has not stopped ``stop_timeout_s`` later, it is forced."""
+        first = not self._stop_requested
         self._stop_requested = True
         if self.runner is not None:
             self.runner.request_stop()
+        if first:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to bound
+                loop = asyncio.get_running_loop()
+                timeout = self.config.stop_timeout_s
+                self._force_timer = loop.call_later(
+                    timeout, self.force_stop, f"it did not end within {timeout:g} s (stop_timeout_s)"
+                )
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the run stopped (as ``ApplianceStopped`` records it)."""
+        return self._stop_reason
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    @property
+    def forced(self) -> str | None:
+        """Why the stop was forced, or None."""
+        return self._forced
+
+    def force_stop(self, reason: str) -> None:
+        """Stop now, whatever the run is doing (a second signal, or the stop's deadline): the
+        task running the appliance is cancelled. A step under way is abandoned before its events
+        (its groups stay ready and a restart trains them), rollouts are recorded as failed, and
+        the store is closed, so the log is as consistent as after a clean stop."""
+        if self._forced is not None:
+            return
+        self._forced = f"{reason}; was waiting for {self.activity()}"
+        if self._closing:  # run() has returned: what is recorded is why the close was cut short
+            self._stop_reason = f"stop forced: {self._forced}"
+        self._stop_requested = True
+        if self.runner is not None:
+            self.runner.request_stop()
+        if self._force_timer is not None:
+            self._force_timer.cancel()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def activity(self) -> str:
+        """What the appliance is busy with, for a person waiting on a stop."""
+        if self._stage == "the scheduler" and self.runner is not None:
+            return self.runner.activity()
+        return self._stage
+
+    def _uncancel(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            while task.cancelling():
+                task.uncancel()
 
     async def run(self) -> str:
-        """Run the scheduler until it stops, then save and export the policy; returns the reason."""
+        """Run the scheduler until it stops, then save and export the policy; returns the reason.
+        A forced stop (``force_stop``) returns at once, without the shutdown checkpoint."""
         assert self.runner is not None, "use 'async with Appliance(...)' first"
-        self._stop_reason = await self.runner.run()
-        await self._save_final()
+        self._task = asyncio.current_task()
+        try:
+            self._stop_reason = await self.runner.run()
+            self._stage = "the shutdown checkpoint and the export"
+            await self._save_final()
+        except asyncio.CancelledError:
+            if self._forced is None:
+                raise
+            self._uncancel()
+            self._stop_reason = f"stop forced: {self._forced}"
+        finally:
+            if self._force_timer is not None:
+                self._force_timer.cancel()
         return self._stop_reason
 
     async def _save_final(self) -> None:

@@ -5,7 +5,8 @@ and the ``status`` report. ``up`` runs the appliance until it is stopped or reac
 (the run's total: a restarted run continues to the same target), showing the dashboard (``tui``)
 when stdout is a terminal and progress lines otherwise or with ``--headless``; ``status`` reads
 the store and prints the run summarised, also while another process is writing it; ``tui``
-opens the dashboard on a running appliance (``--url``) or on a run's store, read-only (``--db``).
+opens the dashboard on a running appliance (``--url``) or on a run's store, read-only (``--db``);
+``backup`` copies a run, also a running one (``appliance.backup``).
 Errors a person can fix are printed as one line and exit with status 2.
 """
 
@@ -18,13 +19,14 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.config import ApplianceConfig, load_config
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, StopForced
 
 if TYPE_CHECKING:
     from tui.app import DashboardApp
@@ -52,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the state of a run from its store")
     status.add_argument("--data-dir", type=Path, default=Path("appliance-data"))
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    backup = sub.add_parser("backup", help="copy a run consistently, also while it runs")
+    backup.add_argument("destination", type=Path, help="a new (or empty) directory for the copy")
+    backup.add_argument("--data-dir", type=Path, default=Path("appliance-data"))
 
     tui = sub.add_parser("tui", help="the dashboard: on a running appliance, or a run's store read-only")
     where = tui.add_mutually_exclusive_group()
@@ -100,6 +106,86 @@ def progress_line(step: Any, state: Any, started: float, rollouts_at_start: int)
     return line
 
 
+class _Stopper:
+    """What the signals do while ``up`` runs: the first SIGINT/SIGTERM asks for a stop (bounded
+    by ``stop_timeout_s``, after which the appliance forces it), a second forces it now, a third
+    exits at once. A watchdog thread ends the process ``HARD_EXIT_GRACE_S`` after a forced stop
+    if the event loop itself is stuck: the store is crash-consistent, so that loses nothing
+    acknowledged. In headless mode it says what the stop waits for, every few seconds."""
+
+    HARD_EXIT_GRACE_S = 15.0
+    REPORT_EVERY_S = 10.0
+
+    def __init__(self, appliance: Any, config: ApplianceConfig, *, verbose: bool) -> None:
+        self.appliance = appliance
+        self.timeout_s = config.stop_timeout_s
+        self.verbose = verbose
+        self.signals = 0
+        self._reporter: asyncio.Task[None] | None = None
+        self._watchdog: threading.Timer | None = None
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.on_signal, sig)
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        self.signals += 1
+        name = signal.Signals(sig).name
+        if self.signals == 1:
+            self.appliance.request_stop()
+            self._arm_watchdog(self.timeout_s + self.HARD_EXIT_GRACE_S)
+            self._say(
+                f"stopping ({name}): waiting for {self.appliance.activity()} "
+                f"(at most {self.timeout_s:g} s; send it again to stop now)"
+            )
+            self._reporter = asyncio.ensure_future(self._report())
+        elif self.signals == 2:
+            self._say(f"stopping now ({name} again): abandoning {self.appliance.activity()}")
+            self.appliance.force_stop(f"{name} received twice")
+            self._arm_watchdog(self.HARD_EXIT_GRACE_S)
+        else:
+            self._say(f"exiting at once ({name} a third time)")
+            _hard_exit(130)
+
+    def _arm_watchdog(self, seconds: float) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+        def expired() -> None:
+            print(
+                "lightning-appliance: the stop did not finish in time; exiting "
+                "(the event log is consistent: a restart resumes)",
+                file=sys.stderr,
+                flush=True,
+            )
+            _hard_exit(1)
+
+        self._watchdog = threading.Timer(seconds, expired)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(self.REPORT_EVERY_S)
+            self._say(f"still stopping: waiting for {self.appliance.activity()}")
+
+    def _say(self, line: str) -> None:
+        if self.verbose:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+        if self._watchdog is not None and self.appliance.forced is None:
+            self._watchdog.cancel()
+
+
+def _hard_exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 async def _up(config: ApplianceConfig, headless: bool) -> int:
     from appliance.app import Appliance
 
@@ -110,27 +196,42 @@ async def _up(config: ApplianceConfig, headless: bool) -> int:
     def on_step(step: Any, state: Any) -> None:
         print(progress_line(step, state, started, baseline.get("rollouts", 0)), flush=True)
 
-    appliance = Appliance(config, on_step=None if dashboard else on_step)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, appliance.request_stop)
-    async with appliance:
-        if dashboard:
-            return await _up_with_dashboard(appliance, config)
-        state = appliance.live.state
-        baseline["rollouts"] = sum(1 for v in state.rollouts.values() if v.status != "running")
-        print(
-            f"lightning-appliance: proxy {appliance.proxy_url}  model {appliance.model_name}  "
-            f"store {config.db_path}  policy v{state.policy_version}  step {state.step}",
-            flush=True,
-        )
-        reason = await appliance.run()
+    def on_notice(line: str) -> None:
+        print(line, flush=True)
+
+    appliance = Appliance(
+        config, on_step=None if dashboard else on_step, on_notice=None if dashboard else on_notice
+    )
+    stopper = _Stopper(appliance, config, verbose=not dashboard)
+    stopper.install(asyncio.get_running_loop())
+    try:
+        async with appliance:
+            if dashboard:
+                reason = await _up_with_dashboard(appliance, config)
+            else:
+                state = appliance.live.state
+                baseline["rollouts"] = sum(1 for v in state.rollouts.values() if v.status != "running")
+                print(
+                    f"lightning-appliance: proxy {appliance.proxy_url}  model {appliance.model_name}  "
+                    f"store {config.db_path}  policy v{state.policy_version}  step {state.step}",
+                    flush=True,
+                )
+                reason = await appliance.run()
+    finally:
+        stopper.close()
+    # A stop forced while closing (a second signal) is recorded as such; say what was recorded.
+    reason = appliance.stop_reason if appliance.forced is not None else reason
     print(f"stopped: {reason}", flush=True)
+    if appliance.forced is not None:
+        # A step abandoned by a forced stop may still run in a worker thread, which the event
+        # loop's shutdown would wait for; everything durable is closed already.
+        _hard_exit(0)
     return 0
 
 
-async def _up_with_dashboard(appliance: Any, config: ApplianceConfig) -> int:
-    """Run the appliance with the dashboard in front; quitting the dashboard stops the run."""
+async def _up_with_dashboard(appliance: Any, config: ApplianceConfig) -> str:
+    """Run the appliance with the dashboard in front; quitting the dashboard stops the run, and
+    a run that stops on a signal closes the dashboard. Returns why the run stopped."""
     from tui.app import DashboardApp
     from tui.source import ControlClient, SqliteSource
 
@@ -142,7 +243,11 @@ async def _up_with_dashboard(appliance: Any, config: ApplianceConfig) -> int:
     run = asyncio.create_task(appliance.run(), name="appliance run")
 
     def ended(task: asyncio.Task[str]) -> None:
-        if app.is_running and not task.cancelled() and task.exception() is None:
+        if not app.is_running or task.cancelled() or task.exception() is not None:
+            return
+        if appliance.stop_requested:
+            app.exit()
+        else:
             app.notify(f"the run stopped: {task.result()}; press q to quit", timeout=30)
 
     run.add_done_callback(ended)
@@ -150,9 +255,8 @@ async def _up_with_dashboard(appliance: Any, config: ApplianceConfig) -> int:
     if not run.done():
         print("stopping: the run finishes what it is doing ...", flush=True)
         appliance.request_stop()
-    reason = await run
-    print(f"stopped: {reason}", flush=True)
-    return 0
+    reason: str = await run
+    return reason
 
 
 def tui_app(args: argparse.Namespace) -> DashboardApp:
@@ -286,7 +390,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tui":
             tui_app(args).run()
             return 0
-        return _run(_up(_config_from(args), args.headless))
+        if args.command == "backup":
+            from appliance.backup import backup
+
+            print(backup(args.data_dir, args.destination).line())
+            return 0
+        try:
+            return _run(_up(_config_from(args), args.headless))
+        finally:
+            # The run has stopped: a signal from here on (an impatient Ctrl-C) changes nothing.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+    except StopForced as exc:
+        print(f"stopped: {exc.message}", flush=True)
+        _hard_exit(0)  # the model may still be loading in a worker thread
+        return 0
     except ApplianceError as exc:
         print(f"lightning-appliance: {exc.message}", file=sys.stderr)
         return 2

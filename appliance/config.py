@@ -21,6 +21,9 @@ from appliance.errors import ConfigError
 
 ENV_PREFIX = "APPLIANCE_"
 
+#: The generation engines ``engine`` may name.
+ENGINES = ("torch", "vllm")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ApplianceConfig:
@@ -149,6 +152,26 @@ class ApplianceConfig:
     max_queued_calls: int = 4096
     #: Largest request body the proxy reads, in bytes; a larger one gets a 413.
     max_body_bytes: int = 4 * 1024 * 1024
+    #: Seconds the drain before a training step waits for the calls still generating; then
+    #: they are preempted (they continue after the step), recorded (``PhaseOverran``), and the
+    #: step goes on.
+    drain_timeout_s: float = 30.0
+    #: Seconds any other phase of a switch (sleep, onload, train, offload, wake, push) may take
+    #: before it is reported as overrunning (``PhaseOverran``, ``/healthz`` not ok); it is not
+    #: interrupted.
+    phase_timeout_s: float = 1800.0
+    #: Seconds a stop (SIGTERM, SIGINT, an operator's stop) may take in any phase: past it the
+    #: step under way is abandoned (its groups stay ready), rollouts are recorded as failed and
+    #: the store is closed. A second SIGINT stops at once the same way.
+    stop_timeout_s: float = 30.0
+    #: Circuit breaker: after this many training rollouts failed in a row, admissions pause
+    #: (``AdmissionsPaused``) for ``breaker_backoff_s``, doubling on each trip in a row up to
+    #: ``breaker_backoff_max_s`` (0: no breaker).
+    breaker_failures: int = 8
+    breaker_backoff_s: float = 10.0
+    breaker_backoff_max_s: float = 300.0
+    #: Free disk space the data directory needs at start, in GiB (preflight).
+    min_free_disk_gib: float = 1.0
 
     @property
     def db_path(self) -> Path:
@@ -256,6 +279,21 @@ def load_config(
         raise ConfigError(
             f"validation_temperature must be between 0 and 2; got {config.validation_temperature}"
         )
+    if config.engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}; got {config.engine!r}")
+    for name in ("drain_timeout_s", "phase_timeout_s", "stop_timeout_s", "breaker_backoff_s"):
+        value = getattr(config, name)
+        if not (value > 0 and value < float("inf")):
+            raise ConfigError(f"{name} must be a positive number of seconds; got {value}")
+    if config.breaker_failures < 0:
+        raise ConfigError(f"breaker_failures must be 0 (off) or more; got {config.breaker_failures}")
+    if config.breaker_backoff_max_s < config.breaker_backoff_s:
+        raise ConfigError(
+            f"breaker_backoff_max_s ({config.breaker_backoff_max_s}) must be at least "
+            f"breaker_backoff_s ({config.breaker_backoff_s})"
+        )
+    if config.min_free_disk_gib < 0:
+        raise ConfigError(f"min_free_disk_gib must be 0 or more; got {config.min_free_disk_gib}")
     if config.sleep_level not in (1, 2):
         raise ConfigError(f"sleep_level must be 1 or 2; got {config.sleep_level}")
     return config

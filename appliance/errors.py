@@ -30,6 +30,14 @@ class ConfigError(ApplianceError):
     code = "invalid_config"
 
 
+class PreflightFailed(ConfigError):
+    """A start was refused before anything loaded: the data directory is locked by another
+    appliance or not writable, the port is taken, the disk is full, or the run on disk was
+    trained with another model (see ``appliance.preflight``)."""
+
+    code = "preflight_failed"
+
+
 class BadRequest(ApplianceError):
     """The client sent something the proxy cannot serve (bad JSON, wrong types, missing fields)."""
 
@@ -89,6 +97,14 @@ class EngineUnavailable(ApplianceError):
     status = 503
     error_type = "server_error"
     code = "engine_unavailable"
+
+
+class StopForced(ApplianceError):
+    """A stop was forced (a second signal, or the stop's deadline) before the appliance was up."""
+
+    status = 503
+    error_type = "server_error"
+    code = "stopped"
 
 
 class TrainingFailed(ApplianceError):

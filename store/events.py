@@ -84,6 +84,22 @@ class PhaseChanged(Event):
     policy_version: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseOverran(Event):
+    """A phase of the run took longer than its deadline (``phase``: a switch phase such as
+    ``drain`` or ``train``, or ``stop``). While it lasts ``/healthz`` reports not ok with
+    ``reason``. The drain's deadline is enforced: the calls still generating are preempted
+    (``preempted``) and the step goes on; other phases are reported, not interrupted."""
+
+    phase: str
+    #: The training step the phase belongs to (0 when none).
+    step: int = 0
+    deadline_s: float
+    reason: str
+    #: Generations interrupted because the phase overran (drain only).
+    preempted: int = 0
+
+
 # --- rollouts ----------------------------------------------------------------------------------
 
 
@@ -263,6 +279,24 @@ class ModelExported(Event):
     step: int
     policy_version: int
     path: str
+
+
+# --- admissions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionsPaused(Event):
+    """The circuit breaker tripped: ``failures`` training rollouts failed in a row, so no new
+    rollout is admitted for ``backoff_s`` seconds (from ``ts``); ``cause`` is the last failure's
+    reason (e.g. the agent's exit code and stderr tail). The back-off doubles with each trip
+    that no finished rollout separates from the previous one. Steps, validation rounds and the
+    calls of rollouts under way go on."""
+
+    failures: int
+    backoff_s: float
+    cause: str
+    #: Trips in a row (1 for the first since a rollout last finished).
+    trips: int = 1
 
 
 # --- operator control --------------------------------------------------------------------------

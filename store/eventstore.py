@@ -20,6 +20,9 @@ Invariants:
   (``store.codec.chain_digest``). Opening a store for writing verifies the whole chain
   (:func:`verify_log`) and refuses a log that was changed, truncated inside, or has a gap
   (:class:`StoreCorrupted`). Schema version 1 stores (no checksums) get them on that open.
+* A clean ``close`` of the writer checkpoints the WAL (``wal_checkpoint(TRUNCATE)``): the main
+  file alone then holds every event, so copying ``events.sqlite`` copies the run's log (a live
+  store is copied with ``appliance.backup``).
 * A call's prompt that starts with the previous call of its rollout is stored as a reference to
   that call plus the new suffix (``store.codec.share_prefix``); reads rebuild it, so the events
   read back are the events appended.
@@ -60,6 +63,7 @@ __all__ = [
     "EventStore",
     "StoredEvent",
     "read_events_sync",
+    "read_last_sync",
     "verify_log",
 ]
 
@@ -78,6 +82,11 @@ _READONLY_POLL_S = 0.5
 _SHARING_ROLLOUTS = 4096
 #: Tokens (of recent calls) a reader keeps to rebuild later calls' shared prefixes: ~8 bytes each.
 _DECODED_TOKENS = 4_000_000
+#: A clean close checkpoints the WAL into the main file: tries, each waiting this long for
+#: readers (milliseconds), with this pause between them (seconds).
+_CHECKPOINT_TRIES = 5
+_CHECKPOINT_BUSY_MS = 200
+_CHECKPOINT_PAUSE_S = 0.1
 #: ``max_page_count`` meaning "no cap" (SQLite clamps it to its own largest).
 _NO_CAP_PAGES = 0xFFFF_FFFE
 
@@ -323,11 +332,34 @@ class EventStore:
         async with self._committed:
             self._committed.notify_all()
         try:
-            if self._writer is not None:
-                await self._writer.close()
             await self._reader.close()
+            if self._writer is not None:
+                await self._checkpoint()
+                await self._writer.close()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot close event store {self.path}: {exc}") from exc
+
+    async def _checkpoint(self) -> None:
+        """Copy every committed page into the main file and empty the WAL, so that the main
+        file alone holds the whole log (a user may copy just ``events.sqlite``).
+
+        A reader in the middle of a read (``status``, the dashboard) holds the WAL: retry
+        briefly, then leave it; the next writer's open or close checkpoints it.
+        """
+        assert self._writer is not None
+        for _ in range(_CHECKPOINT_TRIES):
+            try:
+                await self._writer.execute(f"PRAGMA busy_timeout = {_CHECKPOINT_BUSY_MS}")
+                (busy, _wal_pages, _copied) = await _fetchone(self._writer, "PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error as exc:  # e.g. a full disk: the WAL still holds every event
+                log.warning("event store %s: could not checkpoint the WAL on close: %s", self.path, exc)
+                return
+            if not busy:
+                return
+            await asyncio.sleep(_CHECKPOINT_PAUSE_S)
+        log.warning(
+            "event store %s: readers kept its WAL busy at close; its -wal file still holds events", self.path
+        )
 
     async def _wait_past(self, position: int) -> None:
         def ready() -> bool:
@@ -532,21 +564,34 @@ def read_events_sync(path: Path, *, after: int = 0) -> list[StoredEvent]:
 
     Safe while another process appends (WAL readers see the last committed state).
     """
+    return _select_sync(path, f"SELECT {_COLUMNS} FROM events WHERE position > ? ORDER BY position", (after,))
+
+
+def read_last_sync(path: Path, types: Collection[str]) -> StoredEvent | None:
+    """The last event of one of ``types``, or None if the log has none; read-only like
+    :func:`read_events_sync`, but reads only that row (and the calls its tokens refer to)."""
+    sql = f"SELECT {_COLUMNS} FROM events WHERE type IN ({', '.join('?' * len(types))})"
+    found = _select_sync(path, sql + " ORDER BY position DESC LIMIT 1", tuple(types))
+    return found[-1] if found else None
+
+
+def _select_sync(path: Path, sql: str, params: tuple[Any, ...]) -> list[StoredEvent]:
+    """The events of the rows ``sql`` selects (``_COLUMNS``, in position order), decoded."""
     try:
         with contextlib.closing(sqlite3.connect(_readonly_uri(path), uri=True)) as conn:
             conn.execute(_BUSY_TIMEOUT)
             has_meta = bool(conn.execute(_HAS_META).fetchall())
             _check_version(path, conn.execute(_GET_VERSION).fetchall() if has_meta else [])
-            sql = f"SELECT {_COLUMNS} FROM events WHERE position > ? ORDER BY position"
-            merged = conn.execute(sql, (after,)).fetchall()
-            decoder, last_need = _Decoder(), None
+            selected = conn.execute(sql, params).fetchall()
+            wanted = {row[0] for row in selected}
+            merged, decoder, last_need = selected, _Decoder(), None
             while (need := decoder.missing(merged)) is not None:
                 _check_progress(path, need, last_need)
                 last_need = need
                 merged = _merge(merged, conn.execute(_CALLS_BETWEEN, need).fetchall())
     except sqlite3.Error as exc:
         raise StoreError(f"cannot read event store {path}: {exc}") from exc
-    return [s for s in decoder.decode(merged) if s.position > after]
+    return [s for s in decoder.decode(merged) if s.position in wanted]
 
 
 async def _prepare_writer(conn: aiosqlite.Connection, path: Path) -> None:

@@ -7,6 +7,12 @@ feed them to :meth:`RunState.apply`.
 Invariant: the state is a pure function of the event sequence. Folding the same events gives the
 same state, whether all at once after a restart or one by one as they commit. Events about a
 rollout that was never created are ignored rather than raised on, so a fold never fails.
+
+The circuit breaker's state is folded here too: training rollouts failed in a row (a failure
+that only says the appliance went away, "interrupted" by a restart or "cancelled" by a stop,
+is not the harness's and does not count), and the last ``AdmissionsPaused``. Whether its
+back-off is still running depends on the clock, so callers ask with a time
+(:meth:`RunState.admissions_paused_at`); the fold itself reads none.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 from store.codec import StoredEvent
 from store.events import (
+    AdmissionsPaused,
     ApplianceStarted,
     CallRewardReported,
     CheckpointSaved,
@@ -35,6 +42,24 @@ from store.events import (
 )
 
 STATUSES = ("running", "finished", "failed")
+#: How the errors of rollouts that failed because the appliance stopped begin (recorded by the
+#: app's recovery and the controller): not a failure of the harness.
+NOT_THE_HARNESS = ("interrupted:", "cancelled: the appliance stopped")
+
+
+def one_line(error: str, limit: int = 300) -> str:
+    """A multi-line failure reason as one line: its first line, then the end of the rest (e.g.
+    ``AgentFailed: agent exit code 1: ... ValueError: boom``), at most about ``limit`` chars."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    head, rest = lines[0], " | ".join(lines[1:])
+    if len(head) > limit:
+        head = head[: limit - 3] + "..."
+    room = max(limit - len(head) - 2, 40)
+    if len(rest) > room:
+        rest = "..." + rest[-(room - 3) :]
+    return f"{head}: {rest}" if rest else head
 
 
 @dataclass
@@ -85,6 +110,15 @@ class RunState:
     checkpoint_requested: bool = False
     #: An operator asked this process to stop (a later ``ApplianceStarted`` clears it).
     stop_requested: bool = False
+    #: Training rollouts failed in a row (a finished one, or a trip of the breaker, resets it).
+    consecutive_failures: int = 0
+    #: The error of the last training rollout counted in ``consecutive_failures``.
+    last_failure: str = ""
+    #: The circuit breaker's last trip, if any (its back-off may be over: see
+    #: :meth:`admissions_paused_at`).
+    admissions_paused: AdmissionsPaused | None = None
+    #: Trips in a row: trips that no finished training rollout separates (0 after one finished).
+    breaker_trips: int = 0
 
     @classmethod
     def from_events(cls, events: Iterable[Event | StoredEvent]) -> RunState:
@@ -146,6 +180,12 @@ class RunState:
                 if view := self.rollouts.get(event.rollout):
                     view.status = event.status
                     view.error = event.error
+                    if view.purpose == "train":
+                        self._count_for_breaker(event)
+            case AdmissionsPaused():
+                self.admissions_paused = event
+                self.breaker_trips = event.trips
+                self.consecutive_failures = 0  # the next trip needs as many failures again
             case TrainStepCompleted():
                 self.step = event.step
                 self.steps.append(event)
@@ -154,6 +194,21 @@ class RunState:
                         view.trained_step = event.step
             case _:
                 pass  # ApplianceStopped and types this fold does not track
+
+    def _count_for_breaker(self, event: RolloutFinished) -> None:
+        if event.status == "finished":
+            self.consecutive_failures = 0
+            self.breaker_trips = 0
+        elif not event.error.startswith(NOT_THE_HARNESS):
+            self.consecutive_failures += 1
+            self.last_failure = event.error
+
+    def admissions_paused_at(self, now: float) -> AdmissionsPaused | None:
+        """The breaker's trip whose back-off runs at ``now`` (seconds since the epoch), or None."""
+        trip = self.admissions_paused
+        if trip is not None and now < trip.ts + trip.backoff_s:
+            return trip
+        return None
 
     def running(self) -> list[RolloutView]:
         """Rollouts whose harness has not ended, in creation order."""

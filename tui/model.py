@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from store.codec import StoredEvent
 from store.events import (
+    AdmissionsPaused,
     ApplianceStarted,
     ApplianceStopped,
     CallRewardReported,
@@ -35,7 +36,7 @@ from store.events import (
     TrainStepCompleted,
     ValidationCompleted,
 )
-from store.projections import RolloutView, RunState
+from store.projections import RolloutView, RunState, one_line
 
 #: Curves the dashboard plots: (title, metric key in TrainStepCompleted.metrics).
 CURVES: tuple[tuple[str, str], ...] = (
@@ -352,5 +353,10 @@ def describe(event: Event) -> str:
             return f"exported {event.path}"
         case ControlRequested():
             return f"control {event.action} by {event.source}"
+        case AdmissionsPaused():
+            return (
+                f"admissions paused {event.backoff_s:g} s (trip {event.trips}): {event.failures} "
+                f"failed in a row; last: {one_line(event.cause)}"
+            )
         case _:
             return event.type

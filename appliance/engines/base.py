@@ -11,11 +11,14 @@ version only changes through ``load_weights``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from appliance.errors import BadRequest, ContextTooLong
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +33,16 @@ class SamplingParams:
     seed: int | None = None
     #: Also report this many most likely tokens (with log-probs) at each sampled position.
     top_logprobs: int = 0
+
+
+#: The ranges every engine accepts (each engine checks them; the proxy checks them first).
+#: A seed is a signed 64-bit integer, what torch's and vLLM's generators take.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: A temperature is 0 (greedy) or at least this: below it logits / T overflows float32 in the
+#: torch engine, and vLLM samples greedily anyway.
+MIN_TEMPERATURE = 1e-5
+#: The most alternatives reported per token (vLLM's default ``max_logprobs``, OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 
 
 #: Called on the event loop with each newly sampled token and its log-probability.
@@ -58,6 +71,58 @@ class GenerateResult:
     gen_s: float = 0.0
     #: With ``top_logprobs`` > 0: per token, the most likely (id, log-prob) pairs.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def validate_request(request: GenerateRequest, *, max_context: int, vocab_size: int) -> None:
+    """The contract's checks on one request, which every engine makes before it queues or sends
+    anything, so that a value an engine would refuse or fail on (a seed its generator cannot
+    take, a non-finite temperature, more top log-probs than vLLM's ``max_logprobs``) is a
+    ``BadRequest`` naming the parameter, never a lost or failed batch."""
+    params, prompt = request.params, request.prompt_ids
+    if not prompt:
+        raise BadRequest("the prompt is empty: send at least one token", param="prompt")
+    if not _is_int(params.max_tokens) or params.max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {params.max_tokens!r}", param="max_tokens")
+    if len(prompt) + params.max_tokens > max_context:
+        raise ContextTooLong(
+            f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}, more than "
+            f"the model's context of {max_context} tokens; shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )
+    if not all(map(_is_int, prompt)) or min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise BadRequest(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
+    temperature = params.temperature
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise BadRequest(f"temperature must be >= 0, got {temperature!r}", param="temperature")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise BadRequest(
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature!r}",
+            param="temperature",
+        )
+    if not (_is_number(params.top_p) and 0 < params.top_p <= 1):
+        raise BadRequest(f"top_p must lie in (0, 1], got {params.top_p!r}", param="top_p")
+    seed = params.seed
+    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        raise BadRequest(
+            f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {seed!r}", param="seed"
+        )
+    if not (_is_int(params.top_logprobs) and 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS):
+        raise BadRequest(
+            f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs!r}",
+            param="top_logprobs",
+        )
+    # Ids outside the vocabulary are allowed: no token equals them (the contract's way to say
+    # "never stop"), so they only have to be integers.
+    if not all(map(_is_int, params.stop_token_ids)):
+        raise BadRequest("stop_token_ids must be integers", param="stop_token_ids")
 
 
 @runtime_checkable

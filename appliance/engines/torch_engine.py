@@ -28,6 +28,13 @@ no running row uses any more are cut off after rows leave. Models whose cache la
 plain full-attention ``DynamicLayer`` s (sliding windows, linear attention) are not merged:
 newcomers then wait until the running batch is empty (static batching).
 
+Failures: nothing admitted is ever left waiting. A request that cannot be made a row (a value
+``_validate`` missed) fails alone with ``BadRequest``; a prefill of several newcomers that raises
+is retried one by one, so only the request that fails alone fails (``EngineUnavailable``); a
+decode step that raises fails every row of the batch (its cache is suspect) and the engine serves
+on. Errors reach callers through their event loop (``call_soon_threadsafe``), never directly from
+the worker thread.
+
 Invariants: the weights never change while a row decodes (a swap, sleep or wake stops admission,
 waits for the running rows to finish, and holds the lock the step loop holds), so every token of
 a result was sampled by the ``policy_version`` it reports; and each reported log-probability is
@@ -40,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -53,11 +59,23 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from appliance.engines.base import (
+    SEED_MAX,
+    SEED_MIN,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    validate_request,
+)
 from appliance.engines.sampling import TopLogprobs, choose_tokens
-from appliance.errors import BadRequest, ContextTooLong, EngineUnavailable
+from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 
 log = logging.getLogger(__name__)
+
+#: The smallest top-p handed to the sampler. The most likely token has probability >= 1 / vocab,
+#: so every top-p below that keeps it alone: raising a smaller one to this changes no draw, and
+#: keeps float32 from rounding it to 0 (which would cut every token, the most likely included).
+_MIN_TOP_P = 1e-30
 
 
 @dataclass(slots=True, eq=False)
@@ -114,6 +132,18 @@ def _eos_ids(*values: Any) -> frozenset[int]:
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return frozenset(ids)
+
+
+def _set_exception(future: asyncio.Future[GenerateResult], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _fault(doing: str, exc: BaseException) -> EngineUnavailable:
+    """The retryable error a caller gets when the engine itself failed while ``doing``."""
+    error = EngineUnavailable(f"the torch engine failed while {doing} ({type(exc).__name__}: {exc}); retry")
+    error.__cause__ = exc
+    return error
 
 
 def _left_pad_columns(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -362,24 +392,9 @@ class TorchEngine:
             torch.cuda.empty_cache()
 
     def _validate(self, request: GenerateRequest) -> None:
-        params, prompt = request.params, request.prompt_ids
-        if not prompt:
-            raise BadRequest("the prompt is empty: send at least one token", param="prompt")
-        if params.max_tokens < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens")
-        if len(prompt) + params.max_tokens > self._max_context:
-            raise ContextTooLong(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}, "
-                f"more than the model's context of {self._max_context} tokens; "
-                "shorten the prompt or lower max_tokens",
-                param="max_tokens",
-            )
-        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-            raise BadRequest(f"prompt token ids must lie in [0, {self._vocab_size})", param="prompt")
-        if not (math.isfinite(params.temperature) and params.temperature >= 0):
-            raise BadRequest(f"temperature must be >= 0, got {params.temperature}", param="temperature")
-        if not 0 < params.top_p <= 1:
-            raise BadRequest(f"top_p must lie in (0, 1], got {params.top_p}", param="top_p")
+        """Every field against the contract's ranges (``BadRequest`` naming it), so that nothing
+        the step loop is handed can fail there because of one request's values."""
+        validate_request(request, max_context=self._max_context, vocab_size=self._vocab_size)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self._ensure_serving()
@@ -476,33 +491,74 @@ class TorchEngine:
 
     def _run(self) -> None:
         """The step loop (worker thread): admit, prefill and merge newcomers, step; repeat
-        until nothing runs and nothing may be admitted."""
-        with torch.inference_mode():
-            batch: _Batch | None = None
-            while not self._stopping.is_set():
-                running = batch.rows if batch is not None else []
-                if batch is None or self._joinable:
-                    newcomers = self._admit(self._max_batch_size - len(running))
-                    if newcomers:
-                        self._running = running + newcomers
-                        fresh = self._prefill(newcomers)
-                        if fresh is not None:
-                            batch = fresh if batch is None else _merge(batch, fresh)
-                if batch is None:
-                    self._running = []
-                    if self._inbox and self._admitting():
-                        continue
-                    return
-                batch = self._step(batch)
-                self._running = batch.rows if batch is not None else []
+        until nothing runs and nothing may be admitted.
+
+        Every row it admits ends with its result or an error delivered: a decode step (or a
+        merge) that raises fails every running row, and the loop returns, to be started afresh
+        by ``_serve`` for whatever is queued; a loop stopped by ``close`` fails what still runs.
+        """
+        try:
+            with torch.inference_mode():
+                self._steps()
+        except Exception as exc:
+            log.exception("torch engine: a decode step failed with %d rows; they fail", len(self._running))
+            self._fail_running(_fault("generating", exc))
+        finally:
+            self._fail_running(EngineUnavailable("the torch engine was closed"))
+
+    def _steps(self) -> None:
+        """The loop itself; ``_running`` always holds every row admitted and not yet finished."""
+        batch: _Batch | None = None
+        while not self._stopping.is_set():
+            running = batch.rows if batch is not None else []
+            if batch is None or self._joinable:
+                newcomers = self._admit(self._max_batch_size - len(running))
+                if newcomers:
+                    self._running = running + newcomers
+                    fresh = self._prefill_isolated(newcomers)
+                    self._running = running + (fresh.rows if fresh is not None else [])
+                    if fresh is not None:
+                        batch = fresh if batch is None else _merge(batch, fresh)
+            if batch is None:
+                self._running = []
+                if self._inbox and self._admitting():
+                    continue
+                return
+            batch = self._step(batch)
+            self._running = batch.rows if batch is not None else []
+
+    def _fail_running(self, error: Exception) -> None:
+        """Fail every row still running (those already delivered are left alone)."""
+        rows, self._running = self._running, []
+        for row in rows:
+            self._fail(row.pending, error)
+
+    @staticmethod
+    def _fail(pending: _Pending, error: Exception) -> None:
+        """Deliver ``error`` to ``pending``'s caller from the worker thread, after any result
+        or token already queued for it (so a delivered result is never overwritten)."""
+        with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits any more
+            pending.loop.call_soon_threadsafe(_set_exception, pending.future, error)
 
     def _admit(self, room: int) -> list[_Row]:
+        """Up to ``room`` queued requests as rows; one that cannot be made a row fails alone."""
         rows: list[_Row] = []
         while len(rows) < room and self._inbox and self._admitting():
             pending = self._inbox.popleft()
-            if not pending.cancelled.is_set():
-                rows.append(self._new_row(pending))
+            if not pending.cancelled.is_set() and (row := self._row_or_fail(pending)) is not None:
+                rows.append(row)
         return rows
+
+    def _row_or_fail(self, pending: _Pending) -> _Row | None:
+        try:
+            return self._new_row(pending)
+        except ApplianceError as exc:
+            log.warning("torch engine: a request passed validation but was refused: %s", exc.message)
+            self._fail(pending, exc)
+        except Exception as exc:
+            log.exception("torch engine: admitting a request failed")
+            self._fail(pending, _fault("admitting the request", exc))
+        return None
 
     def _new_row(self, pending: _Pending) -> _Row:
         params = pending.request.params
@@ -510,9 +566,64 @@ class TorchEngine:
         if params.seed is not None:
             # A private stream per request: the same seed gives the same sample whatever else
             # shares the batch. Unseeded rows draw from torch's global generator.
-            generator = torch.Generator(device=self._device).manual_seed(params.seed)
+            generator = torch.Generator(device=self._device)
+            try:
+                generator.manual_seed(params.seed)
+            except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+                raise BadRequest(
+                    f"seed {params.seed!r} cannot seed a generator ({exc}); "
+                    f"use an integer in [{SEED_MIN}, {SEED_MAX}]",
+                    param="seed",
+                ) from exc
         stop_ids = frozenset(params.stop_token_ids) or self._eos_ids
         return _Row(pending, stop_ids, generator, self._policy_version, time.monotonic())
+
+    def _prefill_isolated(self, rows: list[_Row]) -> _Batch | None:
+        """``_prefill`` of ``rows``; if it raises, each row again on its own, so only a request
+        that fails alone fails and the others start as they would have."""
+        try:
+            return self._prefill(rows)
+        except Exception as exc:
+            if len(rows) == 1:
+                self._fail_prefill(rows[0], exc)
+                return None
+            error = exc
+        log.warning(
+            "torch engine: prefilling %d requests together failed (%s: %s); trying them one by one",
+            len(rows),
+            type(error).__name__,
+            error,
+        )
+        fresh: _Batch | None = None
+        for row in rows:
+            if row.finish is not None or row.pending.cancelled.is_set():
+                continue  # delivered, or nobody waits for it
+            if row.token_ids:  # its stream has tokens already: it cannot start over
+                self._fail(row.pending, _fault("prefilling the request", error))
+                continue
+            # A new row (a fresh generator): a seeded request draws what it would draw alone.
+            retry = self._row_or_fail(row.pending)
+            if retry is None:
+                continue
+            try:
+                single = self._prefill([retry])
+            except Exception as exc:
+                self._fail_prefill(retry, exc)
+                continue
+            if single is not None:
+                fresh = single if fresh is None else _merge(fresh, single)
+        return fresh
+
+    def _fail_prefill(self, row: _Row, exc: Exception) -> None:
+        if isinstance(exc, ApplianceError):
+            self._fail(row.pending, exc)
+            return
+        log.error(
+            "torch engine: prefilling a request of %d tokens failed",
+            len(row.pending.request.prompt_ids),
+            exc_info=exc,
+        )
+        self._fail(row.pending, _fault("prefilling the request", exc))
 
     def _prefill(self, rows: list[_Row]) -> _Batch | None:
         """Run the prompts of ``rows`` as one left-padded batch and choose their first tokens."""
@@ -564,7 +675,7 @@ class TorchEngine:
         tokens, logprobs, tops = choose_tokens(
             logits,
             [p.temperature for p in params],
-            [p.top_p for p in params],
+            [max(p.top_p, _MIN_TOP_P) for p in params],
             [r.generator for r in rows],
             [p.top_logprobs for p in params],
         )

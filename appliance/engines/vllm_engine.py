@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -43,7 +42,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from appliance.engines.base import GenerateRequest, GenerateResult
+from appliance.engines.base import (
+    GenerateRequest,
+    GenerateResult,
+    validate_request,
+)
 from appliance.engines.vllm_process import (
     DEFAULT_VLLM_PYTHON,
     ParsedChoice,
@@ -54,7 +57,7 @@ from appliance.engines.vllm_process import (
     free_port,
     parse_choice,
 )
-from appliance.errors import BadRequest, ContextTooLong, EngineUnavailable
+from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -97,29 +100,6 @@ class GenerationGate:
                 yield
             finally:
                 self._open.set()
-
-
-def validate_request(request: GenerateRequest, *, max_context: int, vocab_size: int) -> None:
-    """The contract's checks, done here so that errors read the same as the torch engine's."""
-    params, prompt = request.params, request.prompt_ids
-    if not prompt:
-        raise BadRequest("the prompt is empty: send at least one token", param="prompt")
-    if params.max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens")
-    if len(prompt) + params.max_tokens > max_context:
-        raise ContextTooLong(
-            f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}, more than "
-            f"the model's context of {max_context} tokens; shorten the prompt or lower max_tokens",
-            param="max_tokens",
-        )
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise BadRequest(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
-    if not (math.isfinite(params.temperature) and params.temperature >= 0):
-        raise BadRequest(f"temperature must be >= 0, got {params.temperature}", param="temperature")
-    if not 0 < params.top_p <= 1:
-        raise BadRequest(f"top_p must lie in (0, 1], got {params.top_p}", param="top_p")
-    if not 0 <= params.top_logprobs <= 20:
-        raise BadRequest(f"top_logprobs must lie in [0, 20], got {params.top_logprobs}", param="top_logprobs")
 
 
 class VLLMEngine:
@@ -323,6 +303,14 @@ class VLLMEngine:
                 if self._closed and (current is None or not current.cancelling()):
                     raise EngineUnavailable("the vLLM engine was closed") from None
                 raise
+            except ApplianceError:
+                raise
+            except Exception as exc:
+                # An answer that could not be read (not JSON, an odd shape): this call fails
+                # with the retryable error instead of an unexplained 500.
+                raise EngineUnavailable(
+                    f"vLLM's answer to a completion could not be read ({type(exc).__name__}: {exc}); retry"
+                ) from exc
             finally:
                 self._inflight.discard(task)
                 task.cancel()
@@ -344,11 +332,14 @@ class VLLMEngine:
         if request.on_token is None:
             return parse_choice(await self._client.call("POST", "/v1/completions", body))
         parts: list[ParsedChoice] = []
-        async for chunk in self._client.stream("/v1/completions", body):
-            part = parse_choice(chunk, final=False)
-            parts.append(part)
-            for token, logprob in zip(part.token_ids, part.logprobs, strict=True):
-                request.on_token(token, logprob)
+        # aclosing: whatever ends the loop early (a chunk that does not parse, a callback that
+        # raises) closes the stream now, which drops the connection so vLLM aborts the request.
+        async with contextlib.aclosing(self._client.stream("/v1/completions", body)) as chunks:
+            async for chunk in chunks:
+                part = parse_choice(chunk, final=False)
+                parts.append(part)
+                for token, logprob in zip(part.token_ids, part.logprobs, strict=True):
+                    request.on_token(token, logprob)
         return ParsedChoice.join(parts)
 
     # -- weights ----------------------------------------------------------------------------
@@ -528,9 +519,13 @@ class VLLMEngine:
                     await self._client.call("POST", f"/sleep?level={self._sleep_level}&mode=wait")
                     self._push_pending = self._push_pending or self._sleep_level == 2
                 await self._sync_weights()
-        except EngineUnavailable as exc:
-            self._down = f"a restart failed: {exc.message}"
-            log.error("vLLM restart failed: %s", exc.message)
+        except Exception as exc:
+            # Anything (not only EngineUnavailable: a launch that raises OSError, a /v1/models
+            # answer of an odd shape) is one failed attempt; the supervisor must not die of it,
+            # or the engine would stay "restarting" for ever.
+            message = exc.message if isinstance(exc, ApplianceError) else f"{type(exc).__name__}: {exc}"
+            self._down = f"a restart failed: {message}"
+            log.error("vLLM restart failed: %s", message)
             if self._server is not None:
                 await self._server.stop()
             return False

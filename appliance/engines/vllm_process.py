@@ -23,7 +23,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,7 +310,7 @@ class ServerClient:
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"the vLLM server did not answer {path}: {exc!r}; retry shortly") from exc
 
-    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """The ``data:`` events of a server-sent-event response, until ``[DONE]``."""
         try:
             async with self.session.post(

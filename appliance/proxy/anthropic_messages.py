@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance.chat.messages import Message, ToolCall
+from appliance.engines.base import SEED_MAX
 from appliance.errors import ApplianceError, BadRequest
 from appliance.proxy import validate
 from appliance.proxy.calls import CallOutcome, CallStream, PreparedCall
@@ -222,9 +223,7 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, 
     max_tokens = validate.positive_int(body, "max_tokens")
     if max_tokens is None:
         raise BadRequest("'max_tokens' is required (a positive integer)", param="max_tokens")
-    top_k = validate.optional_int(body, "top_k")
-    if top_k is not None and top_k < 0:
-        raise BadRequest("'top_k' must be a non-negative integer", param="top_k")
+    validate.optional_int(body, "top_k", 0, SEED_MAX)  # accepted, not used
     if not isinstance(body.get("stop_sequences", []), list):
         raise BadRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
     if not isinstance(body.get("metadata", {}), Mapping):

@@ -25,79 +25,11 @@ from appliance.chat.template import TOOL_CALL_OPEN
 from appliance.chat.tokenizer import IncrementalDecoder, Tokenizer
 from appliance.chat.tools import parse_assistant
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from appliance.errors import ContextTooLong, EngineUnavailable
+from appliance.errors import ContextTooLong
+from appliance.proxy.gate import ServingGate
 from appliance.rollouts import ActiveRollout
 from store.events import LLMCallCompleted
 from store.eventstore import EventStore
-
-
-class ServingGate:
-    """Open while the engine serves; closed while the trainer holds the machine.
-
-    Calls that arrive while it is closed wait (their connections stay open) up to a limit,
-    instead of failing. ``inflight`` counts generations so the scheduler can wait for them.
-    Closing with ``preempt=True`` also interrupts the generations under way: each keeps the
-    tokens it has sampled, waits for the gate to open, and continues from them under the
-    weights served then (a partial rollout); the harness only sees a slower call.
-    """
-
-    def __init__(self, hold_timeout_s: float = 3600.0) -> None:
-        self._open = asyncio.Event()
-        self._open.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.inflight = 0
-        self.hold_timeout_s = hold_timeout_s
-        self._generations: set[asyncio.Future[GenerateResult]] = set()
-        self._preempted: set[asyncio.Future[GenerateResult]] = set()
-        #: Generations interrupted by a switch so far.
-        self.preemptions = 0
-
-    def close(self, *, preempt: bool = False) -> None:
-        self._open.clear()
-        if preempt:
-            for generation in list(self._generations):
-                if not generation.done():
-                    self._preempted.add(generation)
-                    self.preemptions += 1
-                    generation.cancel()
-
-    def track(self, generation: asyncio.Future[GenerateResult]) -> None:
-        self._generations.add(generation)
-
-    def untrack(self, generation: asyncio.Future[GenerateResult]) -> bool:
-        """Stop tracking; True if a switch preempted it."""
-        self._generations.discard(generation)
-        if generation in self._preempted:
-            self._preempted.discard(generation)
-            return True
-        return False
-
-    def open(self) -> None:
-        self._open.set()
-
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
-    async def enter(self) -> None:
-        try:
-            if not self._open.is_set():
-                await asyncio.wait_for(self._open.wait(), self.hold_timeout_s)
-        except TimeoutError:
-            raise EngineUnavailable(
-                f"the model was busy training for more than {self.hold_timeout_s:g} s; retry the call"
-            ) from None
-        self.inflight += 1
-        self._idle.clear()
-
-    def leave(self) -> None:
-        self.inflight -= 1
-        if self.inflight == 0:
-            self._idle.set()
-
-    async def drained(self) -> None:
-        await self._idle.wait()
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance.errors import BadRequest, Overloaded, Unauthorized
+from appliance.health import Health
 from appliance.proxy.calls import CallService
 from appliance.rollouts import DEFAULT_ROLLOUT, ActiveRollout, RolloutRegistry
 
@@ -76,8 +77,18 @@ CALLS = web.AppKey("calls", CallService)
 REGISTRY = web.AppKey("registry", RolloutRegistry)
 SETTINGS = web.AppKey("settings", ProxySettings)
 ADMISSION = web.AppKey("admission", Admission)
+HEALTH = web.AppKey("health", Health)
 
-__all__ = ["ADMISSION", "CALLS", "DEFAULT_ROLLOUT", "REGISTRY", "SETTINGS", "Admission", "ProxySettings"]
+__all__ = [
+    "ADMISSION",
+    "CALLS",
+    "DEFAULT_ROLLOUT",
+    "HEALTH",
+    "REGISTRY",
+    "SETTINGS",
+    "Admission",
+    "ProxySettings",
+]
 
 
 def request_token(request: web.Request) -> str | None:
@@ -108,6 +119,26 @@ def rollout_of(request: web.Request) -> ActiveRollout:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
+#: Arrays and objects nested deeper than this are refused: no API body needs it, and walking one
+#: (rendering, recording) would recurse past Python's limit.
+MAX_NESTING = 100
+_TOO_DEEP = f"the request body nests arrays or objects deeper than {MAX_NESTING} levels"
+
+
+def _too_deep(raw: bytes, value: Any) -> bool:
+    """Whether ``value`` nests containers more than ``MAX_NESTING`` deep (iteratively)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
+        return False  # too few brackets to nest that deep
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_NESTING:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
 async def json_body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
@@ -122,8 +153,14 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         raise BadRequest(
             "the request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)"
         ) from None
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise BadRequest(f"the request body holds a number Python cannot read: {exc}") from None
+    except RecursionError:
+        raise BadRequest(_TOO_DEEP) from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if _too_deep(raw, body):
+        raise BadRequest(_TOO_DEEP)
     return body
 
 

@@ -28,12 +28,15 @@ from appliance.proxy.http import (
     user_agent,
 )
 from appliance.proxy.validate import (
+    PENALTIES,
+    ignored_numbers,
     number,
-    optional_int,
     positive_int,
     required_str,
     sampling_for,
+    seed,
     stop_strings,
+    top_logprobs,
 )
 
 SURFACE = "openai.chat"
@@ -55,9 +58,8 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[list[PreparedC
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise BadRequest("'logprobs' must be a boolean", param="logprobs")
-    top = optional_int(body, "top_logprobs")
-    if top is not None and not 0 <= top <= 20:
-        raise BadRequest("'top_logprobs' must be between 0 and 20", param="top_logprobs")
+    top = top_logprobs(body, "top_logprobs")
+    ignored_numbers(body, PENALTIES)
     fmt = body.get("response_format")
     if fmt is not None and (
         not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
@@ -74,12 +76,13 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[list[PreparedC
         )
     messages = messages_from_openai(body.get("messages"))
     tools = [] if tool_choice == "none" else tools_from_openai(body.get("tools"))
+    max_tokens = positive_int(body, "max_tokens")  # deprecated by OpenAI; still checked
     params = sampling_for(
         request.app[SETTINGS],
-        max_tokens=positive_int(body, "max_completion_tokens") or positive_int(body, "max_tokens"),
+        max_tokens=positive_int(body, "max_completion_tokens") or max_tokens,
         temperature=number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=number(body, "top_p", 1.0, 0.0, 1.0),
-        seed=optional_int(body, "seed"),
+        seed=seed(body),
         top_logprobs=(top or 0) if logprobs else 0,
     )
     stop = stop_strings(body, "stop")

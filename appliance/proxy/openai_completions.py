@@ -28,17 +28,24 @@ from appliance.proxy.http import (
     user_agent,
 )
 from appliance.proxy.validate import (
+    PENALTIES,
+    ignored_numbers,
     number,
     optional_int,
     positive_int,
     required_str,
     sampling_for,
+    seed,
     stop_strings,
 )
 from appliance.rollouts import ActiveRollout
 
 SURFACE = "openai.completions"
 MAX_CHOICES = 16
+#: OpenAI's limits: ``best_of`` (accepted, not used: each choice is sampled once) up to 20, and
+#: up to 5 alternatives per token in ``logprobs``.
+MAX_BEST_OF = 20
+MAX_LOGPROBS = 5
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
@@ -124,15 +131,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if len(prompts) * n > MAX_CHOICES or (stream and len(prompts) * n > 1):
         raise BadRequest(f"at most {MAX_CHOICES} prompts x n (1 when streaming)", param="n")
     echo = bool(body.get("echo"))
-    logprobs = optional_int(body, "logprobs")
-    if logprobs is not None and not 0 <= logprobs <= 5:
-        raise BadRequest("'logprobs' must be between 0 and 5", param="logprobs")
+    logprobs = optional_int(body, "logprobs", 0, MAX_LOGPROBS)
+    positive_int(body, "best_of", MAX_BEST_OF)
+    ignored_numbers(body, PENALTIES)
     params = sampling_for(
         request.app[SETTINGS],
         max_tokens=positive_int(body, "max_tokens"),
         temperature=number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=number(body, "top_p", 1.0, 0.0, 1.0),
-        seed=optional_int(body, "seed"),
+        seed=seed(body),
         top_logprobs=logprobs or 0,
     )
     stop = stop_strings(body, "stop")

@@ -37,7 +37,7 @@ from appliance.proxy.http import (
     sse_start,
     user_agent,
 )
-from appliance.proxy.validate import number, positive_int, required_str, sampling_for
+from appliance.proxy.validate import number, positive_int, required_str, sampling_for, top_logprobs
 
 SURFACE = "openai.responses"
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -199,6 +199,7 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, 
     messages = messages_from_input(body.get("instructions"), body.get("input"))
     tools = tools_from_responses(body.get("tools"))
     max_output = positive_int(body, "max_output_tokens")
+    top_logprobs(body, "top_logprobs")  # accepted, not returned (output_text logprobs stay empty)
     temperature = number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = number(body, "top_p", 1.0, 0.0, 1.0)
     params = sampling_for(

@@ -10,6 +10,7 @@ rollout-less use with the admin token.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from appliance.errors import ApplianceError, BadRequest
+from appliance.health import Health
 from appliance.proxy import (
     admin_feed,
     anthropic_messages,
@@ -30,6 +32,7 @@ from appliance.proxy.calls import CallService
 from appliance.proxy.http import (
     ADMISSION,
     CALLS,
+    HEALTH,
     REGISTRY,
     SETTINGS,
     Admission,
@@ -86,8 +89,29 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             code = "not_found" if exc.status == 404 else None
             return error_response(request, _HTTPError(exc.status, f"{exc.reason}: {request.path}", code))
         raise
-    except (ConnectionResetError, ConnectionError):
-        raise  # the client went away; nothing to answer
+    except ConnectionError as exc:
+        transport = request.transport
+        if transport is not None and not transport.is_closing():
+            # This client is still connected: another connection failed under the handler.
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(
+                request, _HTTPError(500, "internal error; see the appliance log", "internal_error")
+            )
+        # The client went away (a harness cancelled or timed out); its call is recorded as
+        # cancelled. Routine, so one line and no traceback. Re-raising would make aiohttp log an
+        # ERROR with one; the placeholder answer is never sent (aiohttp notices the closed
+        # connection when it writes the status line, and drops it quietly).
+        log.info(
+            "%s %s: the client went away (%s: %s)", request.method, request.path, type(exc).__name__, exc
+        )
+        return web.Response(status=499, reason="Client Closed Request")
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler of a client that went away (``handler_cancellation``);
+        # the call path has recorded the call as cancelled. The same at shutdown.
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            log.info("%s %s: the client went away; the call was cancelled", request.method, request.path)
+        raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(
@@ -136,11 +160,17 @@ async def admin_status(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "rollouts": len(request.app[REGISTRY])})
+    """200 while the appliance is healthy, 503 with the reasons while something is wedged or
+    held (a switch phase past its deadline, admissions paused by the circuit breaker)."""
+    report = {**request.app[HEALTH].report(), "rollouts": len(request.app[REGISTRY])}
+    return web.json_response(report, status=200 if request.app[HEALTH].ok else 503)
 
 
-def build_app(calls: CallService, registry: RolloutRegistry, settings: ProxySettings) -> web.Application:
+def build_app(
+    calls: CallService, registry: RolloutRegistry, settings: ProxySettings, conditions: Health | None = None
+) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=settings.max_body_bytes)
+    app[HEALTH] = conditions or Health()
     app[CALLS] = calls
     app[REGISTRY] = registry
     app[SETTINGS] = settings
@@ -161,8 +191,19 @@ def build_app(calls: CallService, registry: RolloutRegistry, settings: ProxySett
 class ProxyServer:
     """Runs the aiohttp app beside the rest of the appliance (``AppRunner`` + ``TCPSite``)."""
 
-    def __init__(self, app: web.Application, host: str, port: int) -> None:
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    def __init__(
+        self, app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 2.0
+    ) -> None:
+        # A client that goes away cancels its call (recorded as cancelled), and a call still
+        # running at close (an engine request that never returns) is cancelled after
+        # ``shutdown_timeout_s``: aiohttp's default, 60 s, is past any stop's bound.
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,
+            shutdown_timeout=shutdown_timeout_s,
+        )
         self._host = host
         self._port = port
         self.url = ""

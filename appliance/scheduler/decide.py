@@ -23,6 +23,11 @@ steps, runs beside the admissions, and holds training back until it ends, so eve
 a round is served by one policy version. A round that ended is recorded (``FinishValidation``)
 before anything else happens, and a stop waits for a round in flight.
 
+Circuit breaker: after ``breaker_failures`` training rollouts failed in a row (a harness that
+always crashes), admissions pause (``PauseAdmissions``; the runner records it and sets the
+back-off). While ``admissions_paused`` no group is admitted; steps, validation rounds,
+checkpoints and stops go on, so the groups already ready are still trained.
+
 Staleness bound (``eta``): group number ``g`` (0-based, in admission order) is trained at the
 earliest by step ``g // batch_groups + 1``, i.e. with weights of version ``g // batch_groups``.
 It may start only while ``g // batch_groups - policy_version <= eta``: a rollout never starts
@@ -58,10 +63,14 @@ class SchedulePolicy:
     validate_every: int = 0
     #: Rollouts per validation round (one per held-out task).
     validation_tasks: int = 1
+    #: Training rollouts failed in a row after which admissions pause (0: no circuit breaker).
+    breaker_failures: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.group_size < 1:
             raise ValueError("batch_groups and group_size must be at least 1")
+        if self.breaker_failures < 0:
+            raise ValueError("breaker_failures must be 0 (off) or more")
         if self.max_inflight_rollouts is not None and self.max_inflight_rollouts < self.group_size:
             raise ValueError(
                 f"max_inflight_rollouts ({self.max_inflight_rollouts}) must be at least group_size "
@@ -111,6 +120,11 @@ class Observation:
     validation_running: int = 0
     #: The step of the last recorded validation round (None: none yet).
     last_validation_step: int | None = None
+    #: Training rollouts failed in a row since the last one that finished or the last trip of
+    #: the circuit breaker (rollouts interrupted by a restart or a stop do not count).
+    consecutive_failures: int = 0
+    #: The circuit breaker's back-off is running: no group may be admitted.
+    admissions_paused: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +162,23 @@ class FinishValidation:
     pass
 
 
-Action = StartGroups | Train | RestartEngine | Stop | SaveCheckpoint | StartValidation | FinishValidation
+@dataclass(frozen=True, slots=True)
+class PauseAdmissions:
+    """Trip the circuit breaker: ``failures`` training rollouts failed in a row."""
+
+    failures: int
+
+
+Action = (
+    StartGroups
+    | Train
+    | RestartEngine
+    | Stop
+    | SaveCheckpoint
+    | StartValidation
+    | FinishValidation
+    | PauseAdmissions
+)
 
 
 def admissible_groups(policy: SchedulePolicy, obs: Observation) -> int:
@@ -168,6 +198,15 @@ def validation_due(policy: SchedulePolicy, obs: Observation) -> bool:
         and obs.step % policy.validate_every == 0
         and obs.last_validation_step != obs.step
         and not obs.validation_open
+    )
+
+
+def breaker_trips(policy: SchedulePolicy, obs: Observation) -> bool:
+    """The circuit breaker should trip now: enough failures in a row, and no back-off running."""
+    return (
+        policy.breaker_failures > 0
+        and obs.consecutive_failures >= policy.breaker_failures
+        and not obs.admissions_paused
     )
 
 
@@ -191,6 +230,8 @@ def decide(policy: SchedulePolicy, obs: Observation) -> list[Action]:
         return [RestartEngine()]
     if obs.paused:
         return []
+    if breaker_trips(policy, obs):
+        return [PauseAdmissions(obs.consecutive_failures)]  # recorded before anything else
     actions: list[Action] = [StartValidation(policy.validation_tasks)] if due else []
     ready = len(obs.ready_groups)
     if ready >= policy.batch_groups and not due and not obs.validation_open:
@@ -203,5 +244,5 @@ def decide(policy: SchedulePolicy, obs: Observation) -> list[Action]:
             and obs.generating_for_s >= policy.min_generate_s
         ):
             return [Train(obs.ready_groups[: policy.batch_groups])]
-    more = admissible_groups(policy, obs)
+    more = 0 if obs.admissions_paused else admissible_groups(policy, obs)
     return [*actions, StartGroups(more)] if more > 0 else actions

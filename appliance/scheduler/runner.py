@@ -7,13 +7,21 @@ engine and the training service, and the switch between generating and training:
     trainer onload -> train (durable) -> trainer offload -> wake weights -> push -> wake KV cache
     -> open the gate
 
-Each phase is recorded as a ``SwitchPhaseCompleted`` event with its duration. The runner keeps
+Each phase is recorded as a ``SwitchPhaseCompleted`` event with its duration. Every wait is
+bounded: the drain waits at most ``drain_timeout_s`` for the generations in flight, then
+preempts them (they continue after the step) and records ``PhaseOverran``; any other phase
+still running after ``phase_timeout_s`` is recorded as ``PhaseOverran`` and reported by
+``/healthz`` (``Health``) until it ends, and a stop cancels it within the stop's own bound
+(``Appliance.force_stop``). ``activity`` says what the runner waits for. The runner keeps
 no state of the run: every observation is read from the live projection of the log, plus the
 few facts only the effects know (the phase, since when it generates, a failed engine). Operator
 control arrives the same way (``ControlRequested`` events folded into ``RunState``: paused, a
 checkpoint or a stop requested), so a restart while paused stays paused. It also carries out
 requested checkpoints (between steps) and validation rounds: it starts a round's rollouts with
-the evaluation sampling and records ``ValidationCompleted`` when they have all ended.
+the evaluation sampling and records ``ValidationCompleted`` when they have all ended. When
+``decide`` trips the circuit breaker it records ``AdmissionsPaused`` with the back-off (doubled
+per trip in a row, capped), and while the back-off runs ``/healthz`` names the cause and a
+notice says so; both clear when it ends.
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ from typing import Any
 from appliance.controller import RolloutController
 from appliance.engines.base import Engine
 from appliance.errors import EngineUnavailable, TrainingFailed
-from appliance.proxy.calls import ServingGate
+from appliance.health import Health
+from appliance.proxy.gate import ServingGate
 from appliance.scheduler.decide import (
     FinishValidation,
     Observation,
+    PauseAdmissions,
     RestartEngine,
     SaveCheckpoint,
     SchedulePolicy,
@@ -45,8 +55,15 @@ from appliance.scheduler.live import LiveState
 from appliance.training import TrainingService
 from appliance.validation import round_result
 from harness_adapters.base import Task
-from store.events import PhaseChanged, SwitchPhaseCompleted, TrainStepCompleted, TrainStepFailed
-from store.projections import RolloutView, RunState
+from store.events import (
+    AdmissionsPaused,
+    PhaseChanged,
+    PhaseOverran,
+    SwitchPhaseCompleted,
+    TrainStepCompleted,
+    TrainStepFailed,
+)
+from store.projections import RolloutView, RunState, one_line
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +104,7 @@ def observe(
     phase: str = "generate",
     generating_for_s: float = 0.0,
     engine_failed: bool = False,
+    admissions_paused: bool = False,
 ) -> Observation:
     """What ``decide`` sees. A group none of whose rollouts can be trained on (all failed, e.g.
     interrupted by a restart) counts neither as ready nor as admitted: its failures stay
@@ -123,6 +141,8 @@ def observe(
         validation_open=len(validating),
         validation_running=sum(1 for view in validating if view.status == "running"),
         last_validation_step=state.validations[-1].step if state.validations else None,
+        consecutive_failures=state.consecutive_failures,
+        admissions_paused=admissions_paused,
     )
 
 
@@ -152,6 +172,12 @@ class SchedulerRunner:
         drop_stale: bool = True,
         on_step: Callable[[TrainStepCompleted, RunState], None] | None = None,
         validation: Validation | None = None,
+        health: Health | None = None,
+        drain_timeout_s: float = 30.0,
+        phase_timeout_s: float = 1800.0,
+        on_notice: Callable[[str], None] | None = None,
+        breaker_backoff_s: float = 10.0,
+        breaker_backoff_max_s: float = 300.0,
     ) -> None:
         self.policy = policy
         self.live = live
@@ -163,11 +189,23 @@ class SchedulerRunner:
         self.drop_stale = drop_stale
         self.on_step = on_step
         self.validation = validation or Validation(tasks=())
+        self.health = health or Health()
+        self.drain_timeout_s = drain_timeout_s
+        self.phase_timeout_s = phase_timeout_s
+        #: Called with a one-line message a person should see (headless progress output).
+        self.on_notice = on_notice
         self._stop = asyncio.Event()
         self._phase = "generate"
         self._generating_since = time.monotonic()
         self._engine_failed = False
         self._train_failures = 0
+        #: The circuit breaker's back-off: the first, doubled per trip in a row up to the max.
+        self.breaker_backoff_s = breaker_backoff_s
+        self.breaker_backoff_max_s = breaker_backoff_max_s
+        #: ``ts`` of the trip whose back-off ``/healthz`` reports now (None: none).
+        self._breaker_shown: float | None = None
+        #: What the runner is doing and since when (monotonic), for ``activity``.
+        self._activity = ("starting", time.monotonic())
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -179,6 +217,7 @@ class SchedulerRunner:
             phase=self._phase,
             generating_for_s=time.monotonic() - self._generating_since,
             engine_failed=self._engine_failed,
+            admissions_paused=self._admissions_paused(),
         )
 
     async def _record(self, *events: Any) -> None:
@@ -191,7 +230,8 @@ class SchedulerRunner:
         )
 
     async def _wait(self) -> None:
-        """Until the state changes, a stop is requested, or the minimum generation slice ends."""
+        """Until the state changes, a stop is requested, the minimum generation slice ends, or
+        the circuit breaker's back-off ends."""
         waits = [
             asyncio.ensure_future(self.live.wait_change(self.live.position)),
             asyncio.ensure_future(self._stop.wait()),
@@ -199,6 +239,8 @@ class SchedulerRunner:
         remaining = self.policy.min_generate_s - (time.monotonic() - self._generating_since)
         if self.policy.mode == "async" and remaining > 0:
             waits.append(asyncio.ensure_future(asyncio.sleep(remaining)))
+        if (trip := self.live.state.admissions_paused_at(time.time())) is not None:
+            waits.append(asyncio.ensure_future(asyncio.sleep(trip.ts + trip.backoff_s - time.time())))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -232,6 +274,47 @@ class SchedulerRunner:
                         await self._start_validation(count)
                     case FinishValidation():
                         await self._finish_validation()
+                    case PauseAdmissions(failures=failures):
+                        await self._pause_admissions(failures)
+
+    async def _pause_admissions(self, failures: int) -> None:
+        """Trip the circuit breaker: record ``AdmissionsPaused`` with a back-off that doubles per
+        trip in a row (no finished rollout between them), capped at ``breaker_backoff_max_s``."""
+        state = self.live.state
+        trips = state.breaker_trips + 1
+        backoff = min(self.breaker_backoff_max_s, self.breaker_backoff_s * 2 ** min(trips - 1, 32))
+        trip = AdmissionsPaused(
+            ts=time.time(), failures=failures, backoff_s=backoff, cause=state.last_failure, trips=trips
+        )
+        await self._record(trip)
+        await self.live.wait_for(self.live.store.last_position)  # the state knows the trip
+        self._show_breaker(trip)
+
+    def _show_breaker(self, trip: AdmissionsPaused) -> None:
+        """Report a running back-off on ``/healthz`` and as a notice."""
+        self._breaker_shown = trip.ts
+        line = (
+            f"admissions paused for {trip.backoff_s:g} s: {trip.failures} training rollouts failed "
+            f"in a row; last: {one_line(trip.cause) or 'no reason recorded'}"
+        )
+        if trip.trips > 1:
+            line += f" (trip {trip.trips} in a row)"
+        log.warning("%s", line)
+        self.health.set("breaker", line)
+        self._notice(line)
+
+    def _admissions_paused(self) -> bool:
+        """Whether the breaker's back-off runs now; keeps ``/healthz`` and the notices in step
+        (also for a back-off recorded before a restart, and once it is over)."""
+        trip = self.live.state.admissions_paused_at(time.time())
+        if trip is not None and self._breaker_shown != trip.ts:
+            self._show_breaker(trip)
+        elif trip is None and self._breaker_shown is not None:
+            self._breaker_shown = None
+            self.health.clear("breaker")
+            log.warning("admissions resumed")
+            self._notice("admissions resumed")
+        return trip is not None
 
     async def _start_validation(self, count: int) -> None:
         """Start a round: one rollout per held-out task, with the evaluation sampling."""
@@ -257,14 +340,86 @@ class SchedulerRunner:
         )
 
     async def _timed(self, step: int, phase: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        """Run one phase of a switch and record its duration. A phase still running at
+        ``phase_timeout_s`` is recorded as ``PhaseOverran`` and makes ``/healthz`` report it
+        until it ends; it is not interrupted (a stop still is, within its own bound)."""
         started = time.perf_counter()
-        result = await work()
+        self._activity = (f"training step {step}: {phase}", time.monotonic())
+        task = asyncio.ensure_future(work())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.phase_timeout_s)
+            if not done:
+                reason = (
+                    f"the {phase} phase of step {step} has run for more than {self.phase_timeout_s:g} s "
+                    f"(phase_timeout_s)"
+                )
+                log.warning("%s", reason)
+                self.health.set("phase", reason)
+                await self._record(
+                    PhaseOverran(
+                        ts=time.time(), phase=phase, step=step, deadline_s=self.phase_timeout_s, reason=reason
+                    )
+                )
+                self._notice(reason)
+            result = await task
+        finally:
+            if not task.done():
+                task.cancel()
+            self.health.clear("phase")
         await self._record(
             SwitchPhaseCompleted(
                 ts=time.time(), step=step, phase=phase, duration_s=time.perf_counter() - started
             )
         )
         return result
+
+    async def _drain(self, step: int) -> None:
+        """Wait for the generations in flight, at most ``drain_timeout_s``; past it they are
+        preempted (they continue after the step) and the step goes on."""
+        started = time.perf_counter()
+        self._activity = (
+            f"training step {step}: drain ({self.gate.inflight} calls generating)",
+            time.monotonic(),
+        )
+        result = await self.gate.drain(self.drain_timeout_s)
+        if result.timed_out:
+            reason = (
+                f"the drain before step {step} passed its deadline ({self.drain_timeout_s:g} s, "
+                f"drain_timeout_s): {result.preempted} generations preempted"
+                + (f", {result.remaining} calls still in flight" if result.remaining else "")
+                + "; the step goes on"
+            )
+            log.warning("%s", reason)
+            await self._record(
+                PhaseOverran(
+                    ts=time.time(),
+                    phase="drain",
+                    step=step,
+                    deadline_s=self.drain_timeout_s,
+                    reason=reason,
+                    preempted=result.preempted,
+                )
+            )
+            self._notice(reason)
+        await self._record(
+            SwitchPhaseCompleted(
+                ts=time.time(), step=step, phase="drain", duration_s=time.perf_counter() - started
+            )
+        )
+
+    def _notice(self, line: str) -> None:
+        if self.on_notice is not None:
+            self.on_notice(line)
+
+    def activity(self) -> str:
+        """What the scheduler is doing now, for a person waiting on a stop."""
+        what, since = self._activity
+        if self._phase == "train":
+            return f"{what} ({time.monotonic() - since:.0f} s so far)"
+        validating = self.observation().validation_running
+        if validating:
+            return f"{validating} validation rollouts to end"
+        return "the scheduler's current decision"
 
     async def _switch(self, groups: tuple[str, ...]) -> None:
         """Hand the machine to the trainer for one step and back to the engine."""
@@ -275,7 +430,7 @@ class SchedulerRunner:
         self.gate.close(preempt=self.policy.mode == "async")
         await self._phase_changed("train")
         try:
-            await self._timed(step, "drain", self.gate.drained)
+            await self._drain(step)
             await self._timed(step, "sleep", lambda: self.engine.sleep(self.sleep_level))
             if hasattr(trainer, "onload"):
                 await self._timed(step, "onload", lambda: asyncio.to_thread(trainer.onload))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -17,7 +19,7 @@ import pytest_asyncio
 
 from appliance.errors import StoreError
 from store import ApplianceStopped, EventStore, LLMCallCompleted, RewardReported, StoredEvent
-from store.eventstore import read_events_sync
+from store.eventstore import read_events_sync, read_last_sync, verify_log
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,6 +121,48 @@ async def test_close_commits_queued_appends_then_refuses_new_ones(tmp_path: Path
     with pytest.raises(StoreError, match="closed"):
         await store.read()
     assert len(read_events_sync(store.path)) == 5
+
+
+async def test_close_leaves_every_event_in_the_main_file(tmp_path: Path) -> None:
+    """After a clean close, ``events.sqlite`` alone is the whole log: copying it copies the run."""
+    path = tmp_path / "events.sqlite"
+    store = await EventStore.open(path)
+    events = [call("a", 50), call("a", 60), *(reward(i) for i in range(300))]
+    await store.append(events)
+    # A reader (the dashboard, ``status``) has the file open between two reads: the writer's
+    # close is not the last one, which would have checkpointed by itself.
+    with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)) as reader:
+        assert reader.execute("SELECT COUNT(*) FROM events").fetchone() == (len(events),)
+        await store.close()
+        wal = path.with_name(path.name + "-wal")
+        assert not wal.exists() or wal.stat().st_size == 0
+        (tmp_path / "copy").mkdir()
+        copy = Path(shutil.copy(path, tmp_path / "copy" / path.name))
+    assert [s.event for s in read_events_sync(copy)] == events
+    assert verify_log(copy).events == len(events)
+
+
+async def test_close_does_not_wait_long_for_a_reader_that_holds_the_wal(tmp_path: Path) -> None:
+    path = tmp_path / "events.sqlite"
+    store = await EventStore.open(path)
+    await store.append([reward(i) for i in range(10)])
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as reader:
+        reader.execute("BEGIN")  # a read transaction pins the WAL: no TRUNCATE checkpoint
+        reader.execute("SELECT COUNT(*) FROM events").fetchone()
+        started = time.monotonic()
+        await asyncio.wait_for(store.close(), 10)
+        assert time.monotonic() - started < 5
+        reader.execute("COMMIT")
+    assert len(read_events_sync(path)) == 10
+
+
+async def test_read_last_sync_reads_the_last_event_of_a_type(store: EventStore) -> None:
+    assert read_last_sync(store.path, {"RewardReported"}) is None
+    await store.append([reward(1), call("a", 5), reward(2), call("b", 3)])
+    last = read_last_sync(store.path, {"RewardReported"})
+    assert last is not None and (last.position, last.event) == (3, reward(2))
+    last = read_last_sync(store.path, {"RewardReported", "LLMCallCompleted"})
+    assert last is not None and (last.position, last.event) == (4, call("b", 3))
 
 
 CHILD = """

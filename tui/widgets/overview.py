@@ -1,4 +1,5 @@
-"""The overview panel: phase and its timeline, policy version, rollouts, rates, staleness, machine.
+"""The overview panel: phase and its timeline, policy version, rollouts, rates, staleness, machine,
+and, while the circuit breaker holds admissions, why and until when.
 
 Owns laying out those figures as rich text; every figure comes from ``tui.model`` (and the
 machine usage the app samples). Renders only when the model's revision or the usage changed.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from store.projections import one_line
 from tui.model import DashboardModel, PhaseSpan
 from tui.system import Usage
 
@@ -40,6 +42,23 @@ def timeline_bar(spans: list[PhaseSpan], now: float, width: int) -> Text:
     return bar
 
 
+def breaker_lines(text: Text, model: DashboardModel, now: float, width: int) -> None:
+    """Two lines while the circuit breaker's back-off runs at ``now``: the failures, when
+    admissions resume, and the last failure's reason on one line; nothing otherwise."""
+    trip = model.state.admissions_paused_at(now)
+    if trip is None:
+        return
+    text.append("ADMISSIONS PAUSED", style="bold red")
+    text.append(
+        f"  {trip.failures} training rollouts failed in a row"
+        + (f" (trip {trip.trips} in a row)" if trip.trips > 1 else "")
+        + f"; resume in {_fmt_s(trip.ts + trip.backoff_s - now)}\n"
+    )
+    text.append("cause ", style="dim")
+    text.append(one_line(trip.cause, max(width - 8, 40)) or "-", style="red")
+    text.append("\n")
+
+
 class OverviewPanel(Static):
     """Headline figures of the run."""
 
@@ -66,6 +85,7 @@ class OverviewPanel(Static):
         elif not live:
             text.append("  (read-only)", style="dim")
         text.append("\n")
+        breaker_lines(text, model, now, width)
         if model.model:
             text.append(f"model {model.model} on {model.engine}  run {state.run_id[:12]}\n", style="dim")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams, TokenCallback
 from appliance.errors import BadRequest, ContextTooLong, EngineUnavailable
 
 #: Eight prompts of different lengths (1 to 15 tokens), so batching has to pad.
@@ -200,8 +200,24 @@ class EngineContract:
 
     async def test_closed_engine_fails_pending_and_new_requests(self, engine: Engine) -> None:
         long = greedy(1000, [self.unreachable_stop_id])
-        pending = [asyncio.create_task(generate(engine, PROMPTS[i], long)) for i in range(3)]
-        await asyncio.sleep(0.2)
+        # Closed once each has sampled its first token: a tiny model on a quiet machine can
+        # sample 1000 tokens before a fixed pause ends, and a finished request fails nothing.
+        started = [asyncio.Event() for _ in range(3)]
+
+        def first_token(event: asyncio.Event) -> TokenCallback:
+            return lambda token, logprob: event.set()
+
+        pending = [
+            asyncio.create_task(
+                engine.generate(
+                    GenerateRequest(prompt_ids=list(PROMPTS[i]), params=long, on_token=first_token(event))
+                )
+            )
+            for i, event in enumerate(started)
+        ]
+        async with asyncio.timeout(60):
+            for event in started:
+                await event.wait()
         await engine.close()
         for task in pending:
             with pytest.raises(EngineUnavailable):

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import pytest_asyncio
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from appliance.engines.sampling import NUCLEUS_CANDIDATES, draw_rows
 from appliance.engines.torch_engine import TorchEngine
-from appliance.errors import BadRequest, EngineUnavailable
+from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, EngineContract, generate, greedy, unsampled_id
 
 #: A stop id no sampled token equals: runs go on to their length.
@@ -47,6 +52,15 @@ class TestTorchEngine(EngineContract):
             SamplingParams(temperature=float("nan")),
             SamplingParams(top_p=0.0),
             SamplingParams(top_p=1.5),
+            SamplingParams(top_p=float("nan")),
+            SamplingParams(temperature=float("inf")),
+            SamplingParams(temperature=1e-7),  # overflows float32 logits; 0 is greedy
+            SamplingParams(seed=2**63),
+            SamplingParams(seed=-(2**63) - 1),
+            SamplingParams(top_logprobs=21),
+            SamplingParams(top_logprobs=-1),
+            SamplingParams(max_tokens=2**70),
+            SamplingParams(stop_token_ids=(1.5,)),  # type: ignore[arg-type]
         ],
     )
     async def test_rejects_bad_params(self, engine: TorchEngine, params: SamplingParams) -> None:
@@ -367,3 +381,240 @@ def test_batched_draws_follow_the_distribution(vocab: int, spread: float, in_win
         chi2 = float(((observed - wanted) ** 2 / wanted).sum())
         df = len(wanted) - 1
         assert chi2 < df + 6 * (2 * df) ** 0.5, (top_p, chi2, df)
+
+
+# --- failures: a request that cannot be served fails alone, and nothing admitted waits for ever
+
+
+async def settled(*requests: Awaitable[GenerateResult]) -> list[GenerateResult | BaseException]:
+    """Each request's result or error; a request left without either fails the test (timeout)."""
+    async with asyncio.timeout(60):
+        return await asyncio.gather(*requests, return_exceptions=True)
+
+
+async def idle(engine: TorchEngine) -> bool:
+    """Whether the step loop drops every row and queues nothing (it ends a moment after the
+    last result is delivered)."""
+    for _ in range(500):
+        if not engine._running and not engine._inbox:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+class AdmitRecorder:
+    """Records how many requests were queued at each admission of ``engine``."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.queued: list[int] = []
+        admit = engine._admit
+
+        def recording(room: int) -> Any:
+            self.queued.append(len(engine._inbox))
+            return admit(room)
+
+        engine._admit = recording  # type: ignore[method-assign]
+
+
+async def test_a_request_that_cannot_be_admitted_fails_alone(
+    joining: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bug report: a seed torch's generator refuses (``-9223372036854775809``) raised in the
+    step loop after the request had left the inbox, so nothing failed it, nor the requests
+    admitted in the same step; their callers waited for ever, and so did the next switch."""
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=3, stop_token_ids=(NEVER,))
+    expected = [await alone(joining, p, params) for p in (PROMPTS[0], PROMPTS[1])]
+    monkeypatch.setattr(joining, "_validate", lambda request: None)  # as if validation missed it
+    admitted = AdmitRecorder(joining)
+    refused = SamplingParams(max_tokens=6, seed=-(2**63) - 1)
+    first, bad, last = await settled(
+        generate(joining, PROMPTS[0], params),
+        generate(joining, PROMPTS[2], refused),
+        generate(joining, PROMPTS[1], params),
+    )
+    assert admitted.queued[0] == 3  # all three in the same admission
+    assert isinstance(bad, BadRequest) and bad.param == "seed", bad
+    assert isinstance(first, GenerateResult) and isinstance(last, GenerateResult), (first, last)
+    assert_same(first, expected[0])
+    assert_same(last, expected[1])
+    assert await idle(joining)
+    assert len((await generate(joining, PROMPTS[3], greedy(2))).token_ids) >= 1
+
+
+async def test_a_prefill_that_fails_fails_only_its_request(
+    joining: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Newcomers are prefilled together; when that raises they are prefilled again one by one,
+    so only the request that fails alone fails, and the running batch never notices."""
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=7, stop_token_ids=(NEVER,))
+    long = greedy(120, [NEVER])
+    expected_long = await alone(joining, PROMPTS[4], long)
+    expected = [await alone(joining, p, params) for p in (PROMPTS[0], PROMPTS[2])]
+    poison = PROMPTS[5]
+    prefill = joining._prefill
+    sizes: list[int] = []
+
+    def failing(rows: list[Any]) -> Any:
+        sizes.append(len(rows))
+        if any(list(row.pending.request.prompt_ids) == poison for row in rows):
+            raise RuntimeError("this prompt breaks the forward pass")
+        return prefill(rows)
+
+    monkeypatch.setattr(joining, "_prefill", failing)
+    recorder = StepRecorder(joining)
+    running = asyncio.create_task(generate(joining, PROMPTS[4], long))
+    await recorder.steps(5)
+    first, bad, last = await settled(
+        generate(joining, PROMPTS[0], params),
+        generate(joining, poison, params),
+        generate(joining, PROMPTS[2], params),
+    )
+    assert sizes == [1, 3, 1, 1, 1]  # the long row, the three together, then each alone
+    assert isinstance(bad, EngineUnavailable) and "breaks the forward pass" in bad.message, bad
+    assert isinstance(first, GenerateResult) and isinstance(last, GenerateResult), (first, last)
+    assert_same(first, expected[0])  # seeded: the retry draws what the row would draw alone
+    assert_same(last, expected[1])
+    assert_same(await running, expected_long)
+
+
+async def test_a_failed_decode_step_fails_every_row_and_the_engine_serves_on(
+    joining: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = joining._step
+
+    def failing(batch: Any) -> Any:
+        raise RuntimeError("the decode step failed")
+
+    monkeypatch.setattr(joining, "_step", failing)
+    results = await settled(*(generate(joining, p, greedy(5, [NEVER])) for p in PROMPTS[:3]))
+    assert all(isinstance(r, EngineUnavailable) and "decode step" in r.message for r in results), results
+    assert await idle(joining)
+    monkeypatch.setattr(joining, "_step", step)
+    assert len((await generate(joining, PROMPTS[0], greedy(3, [NEVER]))).token_ids) == 3
+
+
+async def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(joining: TorchEngine) -> None:
+    """Found by the engine fuzzer: float32 rounds 1e-300 to 0, which cut every token, and the
+    draw then took the least likely one."""
+    expected = await generate(joining, PROMPTS[3], greedy(8, [NEVER]))
+    tiny = SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300, seed=1, stop_token_ids=(NEVER,))
+    assert (await generate(joining, PROMPTS[3], tiny)).token_ids == expected.token_ids
+
+
+# --- the engine's boundary at every field's extremes (hypothesis, fixed budget) --------------
+
+INF, NAN = float("inf"), float("nan")
+
+
+@dataclass(frozen=True)
+class Case:
+    request: GenerateRequest
+    #: The fields set to a value outside the contract (empty: the request is valid).
+    broken: frozenset[str]
+
+
+def extreme_cases(vocab: int, context: int, *, validated: bool) -> st.SearchStrategy[Case]:
+    """A request with every field at an edge of its valid range, and up to two fields past it
+    (or of the wrong type). Without validation (the step loop's own robustness) max_tokens and
+    the prompt's length stay valid: a huge max_tokens would only run for a very long time."""
+    valid: dict[str, list[Any]] = {
+        "prompt_ids": [[0], [vocab - 1], PROMPTS[3], [1] * (context - 3)],
+        "max_tokens": [1, 3],
+        "temperature": [0.0, -0.0, 1e-5, 0.7, 2.0, 1e308],
+        "top_p": [5e-324, 1e-300, 1e-45, 0.3, 1.0],
+        # Ids outside the vocabulary are the contract's "never stop".
+        "stop_token_ids": [(), (NEVER,), (0,), (vocab - 1,), (vocab,), (2**63,)],
+        "seed": [None, -(2**63), -1, 0, 2**63 - 1],
+        "top_logprobs": [0, 1, 20],
+    }
+    invalid: dict[str, list[Any]] = {
+        "prompt_ids": [[], [vocab], [-1], [2**63], [True], [1.5]],
+        "max_tokens": [-(2**63) - 1, -1, 0, True, 2.5, context, 2**63, 10**30],
+        "temperature": [5e-324, 1e-7, INF, -INF, NAN, -1.0, True, None],
+        "top_p": [0.0, -0.0, 1.0000001, INF, NAN, True, None],
+        "stop_token_ids": [(True,), (1.5,), (None,)],
+        "seed": [-(2**63) - 1, 2**63, 2**64, True, 1.5, NAN],
+        "top_logprobs": [21, -1, vocab + 1, 2**63, True, NAN],
+    }
+    if validated:
+        invalid["prompt_ids"] += [[1] * context, [1] * (context + 1)]
+    else:
+        del invalid["max_tokens"]
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> Case:
+        fields = {name: draw(st.sampled_from(values)) for name, values in valid.items()}
+        broken = draw(st.sets(st.sampled_from(sorted(invalid)), max_size=2))
+        fields.update({name: draw(st.sampled_from(invalid[name])) for name in sorted(broken)})
+        prompt = fields.pop("prompt_ids")
+        return Case(GenerateRequest(prompt_ids=prompt, params=SamplingParams(**fields)), frozenset(broken))
+
+    return cases()
+
+
+def check_result(request: GenerateRequest, result: GenerateResult) -> None:
+    params = request.params
+    assert result.finish_reason in ("stop", "length")
+    assert 1 <= len(result.token_ids) == len(result.logprobs) <= params.max_tokens
+    assert all(0 <= t < 10**6 for t in result.token_ids)
+    assert all(math.isfinite(lp) and lp <= 1e-6 for lp in result.logprobs), result.logprobs
+    assert len(result.top_logprobs) == (len(result.token_ids) if params.top_logprobs else 0)
+
+
+@pytest.mark.parametrize(
+    "examples", [pytest.param(300, id="default"), pytest.param(2000, id="slow", marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("validated", [True, False], ids=["validated", "unvalidated"])
+def test_generate_at_the_extremes_answers_or_refuses_and_never_hangs(
+    tiny_model_dir: Path, examples: int, validated: bool
+) -> None:
+    """One to three requests at once, each field at its edges: a valid one is answered with a
+    well-formed result (finite log-probs), one with a field past its range is refused with
+    ``BadRequest`` (``ContextTooLong`` included). With validation bypassed (the step loop's own
+    robustness), each still ends, answered or failed with an ``ApplianceError``, and the engine
+    serves on."""
+    loop = asyncio.new_event_loop()
+    engine = TorchEngine(tiny_model_dir, max_batch_size=4)
+    loop.run_until_complete(engine.start())
+    if not validated:
+        engine._validate = lambda request: None  # type: ignore[method-assign]
+
+    async def serve(requests: list[GenerateRequest]) -> list[GenerateResult | BaseException]:
+        async with asyncio.timeout(60):
+            return await asyncio.gather(*(engine.generate(r) for r in requests), return_exceptions=True)
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=(Phase.explicit, Phase.generate),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        cases=st.lists(
+            extreme_cases(engine._vocab_size, engine.max_context, validated=validated), min_size=1, max_size=3
+        )
+    )
+    def fuzz(cases: list[Case]) -> None:
+        outcomes = loop.run_until_complete(serve([case.request for case in cases]))
+        hypothesis.event(f"{sum(not case.broken for case in cases)} of {len(cases)} valid")
+        for case, outcome in zip(cases, outcomes, strict=True):
+            if not validated:  # garbage may break the batch it joins, but never hangs it
+                assert isinstance(outcome, GenerateResult | ApplianceError), (case, outcome)
+            elif case.broken:
+                assert isinstance(outcome, BadRequest), (case, outcome)
+            else:
+                assert isinstance(outcome, GenerateResult), (case, outcome)
+                check_result(case.request, outcome)
+
+    try:
+        fuzz()
+        result = loop.run_until_complete(
+            serve([GenerateRequest(prompt_ids=PROMPTS[2], params=greedy(4, [NEVER]))])
+        )
+        assert isinstance(result[0], GenerateResult) and len(result[0].token_ids) == 4
+        assert loop.run_until_complete(idle(engine))
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -147,3 +149,45 @@ async def test_rollout_less_v1_needs_the_admin_token(app: Appliance) -> None:
     token_file = app.config.data_dir / "admin_token"
     assert token_file.read_text().strip() == app.admin_token
     assert token_file.stat().st_mode & 0o077 == 0
+
+
+#: A streamed call per surface, long enough to be under way when its client goes away.
+STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", {**GOOD, "max_tokens": 400, "stream": True}),
+    "completions": ("/v1/completions", {"model": "m", "prompt": "Count:", "max_tokens": 400, "stream": True}),
+    "responses": ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 400, "stream": True}),
+    "messages": ("/v1/messages", {**GOOD, "max_tokens": 400, "stream": True}),
+}
+
+
+@pytest.mark.parametrize("surface", sorted(STREAMS))
+async def test_a_client_gone_mid_stream_is_one_info_line_without_a_traceback(
+    app: Appliance, surface: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A harness that drops its connection mid-stream is routine: its call is recorded as
+    cancelled, and the log says so once at INFO, with no ERROR traceback from aiohttp."""
+    caplog.set_level(logging.INFO)
+    path, body = STREAMS[surface]
+    active = rollout(app)
+    before = app.live.position
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(
+            base(app, active) + path, json=body, headers={"Authorization": f"Bearer {active.token}"}
+        )
+        assert response.status == 200
+        await response.content.readline()  # the first event arrived: generation is under way
+        response.close()
+    async with asyncio.timeout(30):
+        await app.live.wait_for(before + 1)
+        # The handler meets the closed connection at its next write, after the call is recorded.
+        while not [r for r in caplog.records if r.levelno >= logging.INFO and "went away" in r.getMessage()]:
+            if any(r.levelno >= logging.WARNING for r in caplog.records):
+                break
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)  # anything logged late would show now
+    (call,) = await calls_recorded(app)
+    assert call.finish_reason == "cancelled"
+    loud = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
+    assert loud == []
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert [(r.name, r.levelno, r.exc_info) for r in gone] == [("appliance.proxy.server", logging.INFO, None)]

@@ -8,6 +8,7 @@ from appliance.scheduler.decide import (
     Action,
     FinishValidation,
     Observation,
+    PauseAdmissions,
     RestartEngine,
     SaveCheckpoint,
     SchedulePolicy,
@@ -188,3 +189,77 @@ def test_validation_never_runs_beside_a_step() -> None:
                 starts_round = any(isinstance(a, StartValidation) for a in actions)
                 if open_ or starts_round:
                     assert not any(isinstance(a, Train) for a in actions), (observation, actions)
+
+
+BREAKER = SchedulePolicy(batch_groups=2, group_size=4, max_steps=3, mode="sync", breaker_failures=8)
+BREAKER_ASYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=10, mode="async", eta=1,
+                               breaker_failures=8)  # fmt: skip
+VALIDATING_BREAKER = SchedulePolicy(batch_groups=2, group_size=4, max_steps=4, mode="sync", validate_every=2,
+                                    validation_tasks=3, breaker_failures=8)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("policy", "observation", "expected"),
+    [
+        # Off by default: any number of failures in a row admits replacements.
+        (SYNC, obs(consecutive_failures=1000), [StartGroups(2)]),
+        # One short of the threshold: still admitting.
+        (BREAKER, obs(consecutive_failures=7), [StartGroups(2)]),
+        # At the threshold: trip, and nothing else in that decision.
+        (BREAKER, obs(consecutive_failures=8), [PauseAdmissions(8)]),
+        (BREAKER_ASYNC, obs(consecutive_failures=9, running_groups=1, admitted_groups=1, running_rollouts=4),
+         [PauseAdmissions(9)]),
+        # The back-off runs: no admissions, even with room for a whole batch ...
+        (BREAKER, obs(admissions_paused=True), []),
+        (BREAKER_ASYNC, obs(admissions_paused=True, running_groups=1, admitted_groups=1, running_rollouts=4),
+         []),
+        # ... and failures that end during it do not trip it again before it is over.
+        (BREAKER, obs(admissions_paused=True, consecutive_failures=12), []),
+        # Over, with enough failures in a row meanwhile: trip again (the runner doubles the back-off).
+        (BREAKER, obs(admissions_paused=False, consecutive_failures=8), [PauseAdmissions(8)]),
+        # Steps go on while paused (sync: a ready batch, nothing running) ...
+        (BREAKER, obs(admissions_paused=True, ready_groups=("g0", "g1"), admitted_groups=2),
+         [Train(("g0", "g1"))]),
+        # ... in async mode too, with younger groups still running.
+        (BREAKER_ASYNC, obs(admissions_paused=True, running_groups=1, ready_groups=("g0", "g1"),
+                            admitted_groups=3, running_rollouts=4), [Train(("g0", "g1"))]),
+        # ... and validation rounds start, without the groups that would come beside them.
+        (VALIDATING_BREAKER, obs(admissions_paused=True), [StartValidation(3)]),
+        (VALIDATING_BREAKER, obs(admissions_paused=True, validation_open=3, validation_running=0),
+         [FinishValidation()]),
+        # A requested checkpoint is saved and a stop stops, whether tripping or paused.
+        (BREAKER, obs(consecutive_failures=8, checkpoint_requested=True), [SaveCheckpoint("requested")]),
+        (BREAKER, obs(admissions_paused=True, checkpoint_requested=True), [SaveCheckpoint("requested")]),
+        (BREAKER, obs(consecutive_failures=8, stopping=True), [Stop("stop requested")]),
+        (BREAKER, obs(admissions_paused=True, stopping=True), [Stop("stop requested")]),
+        # The step target reached: stop, no trip.
+        (BREAKER, obs(consecutive_failures=8, step=3), [Stop("reached step 3")]),
+        # A failed engine is restarted first; an operator's pause holds the trip back.
+        (BREAKER, obs(consecutive_failures=8, engine_failed=True), [RestartEngine()]),
+        (BREAKER, obs(consecutive_failures=8, paused=True), []),
+        # A step under way: nothing is decided until it ends.
+        (BREAKER, obs(consecutive_failures=8, phase="train"), []),
+    ],
+)  # fmt: skip
+def test_decide_circuit_breaker(
+    policy: SchedulePolicy, observation: Observation, expected: list[Action]
+) -> None:
+    assert decide(policy, observation) == expected
+
+
+def test_breaker_never_admits_while_paused() -> None:
+    """Whatever else the observation holds, a running back-off never yields a StartGroups."""
+    for policy in (BREAKER, BREAKER_ASYNC, VALIDATING_BREAKER):
+        for failures in (0, 7, 8, 100):
+            for running in (0, 1, 2):
+                for ready in ((), ("g0",), ("g0", "g1")):
+                    observation = obs(admissions_paused=True, consecutive_failures=failures,
+                                      running_groups=running, running_rollouts=4 * running,
+                                      ready_groups=ready, admitted_groups=running + len(ready))  # fmt: skip
+                    actions = decide(policy, observation)
+                    assert not any(isinstance(a, StartGroups | PauseAdmissions) for a in actions), actions
+
+
+def test_negative_breaker_threshold_is_refused() -> None:
+    with pytest.raises(ValueError, match="breaker_failures"):
+        SchedulePolicy(batch_groups=1, group_size=1, breaker_failures=-1)

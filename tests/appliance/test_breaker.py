@@ -1,0 +1,131 @@
+"""The circuit breaker end to end: a harness that always exits 1 pauses admissions, with back-off.
+
+A real appliance (tiny model, real store, proxy and scheduler) runs the ``command`` adapter with
+an agent that writes to stderr and exits 1. After ``breaker_failures`` failures in a row the
+scheduler records ``AdmissionsPaused`` naming the exit code and the stderr tail, admits nothing
+during the back-off, reports it on ``/healthz`` and as a notice, resumes, and doubles the
+back-off on the next trip. The headless command line prints the notice as one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from appliance.app import Appliance
+from store.events import AdmissionsPaused, RolloutCreated
+from tests.appliance.appliance_process import up
+from tests.support import make_config
+
+#: What the failing agent writes to stderr before it exits 1.
+STDERR = "fatal: no OPENAI_API_KEY that works"
+AGENT = ["sh", "-c", f"echo 'starting'; echo '{STDERR}' >&2; exit 1"]
+
+
+async def healthz(app: Appliance) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session, session.get(f"{app.proxy_url}/healthz") as response:
+        return response.status, await response.json()
+
+
+async def test_failing_harness_pauses_admissions_with_back_off(tmp_path: Path, tiny_model_dir: Path) -> None:
+    notices: list[str] = []
+    paused, resumed = asyncio.Event(), asyncio.Event()
+
+    def on_notice(line: str) -> None:
+        notices.append(line)
+        if line.startswith("admissions paused"):
+            paused.set()
+        elif line == "admissions resumed":
+            resumed.set()
+
+    config = make_config(
+        tmp_path,
+        tiny_model_dir,
+        adapter={"adapter": "command", "command": AGENT},
+        breaker_failures=4,  # one sync batch: two groups of two
+        breaker_backoff_s=2.0,
+        breaker_backoff_max_s=30.0,
+    )
+    async with Appliance(config, on_notice=on_notice) as app:
+        run = asyncio.create_task(app.run())
+        try:
+            async with asyncio.timeout(120):
+                # First trip: /healthz names the cause while the back-off runs.
+                await paused.wait()
+                status, body = await healthz(app)
+                assert status == 503, body
+                (reason,) = body["reasons"]
+                assert "4 training rollouts failed in a row" in reason
+                assert "exit code 1" in reason and STDERR in reason
+                # The back-off ends: healthy again, admissions resume.
+                await resumed.wait()
+                status, body = await healthz(app)
+                assert status == 200 and body["status"] == "ok", body
+                paused.clear()
+                # The next batch fails too: a second trip, with the back-off doubled.
+                await paused.wait()
+            app.request_stop()
+            assert await asyncio.wait_for(run, 60) == "stop requested"
+        finally:
+            run.cancel()
+        events = [s.event for s in await app.store.read()]
+
+    trips = [e for e in events if isinstance(e, AdmissionsPaused)]
+    assert [(t.trips, t.backoff_s) for t in trips] == [(1, 2.0), (2, 4.0)]
+    first, second = trips
+    assert first.failures == 4  # a group may end between two decisions: the second may see more
+    assert second.failures >= 4
+    for trip in trips:
+        assert trip.cause.startswith("AgentFailed: agent exit code 1")
+        assert STDERR in trip.cause
+    # Dead groups are replaced until the trip (the replacements may still run during the
+    # back-off), nothing is admitted during a back-off, and admissions resume after it.
+    created = [e.ts for e in events if isinstance(e, RolloutCreated)]
+    assert len([ts for ts in created if ts < first.ts]) >= 4
+    for trip in trips:
+        assert not [ts for ts in created if trip.ts <= ts < trip.ts + trip.backoff_s]
+    assert [ts for ts in created if first.ts + first.backoff_s <= ts < second.ts]
+    assert notices[0] == (
+        "admissions paused for 2 s: 4 training rollouts failed in a row; last: "
+        f"AgentFailed: agent exit code 1: {STDERR}"
+    )
+    assert notices[1] == "admissions resumed"
+    assert notices[2].startswith(f"admissions paused for 4 s: {second.failures} training rollouts")
+    assert notices[2].endswith("(trip 2 in a row)")
+
+
+def test_headless_up_prints_the_pause(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config = tmp_path / "appliance.toml"
+    config.write_text(
+        "breaker_failures = 2\nbreaker_backoff_s = 30.0\nvalidate_every = 0\nmax_tokens = 8\n"
+        f'[adapter]\nadapter = "command"\ncommand = {json.dumps(AGENT)}\n'
+    )
+    proc = up(tmp_path / "run", tiny_model_dir, 5, "--config", str(config))
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("admissions paused") or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines += rest.splitlines()
+    assert proc.returncode == 0, "\n".join(lines)
+    (pause,) = [line for line in lines if line.startswith("admissions paused")]
+    assert pause == (
+        "admissions paused for 30 s: 2 training rollouts failed in a row; last: "
+        f"AgentFailed: agent exit code 1: {STDERR}"
+    )
+    assert lines[-1] == "stopped: stop requested"

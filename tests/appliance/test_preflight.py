@@ -1,0 +1,261 @@
+"""Preflight: a start that cannot work fails in one line (exit 2) before anything loads, and
+writes nothing to the store; one appliance per data directory.
+
+The command-line cases run ``lightning-appliance up`` in a subprocess, the way a user runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance import preflight
+from appliance.app import Appliance
+from appliance.config import ApplianceConfig
+from appliance.errors import PreflightFailed
+from store.events import ApplianceStarted, ApplianceStopped
+from store.eventstore import EventStore, read_events_sync
+from tests.appliance.appliance_process import ROOT
+from tests.support import make_config
+
+#: Preflight answers before the model loads: the time is the interpreter importing torch.
+FAST_S = 30.0
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def up(data_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``up`` of the tiny model on ``data_dir``, expected to be refused; returns it and its seconds."""
+    started = time.monotonic()
+    done = cli("up", "--headless", "--model", "tiny", "--data-dir", str(data_dir), "--steps", "1", *extra)
+    return done, time.monotonic() - started
+
+
+def assert_refused(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    """Exit status 2 and exactly one line, ``lightning-appliance: ...`` naming ``words``."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("lightning-appliance: ")
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port another program listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+def config(tmp_path: Path, **overrides: object) -> ApplianceConfig:
+    return make_config(tmp_path, Path("tiny"), model="tiny", max_steps=1, **overrides)
+
+
+# --- one appliance per data directory ------------------------------------------------------
+
+
+async def test_a_second_appliance_on_a_locked_data_dir_fails_naming_the_holder(tmp_path: Path) -> None:
+    async with Appliance(config(tmp_path)) as first:
+        lock = first.config.data_dir / preflight.LOCK_NAME
+        assert lock.read_text().strip() == str(os.getpid())
+        before = await first.store.read()
+
+        done, seconds = await asyncio.to_thread(up, first.config.data_dir, "--port", "0")
+        assert_refused(done, f"another appliance (pid {os.getpid()}) is running on {first.config.data_dir}")
+        assert seconds < FAST_S
+        with pytest.raises(PreflightFailed, match=f"pid {os.getpid()}"):
+            async with Appliance(first.config):
+                pass
+
+        # The first one's store is untouched and it keeps running.
+        assert await first.store.read() == before
+        assert await first.run() == "reached step 1"
+    assert lock.read_text() == ""  # released, and no stale pid left in it
+    with preflight.data_dir_lock(first.config.data_dir):
+        pass
+
+
+def test_the_lock_is_released_when_the_holder_exits_or_fails(tmp_path: Path) -> None:
+    data_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError), preflight.data_dir_lock(data_dir):
+        raise RuntimeError("boom")
+    with (
+        preflight.data_dir_lock(data_dir),
+        pytest.raises(PreflightFailed, match=f"another appliance \\(pid {os.getpid()}\\)"),
+        preflight.data_dir_lock(data_dir),
+    ):
+        pass
+    with preflight.data_dir_lock(data_dir):
+        pass
+
+
+async def test_a_failed_start_releases_the_lock_and_records_nothing(tmp_path: Path) -> None:
+    cfg = config(tmp_path, min_free_disk_gib=1e9)
+    with pytest.raises(PreflightFailed, match="min_free_disk_gib"):
+        async with Appliance(cfg):
+            pass
+    assert sorted(p.name for p in cfg.data_dir.iterdir()) == [preflight.LOCK_NAME]
+    with preflight.data_dir_lock(cfg.data_dir):
+        pass
+
+
+# --- the port ---------------------------------------------------------------------------------
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(tmp_path: Path, taken_port: int) -> None:
+    data_dir = tmp_path / "run"
+    done, seconds = up(data_dir, "--port", str(taken_port))
+    assert_refused(done, f"port {taken_port}", "--port")
+    assert seconds < FAST_S
+    assert not (data_dir / "models").exists(), "the model was built before the port was checked"
+    assert not (data_dir / "events.sqlite").exists()
+
+
+async def test_a_port_taken_after_preflight_fails_in_one_line_and_records_nothing(
+    tmp_path: Path, taken_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race: the port is free when preflight looks, taken when the proxy binds.
+    monkeypatch.setattr(preflight, "check_port", lambda host, port: None)
+    cfg = config(tmp_path, port=taken_port)
+    with pytest.raises(PreflightFailed, match=f"port {taken_port} on 127.0.0.1 is already in use"):
+        async with Appliance(cfg):
+            pass
+    events = [s.event for s in read_events_sync(cfg.db_path)]
+    assert not [e for e in events if isinstance(e, ApplianceStarted | ApplianceStopped)]
+
+
+# --- the data directory and the disk --------------------------------------------------------
+
+
+def test_a_data_dir_that_cannot_be_created_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory\n")
+    data_dir = tmp_path / "file" / "run"  # unwritable for root too
+    done, seconds = up(data_dir, "--port", "0")
+    assert_refused(done, f"data directory {data_dir} is not writable")
+    assert seconds < FAST_S
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes into a 0o555 directory; the case above covers root"
+)
+def test_a_read_only_data_dir_is_refused_in_one_line(tmp_path: Path) -> None:
+    data_dir = tmp_path / "run"
+    data_dir.mkdir()
+    data_dir.chmod(0o555)
+    try:
+        done, _ = up(data_dir, "--port", "0")
+    finally:
+        data_dir.chmod(0o755)
+    assert_refused(done, f"data directory {data_dir} is not writable")
+    assert list(data_dir.iterdir()) == []
+
+
+def test_too_little_free_disk_is_refused_in_one_line(tmp_path: Path) -> None:
+    data_dir = tmp_path / "run"
+    (tmp_path / "big.toml").write_text("min_free_disk_gib = 1e9\n")
+    done, seconds = up(data_dir, "--port", "0", "--config", str(tmp_path / "big.toml"))
+    assert_refused(done, "GiB free", "min_free_disk_gib")
+    assert seconds < FAST_S
+    assert not (data_dir / "models").exists()
+    assert not (data_dir / "events.sqlite").exists()
+
+
+# --- the engine ---------------------------------------------------------------------------
+
+
+def test_an_unknown_engine_is_refused_in_one_line_before_the_model_loads(tmp_path: Path) -> None:
+    data_dir = tmp_path / "run"
+    done, seconds = up(data_dir, "--port", "0", "--engine", "tensorrt")
+    assert_refused(done, "'tensorrt'", "torch", "vllm")
+    assert seconds < FAST_S
+    assert not data_dir.exists()
+
+
+async def test_an_appliance_built_with_an_unknown_engine_writes_nothing(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(config(tmp_path), engine="tensorrt")  # past load_config's check
+    with pytest.raises(PreflightFailed, match="unknown engine 'tensorrt'"):
+        async with Appliance(cfg):
+            pass
+    assert not cfg.db_path.exists()
+    assert not cfg.models_dir.exists()
+
+
+# --- the run's model ------------------------------------------------------------------------
+
+
+async def record_start(db: Path, model: str) -> list[object]:
+    """A store whose last start used ``--model model``; returns its events."""
+    async with await EventStore.open(db) as store:
+        await store.append(
+            [
+                ApplianceStarted(
+                    ts=1.0,
+                    run_id="r",
+                    model=model,
+                    engine="torch",
+                    resumed_from_version=0,
+                    resumed_from_step=0,
+                    config={"model": model},
+                )
+            ]
+        )
+        return [s.event for s in await store.read()]
+
+
+async def test_another_model_than_the_runs_is_refused_in_one_line(tmp_path: Path) -> None:
+    data_dir = tmp_path / "run"
+    data_dir.mkdir()
+    before = await record_start(data_dir / "events.sqlite", "smollm2-135m")
+
+    done, seconds = await asyncio.to_thread(up, data_dir, "--port", "0")
+    assert_refused(
+        done,
+        "this run was trained with model 'smollm2-135m'; start it with --model smollm2-135m"
+        " or use another --data-dir",
+    )
+    assert seconds < FAST_S
+    assert not (data_dir / "models").exists()
+    assert [s.event for s in read_events_sync(data_dir / "events.sqlite")] == before
+
+    with pytest.raises(PreflightFailed, match="trained with model 'smollm2-135m'"):
+        async with Appliance(config(tmp_path)):
+            pass
+    assert [s.event for s in read_events_sync(data_dir / "events.sqlite")] == before
+
+
+async def test_the_runs_model_directory_by_another_path_is_accepted(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    data_dir = tmp_path / "run"
+    data_dir.mkdir()
+    await record_start(data_dir / "events.sqlite", str(tiny_model_dir))
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "elsewhere" / tiny_model_dir.name
+    link.symlink_to(tiny_model_dir)
+
+    for model in (str(tiny_model_dir), str(link)):
+        preflight.check_model(dataclasses.replace(config(tmp_path), model=model))
+    with pytest.raises(PreflightFailed, match=f"trained with model '{tiny_model_dir}'"):
+        preflight.check_model(config(tmp_path))  # the registered "tiny" is another model
