@@ -30,6 +30,11 @@ def greedy(max_tokens: int, stop: Sequence[int] = ()) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(stop))
 
 
+def first_token(event: asyncio.Event) -> TokenCallback:
+    """A streaming callback that sets ``event`` once a token is sampled: the request is running."""
+    return lambda token, logprob: event.set()
+
+
 async def generate(engine: Engine, prompt: Sequence[int], params: SamplingParams) -> GenerateResult:
     return await engine.generate(GenerateRequest(prompt_ids=list(prompt), params=params))
 
@@ -161,8 +166,13 @@ class EngineContract:
         short = greedy(8, [await unsampled_id(engine, PROMPTS[3], 8)])
         expected = await generate(engine, PROMPTS[3], short)
         long = greedy(engine.max_context - len(PROMPTS[0]), [self.unreachable_stop_id])
-        task = asyncio.create_task(generate(engine, PROMPTS[0], long))
-        await asyncio.sleep(0.3)
+        sampling = asyncio.Event()
+        task = asyncio.create_task(
+            engine.generate(
+                GenerateRequest(prompt_ids=list(PROMPTS[0]), params=long, on_token=first_token(sampling))
+            )
+        )
+        await asyncio.wait_for(sampling.wait(), 60)
         assert not task.done(), "the long generation should still be running"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -203,9 +213,6 @@ class EngineContract:
         # Closed once each has sampled its first token: a tiny model on a quiet machine can
         # sample 1000 tokens before a fixed pause ends, and a finished request fails nothing.
         started = [asyncio.Event() for _ in range(3)]
-
-        def first_token(event: asyncio.Event) -> TokenCallback:
-            return lambda token, logprob: event.set()
 
         pending = [
             asyncio.create_task(

@@ -246,8 +246,17 @@ async def test_supervisor_restarts_a_killed_server(server: VLLMEngine, tiny_mode
     old_pid = server.server_pid
     assert old_pid is not None
 
-    in_flight = asyncio.create_task(generate(server, PROMPTS[0], greedy(1500, [-1])))
-    await asyncio.sleep(0.5)
+    # Killed once the call has sampled its first token (streamed): a fixed pause could outlast
+    # all 1500 tokens of the tiny model on a quiet machine.
+    sampling = asyncio.Event()
+    in_flight = asyncio.create_task(
+        server.generate(
+            GenerateRequest(
+                prompt_ids=list(PROMPTS[0]), params=greedy(1500, [-1]), on_token=lambda t, lp: sampling.set()
+            )
+        )
+    )
+    await asyncio.wait_for(sampling.wait(), 60)
     assert server._server is not None
     server._server.kill()
     with pytest.raises(EngineUnavailable):
