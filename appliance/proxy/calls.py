@@ -13,6 +13,7 @@ finish reason ``cancelled`` and the tokens sampled so far.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -25,11 +26,13 @@ from appliance.chat.template import TOOL_CALL_OPEN
 from appliance.chat.tokenizer import IncrementalDecoder, Tokenizer
 from appliance.chat.tools import parse_assistant
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from appliance.errors import ContextTooLong
+from appliance.errors import ApplianceError, ContextTooLong, EngineUnavailable
 from appliance.proxy.gate import ServingGate
 from appliance.rollouts import ActiveRollout
 from store.events import LLMCallCompleted
 from store.eventstore import EventStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -293,6 +296,15 @@ class CallService:
                     generation.cancel()
                 await self._record(call, "cancelled", sampled, queued, first_token_at, preemptions)
                 raise
+            except ApplianceError:
+                raise
+            except Exception as exc:
+                # An engine that breaks its contract (raises something other than its errors)
+                # fails this call alone, retryably, like an engine fault it reports itself.
+                log.exception("the engine failed on call %s", call.call_id)
+                raise EngineUnavailable(
+                    f"the engine failed on this call ({type(exc).__name__}: {exc}); retry"
+                ) from exc
             finally:
                 self.gate.untrack(generation)
                 self.gate.leave()

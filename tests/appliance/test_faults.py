@@ -36,6 +36,7 @@ import openai
 import pytest
 
 from appliance.app import Appliance
+from appliance.engines.base import GenerateRequest, GenerateResult
 from appliance.engines.factory import vllm_python
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
@@ -87,6 +88,35 @@ async def test_an_engine_failure_mid_generation_is_a_retryable_503(
         again = await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
     assert failures == [1]
     assert [c.call_id for c in await recorded_calls(app)] == [again.id.removeprefix("chatcmpl-")]
+
+
+async def test_an_engine_that_raises_outside_its_contract_fails_that_call_retryably(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not an ``EngineUnavailable``: a bug or a broken engine. Still only that call fails, with a
+    retryable 503 instead of a 500, and the next call is served."""
+    real_generate = app.engine.generate
+    raised: list[int] = []
+
+    async def generate(request: GenerateRequest) -> GenerateResult:
+        if not raised:
+            raised.append(1)
+            raise RuntimeError("injected: the engine broke")
+        return await real_generate(request)
+
+    monkeypatch.setattr(app.engine, "generate", generate)
+    active = register_rollout(app)
+    async with openai_client(app, active) as oai:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
+        assert caught.value.status_code == 503
+        assert caught.value.response.headers["Retry-After"] == "1"
+        error = error_body(caught.value)
+        assert error["code"] == "engine_unavailable"
+        assert "RuntimeError: injected: the engine broke" in error["message"]
+        again = await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
+    assert again.choices[0].message is not None
+    assert app.runner is not None and app.runner.gate.inflight == 0
 
 
 async def test_a_trainer_failure_mid_step_is_retried_and_trains_each_rollout_once(
