@@ -470,17 +470,8 @@ class TorchEngine:
             async with self._lock:
                 self._work = asyncio.ensure_future(asyncio.to_thread(self._run))
                 try:
+                    # ``_run`` fails its own rows on any error, so the engine serves on.
                     await asyncio.shield(self._work)
-                except Exception as exc:
-                    log.exception("torch engine: the step loop failed with %d rows", len(self._running))
-                    # The batch is dropped, the engine serves on: its calls may be retried.
-                    error = EngineUnavailable(
-                        f"the torch engine failed while generating ({type(exc).__name__}: {exc}); retry"
-                    )
-                    error.__cause__ = exc
-                    for row in self._running:
-                        if not row.pending.future.done():
-                            row.pending.future.set_exception(error)
                 finally:
                     self._running = []
             if self._inbox:

@@ -24,3 +24,15 @@ def up(data_dir: Path, model_dir: Path, steps: int, *extra: str) -> subprocess.P
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``lightning-appliance ARGS`` run to its end, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "appliance.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )

@@ -4,10 +4,8 @@ backup`` of a live run, which an appliance resumes from."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,23 +18,12 @@ from store.codec import encode
 from store.events import ApplianceStarted, PolicyVersionPublished, TrainStepCompleted
 from store.eventstore import read_events_sync
 from store.projections import RunState
-from tests.appliance.appliance_process import ROOT
+from tests.appliance.appliance_process import ROOT, cli
 from tests.support import make_config
 
 BACKED_UP = re.compile(
     r"^backed up (\d+) events \(position (\d+), policy v(\d+), step (\d+)\) and (\d+) files .*"
 )
-
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "appliance.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 @pytest.fixture(scope="module")

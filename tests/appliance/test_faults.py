@@ -61,6 +61,14 @@ def error_body(exc: openai.APIStatusError) -> dict[str, Any]:
     return dict(body["error"])
 
 
+def assert_retryable_503(exc: openai.APIStatusError, message: str) -> None:
+    assert exc.status_code == 503
+    assert exc.response.headers["Retry-After"] == "1"
+    error = error_body(exc)
+    assert error["code"] == "engine_unavailable"
+    assert message in error["message"]
+
+
 async def test_an_engine_failure_mid_generation_is_a_retryable_503(
     app: Appliance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,11 +88,7 @@ async def test_an_engine_failure_mid_generation_is_a_retryable_503(
     async with openai_client(app, active) as oai:
         with pytest.raises(openai.APIStatusError) as caught:
             await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
-        assert caught.value.status_code == 503
-        assert caught.value.response.headers["Retry-After"] == "1"
-        error = error_body(caught.value)
-        assert error["code"] == "engine_unavailable"
-        assert "injected: device-side assert" in error["message"]
+        assert_retryable_503(caught.value, "injected: device-side assert")
         again = await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
     assert failures == [1]
     assert [c.call_id for c in await recorded_calls(app)] == [again.id.removeprefix("chatcmpl-")]
@@ -109,11 +113,7 @@ async def test_an_engine_that_raises_outside_its_contract_fails_that_call_retrya
     async with openai_client(app, active) as oai:
         with pytest.raises(openai.APIStatusError) as caught:
             await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
-        assert caught.value.status_code == 503
-        assert caught.value.response.headers["Retry-After"] == "1"
-        error = error_body(caught.value)
-        assert error["code"] == "engine_unavailable"
-        assert "RuntimeError: injected: the engine broke" in error["message"]
+        assert_retryable_503(caught.value, "RuntimeError: injected: the engine broke")
         again = await oai.chat.completions.create(model="m", messages=USER, max_tokens=8)
     assert again.choices[0].message is not None
     assert app.runner is not None and app.runner.gate.inflight == 0

@@ -11,7 +11,6 @@ import dataclasses
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from appliance.config import ApplianceConfig
 from appliance.errors import PreflightFailed
 from store.events import ApplianceStarted, ApplianceStopped
 from store.eventstore import EventStore, read_events_sync
-from tests.appliance.appliance_process import ROOT
+from tests.appliance.appliance_process import cli as run_cli
 from tests.support import make_config
 
 #: Preflight answers before the model loads: the time is the interpreter importing torch.
@@ -32,14 +31,7 @@ FAST_S = 30.0
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "appliance.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    return run_cli(*args, timeout=timeout)
 
 
 def up(data_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
