@@ -33,6 +33,8 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
 
+import torch
+
 from appliance import preflight
 from appliance.chat.formats import detect_format
 from appliance.chat.tokenizer import Tokenizer
@@ -61,6 +63,7 @@ from store.eventstore import EventStore
 from store.projections import RunState
 from trainer.checkpoints import CheckpointStore
 from trainer.factory import make_trainer
+from trainer.sharded import ShardedStore
 
 log = logging.getLogger(__name__)
 
@@ -170,25 +173,37 @@ class Appliance:
         await self.engine.start()
         self._stack.push_async_callback(self.engine.close)
 
+        trainer_ranks = config.resolved_trainer_ranks()
         trainer = await asyncio.to_thread(
             make_trainer,
             "verl" if config.trainer == "verl" else "torch",
             model_dir,
-            lr=config.lr,
-            grad_clip=config.grad_clip,
-            device=config.device,
-            temperature=config.temperature or 1.0,
-            loss=config.loss,
-            normalization=config.normalization,
+            # verl trains in worker processes (one per GPU, or processes on gloo on CPU).
+            ranks=trainer_ranks if config.trainer == "verl" else None,
+            threads=config.threads,
+            **config.trainer_options(),
+        )
+        # verl's ranks write sharded checkpoints in parallel (and bf16 per-version weights when
+        # they compute in bf16); the torch backend one file per version.
+        checkpoints: CheckpointStore | ShardedStore = (
+            ShardedStore(config.checkpoint_dir, keep=config.keep_checkpoints)
+            if config.trainer == "verl"
+            else CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints)
+        )
+        bf16 = config.param_dtype == "bf16" or (
+            config.param_dtype is None and config.device.startswith("cuda")
         )
         self.training = training = TrainingService(
             trainer=trainer,
-            checkpoints=CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints),
+            checkpoints=checkpoints,
             store=self.store,
             engine=self.engine,
             advantage=config.advantage,
             checkpoint_every=config.checkpoint_every,
+            push_bucket_bytes=config.push_bucket_mb << 20,
+            weights_dtype=torch.bfloat16 if config.trainer == "verl" and bf16 else None,
         )
+        self._stack.push_async_callback(training.close)
         if state.policy_version > 0:
             await training.restore(state)
 
@@ -235,6 +250,7 @@ class Appliance:
                     resumed_from_version=state.policy_version,
                     resumed_from_step=state.step,
                     config=config.to_json(),
+                    trainer_ranks=trainer_ranks if config.trainer == "verl" else 1,
                 )
             ]
         )

@@ -75,7 +75,7 @@ def backup(data_dir: Path, destination: Path) -> BackupReport:
             try:
                 copied = [_copy(data_dir, destination, name) for name in needed]
             except FileNotFoundError:  # pruned since the snapshot: take a newer one
-                missing = [name for name in needed if not (data_dir / name).is_file()]
+                missing = [name for name in needed if not (data_dir / name).exists()]
                 continue
             token = data_dir / ADMIN_TOKEN
             if token.is_file():
@@ -142,5 +142,9 @@ def _copy(data_dir: Path, destination: Path, name: str) -> str:
         raise ApplianceError(f"the log names the file {name!r} outside the run directory: not backed up")
     target = destination / relative
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(data_dir / relative, target)
+    source = data_dir / relative
+    if source.is_dir():  # a sharded checkpoint (one file per rank and a manifest)
+        shutil.copytree(source, target)
+    else:
+        shutil.copy2(source, target)
     return name

@@ -4,9 +4,9 @@ Owns argument parsing, the event loop (uvloop when available), signal handling, 
 and the ``status`` report. ``up`` runs the appliance until it is stopped or reaches ``--steps``
 (the run's total: a restarted run continues to the same target), showing the dashboard (``tui``)
 when stdout is a terminal and progress lines otherwise or with ``--headless``; ``status`` reads
-the store and prints the run summarised, also while another process is writing it; ``tui``
-opens the dashboard on a running appliance (``--url``) or on a run's store, read-only (``--db``);
-``backup`` copies a run, also a running one (``appliance.backup``).
+the store and prints the run summarised (with the disk it takes), also while another process
+is writing it; ``tui`` opens the dashboard on a running appliance (``--url``) or on a run's
+store, read-only (``--db``); ``backup`` copies a run, also a running one (``appliance.backup``).
 Errors a person can fix are printed as one line and exit with status 2.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config import ApplianceConfig, load_config
+from appliance.config import VERL_ONLY, ApplianceConfig, load_config
 from appliance.errors import ApplianceError, StopForced
 
 if TYPE_CHECKING:
@@ -49,6 +50,27 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--group-size", type=int, help="rollouts per task group")
     up.add_argument("--batch-groups", type=int, help="task groups per training step")
     up.add_argument("--lr", type=float, help="learning rate")
+    up.add_argument("--trainer", help="training backend: torch (plain torch) or verl (verl's FSDP engine)")
+    up.add_argument("--device", help="device of the engine and the trainer: cpu or cuda")
+    up.add_argument(
+        "--trainer-ranks",
+        type=int,
+        help="training processes, one per GPU (more than 1 needs trainer = verl; default: every GPU with "
+        "trainer = verl on device = cuda, else 1)",
+    )
+    up.add_argument("--lora-rank", type=int, help="verl: LoRA rank (0: full fine-tuning)")
+    up.add_argument("--lora-alpha", type=int, help="verl: LoRA alpha (default 2 * rank)")
+    up.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="verl: recompute activations in the backward pass",
+    )
+    up.add_argument("--param-dtype", help="verl: bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)")
+    up.add_argument("--kl-coef", type=float, help="verl: KL penalty to the initial policy (0: none)")
+    up.add_argument("--kl-type", help="verl: KL estimator (default low_var_kl)")
+    up.add_argument("--mini-batches", type=int, help="verl: optimizer steps per training step")
+    up.add_argument("--max-tokens-per-microbatch", type=int, help="tokens per trainer micro-batch")
+    up.add_argument("--push-bucket-mb", type=int, help="bucket size of the weight push, in MiB")
     up.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
 
     status = sub.add_parser("status", help="print the state of a run from its store")
@@ -85,6 +107,12 @@ def _config_from(args: argparse.Namespace) -> ApplianceConfig:
         "group_size",
         "batch_groups",
         "lr",
+        "trainer",
+        "device",
+        "trainer_ranks",
+        *VERL_ONLY,
+        "max_tokens_per_microbatch",
+        "push_bucket_mb",
     )
     return load_config(args.config, {k: getattr(args, k) for k in keys})
 
@@ -308,6 +336,9 @@ def status_report(data_dir: Path) -> dict[str, Any]:
     ]
     summary["events"] = state.position
     summary["starts"] = state.starts
+    summary["trainer_ranks"] = state.last_start.trainer_ranks if state.last_start is not None else 1
+    export_dir = state.last_start.config.get("export_dir") if state.last_start is not None else None
+    summary["disk_bytes"] = disk_usage(data_dir, Path(export_dir) if export_dir else None)
     summary["checkpoint"] = state.checkpoint
     summary["chain"] = _chain_status(db)
     summary["validations"] = [
@@ -324,6 +355,56 @@ def status_report(data_dir: Path) -> dict[str, Any]:
     return summary
 
 
+def disk_usage(data_dir: Path, export_dir: Path | None = None) -> dict[str, int]:
+    """Bytes the run takes on disk, by part: ``log`` (``events.sqlite`` with its WAL and
+    shared-memory files), ``checkpoints``, ``export`` (``export_dir``, None:
+    ``<data_dir>/export``; counted also when it lies outside ``data_dir``), the cached
+    ``models``, everything ``other`` in ``data_dir``, and their ``total``. Directories count
+    recursively; symbolic links are not followed; a file removed while it is counted (a running
+    appliance rotates checkpoints) counts 0."""
+    paths = {
+        "log": [data_dir / name for name in ("events.sqlite", "events.sqlite-wal", "events.sqlite-shm")],
+        "checkpoints": [data_dir / "checkpoints"],
+        "export": [export_dir if export_dir is not None else data_dir / "export"],
+        "models": [data_dir / "models"],
+    }
+    counted = {path.absolute() for part in paths.values() for path in part}
+    try:
+        paths["other"] = [entry for entry in data_dir.iterdir() if entry.absolute() not in counted]
+    except OSError:
+        paths["other"] = []
+    parts = {part: sum(_tree_bytes(path) for path in part_paths) for part, part_paths in paths.items()}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _tree_bytes(path: Path) -> int:
+    """Size of a file, or of every file under a directory; 0 for what is not there."""
+    try:
+        if not path.is_dir() or path.is_symlink():
+            return path.lstat().st_size
+    except OSError:
+        return 0
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += (Path(root) / name).lstat().st_size
+    return total
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in binary units: "512 B", "3.4 MiB", "1.2 GiB"."""
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
 def _chain_status(db: Path) -> str:
     """Whether the log's checksum chain holds (status reports a broken one, it does not fail)."""
     from appliance.errors import StoreError
@@ -338,12 +419,21 @@ def _chain_status(db: Path) -> str:
 def _print_status(summary: dict[str, Any]) -> None:
     counts = summary["rollouts"]
     reward = summary["mean_reward"]
-    print(f"run {summary['run_id'] or '-'}  phase {summary['phase']}  starts {summary['starts']}")
+    print(
+        f"run {summary['run_id'] or '-'}  phase {summary['phase']}  starts {summary['starts']}  "
+        f"trainer ranks {summary['trainer_ranks']}"
+    )
     print(
         f"policy v{summary['policy_version']}  step {summary['step']}  "
         f"checkpoint {summary['checkpoint'] or '-'}  events {summary['events']}"
     )
     print(f"checksum chain {summary['chain']}")
+    disk = summary["disk_bytes"]
+    print(
+        f"disk {human_bytes(disk['total'])} ("
+        + ", ".join(f"{part} {human_bytes(disk[part])}" for part in disk if part != "total")
+        + ")"
+    )
     print(
         "rollouts " + "  ".join(f"{k} {v}" for k, v in counts.items()) + f"  calls {summary['calls']}  "
         f"tokens sampled {summary['tokens_sampled']}"

@@ -23,6 +23,18 @@ ENV_PREFIX = "APPLIANCE_"
 
 #: The generation engines ``engine`` may name.
 ENGINES = ("torch", "vllm")
+#: Settings only the verl backend has (``trainer.factory.VERL_ONLY_OPTIONS``), in flag order.
+VERL_ONLY = (
+    "lora_rank",
+    "lora_alpha",
+    "gradient_checkpointing",
+    "param_dtype",
+    "kl_coef",
+    "kl_type",
+    "mini_batches",
+)
+#: What ``param_dtype`` may name.
+PARAM_DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +93,29 @@ class ApplianceConfig:
     lr: float = 1e-5
     #: Training backend: "torch" (plain torch + transformers) or "verl" (verl's FSDP engine).
     trainer: str = "torch"
+    #: Training worker processes, one per GPU (on CPU, processes over gloo); more than one needs
+    #: trainer = "verl". None: every GPU torch sees when device = "cuda" and trainer = "verl",
+    #: otherwise 1 (see ``resolved_trainer_ranks``).
+    trainer_ranks: int | None = None
+    #: verl only: LoRA adapters of this rank instead of full fine-tuning (0: full fine-tuning),
+    #: and their alpha (None: 2 * lora_rank).
+    lora_rank: int = 0
+    lora_alpha: int | None = None
+    #: verl only: recompute activations in the backward pass (less memory, more compute).
+    gradient_checkpointing: bool = False
+    #: verl only: dtype of the FSDP parameters, "bf16", "fp16" or "fp32" (None: bf16 on cuda,
+    #: fp32 on cpu); gradients are reduced and kept in fp32.
+    param_dtype: str | None = None
+    #: verl only: weight of the KL penalty to the initial policy (0: no reference model is
+    #: loaded) and verl's KL estimator ("low_var_kl", "kl", "mse", ...).
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    #: verl only: optimizer steps per training step (the batch split into this many mini-batches).
+    mini_batches: int = 1
+    #: Tokens per forward/backward micro-batch of the trainer (both backends).
+    max_tokens_per_microbatch: int = 4096
+    #: Bucket size of the weight push from the trainer into the engine, in MiB.
+    push_bucket_mb: int = 256
     #: Credit assignment across the rollouts of a group: "grpo", "rloo" or "reinforce".
     advantage: str = "grpo"
     #: Loss normalization: "rollout" (each rollout weighs the same), "sample" or "token".
@@ -189,6 +224,35 @@ class ApplianceConfig:
     def models_dir(self) -> Path:
         return self.data_dir / "models"
 
+    def resolved_trainer_ranks(self) -> int:
+        """``trainer_ranks``, or its default: the GPUs torch sees (``torch.cuda.device_count()``)
+        when device = "cuda" and trainer = "verl", else 1 (the torch backend trains in one process)."""
+        if self.trainer_ranks is not None:
+            return self.trainer_ranks
+        if self.device != "cuda" or self.trainer != "verl":
+            return 1
+        import torch  # only here: reading the config must not load torch
+
+        return max(1, torch.cuda.device_count())
+
+    def trainer_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``trainer.factory.make_trainer(self.trainer, model_dir, **options)``:
+        the common options, plus the verl-only ones (``VERL_ONLY_OPTIONS``) when trainer = "verl".
+        ``trainer_ranks`` and ``push_bucket_mb`` are not among them (they are no trainer arguments)."""
+        options: dict[str, Any] = {
+            "device": self.device,
+            "lr": self.lr,
+            "grad_clip": self.grad_clip,
+            # None (the client's temperature) samples at 1 unless the client asks otherwise.
+            "temperature": self.temperature or 1.0,
+            "loss": self.loss,
+            "normalization": self.normalization,
+            "max_tokens_per_microbatch": self.max_tokens_per_microbatch,
+        }
+        if self.trainer == "verl":
+            options.update({name: getattr(self, name) for name in VERL_ONLY})
+        return options
+
     def to_json(self) -> dict[str, Any]:
         """The config as recorded in the event log: secrets left out."""
         out = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
@@ -296,4 +360,31 @@ def load_config(
         raise ConfigError(f"min_free_disk_gib must be 0 or more; got {config.min_free_disk_gib}")
     if config.sleep_level not in (1, 2):
         raise ConfigError(f"sleep_level must be 1 or 2; got {config.sleep_level}")
+    _check_trainer(config)
     return config
+
+
+def _check_trainer(config: ApplianceConfig) -> None:
+    """The training backend's settings: ranges, and the verl-only ones only with trainer = "verl"."""
+    for name in ("trainer_ranks", "mini_batches", "max_tokens_per_microbatch", "push_bucket_mb"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be at least 1; got {value}")
+    if config.lora_rank < 0:
+        raise ConfigError(f"lora_rank must be 0 (full fine-tuning) or more; got {config.lora_rank}")
+    if config.lora_alpha is not None and config.lora_alpha < 1:
+        raise ConfigError(f"lora_alpha must be at least 1; got {config.lora_alpha}")
+    if not 0.0 <= config.kl_coef < float("inf"):
+        raise ConfigError(f"kl_coef must be 0 or more; got {config.kl_coef}")
+    if config.param_dtype is not None and config.param_dtype not in PARAM_DTYPES:
+        raise ConfigError(f"param_dtype must be one of {', '.join(PARAM_DTYPES)}; got {config.param_dtype!r}")
+    if config.trainer == "verl":
+        return
+    if config.trainer_ranks is not None and config.trainer_ranks > 1:
+        raise ConfigError(
+            'trainer_ranks > 1 needs trainer = "verl" (the torch backend trains in one process)'
+        )
+    defaults = ApplianceConfig()
+    changed = [name for name in VERL_ONLY if getattr(config, name) != getattr(defaults, name)]
+    if changed:
+        raise ConfigError(f'{", ".join(changed)} need trainer = "verl" (the torch backend has none of them)')

@@ -20,6 +20,14 @@ rollouts consumed are exactly the log's; only the optimizer's moments may be up 
 Order matters for crash safety: files on disk -> events durable -> engine updated. A crash
 before the append leaves the old version current (its files are still kept, and the files the
 crashed step wrote are discarded on restart); a crash after it resumes from the new version.
+
+The weights reach the engine in buckets (``push_bucket_bytes``, ``Trainer.weight_buckets`` ->
+``Engine.load_weight_buckets``), each packed in a worker thread while the event loop runs on,
+so neither side ever holds a second copy of the whole model. With trainer ranks
+(``trainer.ranks``) a rank that dies fails what was asked of it with ``TrainerRankFailed``; the
+service then restarts the ranks from the last published version (:meth:`recover`) before the
+error goes on to the scheduler (a failed step is recorded and tried again; a push is retried
+once here).
 """
 
 from __future__ import annotations
@@ -27,11 +35,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
+
+import torch
 
 from appliance.engines.base import Engine
+from appliance.engines.buckets import WeightBucket
 from store.events import (
     CheckpointSaved,
     Event,
@@ -44,9 +56,12 @@ from store.projections import RolloutView, RunState
 from trainer.advantage import AdvantageMode, compute_advantages
 from trainer.checkpoints import CheckpointStore, WeightsStore
 from trainer.items import Trainer, TrainItem
+from trainer.rank_rpc import TrainerRankFailed
 from trainer.samples import Sample, build_samples
+from trainer.sharded import ShardedStore, ShardedWeightsStore
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 ADVANTAGE_MODES: dict[str, AdvantageMode] = {"grpo": "grpo", "rloo": "rloo", "reinforce": "reinforce"}
 
@@ -56,16 +71,29 @@ class TrainingService:
         self,
         *,
         trainer: Trainer,
-        checkpoints: CheckpointStore,
+        checkpoints: CheckpointStore | ShardedStore,
         store: EventStore,
         engine: Engine,
         advantage: str = "grpo",
         checkpoint_every: int = 0,
+        push_bucket_bytes: int = 256 << 20,
+        weights_dtype: torch.dtype | None = None,
     ) -> None:
+        if push_bucket_bytes < 1:
+            raise ValueError(f"push_bucket_bytes must be >= 1, got {push_bucket_bytes}")
         self.trainer = trainer
+        self.push_bucket_bytes = push_bucket_bytes
+        #: The run state the trainer's ranks are restarted from (set by restore/train).
+        self._published: RunState | None = None
         self.advantage = advantage
         self.checkpoints = checkpoints
-        self.weights = WeightsStore(checkpoints.directory / "weights", keep=checkpoints.keep)
+        self.weights: WeightsStore | ShardedWeightsStore
+        if isinstance(checkpoints, ShardedStore):
+            self.weights = ShardedWeightsStore(
+                checkpoints.directory / "weights", checkpoints.keep, dtype=weights_dtype
+            )
+        else:
+            self.weights = WeightsStore(checkpoints.directory / "weights", keep=checkpoints.keep)
         self.checkpoint_every = checkpoint_every
         self.store = store
         self.engine = engine
@@ -89,17 +117,77 @@ class TrainingService:
         for store in (self.checkpoints, self.weights):
             if discarded := store.discard_after(version):
                 log.info("discarded unpublished versions %s in %s", discarded, store.directory)
-        source: CheckpointStore = self.checkpoints
+        await self._load_trainer(state)
+        await self.push(version)
+        return state.step
+
+    async def _load_trainer(self, state: RunState) -> None:
+        """The trainer at ``state``'s published version (from ``model_dir`` at version 0)."""
+        self._published = state
+        if not state.checkpoint:
+            return
+        version = state.policy_version
+        source: CheckpointStore | ShardedStore = self.checkpoints
         if state.checkpoint and (self.run_dir / state.checkpoint).parent == self.weights.directory:
             base = state.last_checkpoint
             optimizer_from = (
                 self.run_dir / base.path if base is not None and base.policy_version <= version else None
             )
-            source = WeightsStore(self.weights.directory, self.weights.keep, optimizer_from=optimizer_from)
+            if isinstance(self.weights, ShardedWeightsStore):
+                source = ShardedWeightsStore(
+                    self.weights.directory,
+                    self.weights.keep,
+                    dtype=self.weights.dtype,
+                    optimizer_from=optimizer_from,
+                )
+            else:
+                source = WeightsStore(
+                    self.weights.directory, self.weights.keep, optimizer_from=optimizer_from
+                )
         await asyncio.to_thread(self.trainer.load, source, version)
         self.trainer.global_step = state.step
-        await self.engine.load_weights(self.trainer.state_dict_for_engine(), version)
-        return state.step
+
+    async def recover(self, state: RunState) -> None:
+        """Restart the trainer's ranks after a ``TrainerRankFailed`` and load ``state``'s
+        published version into them (a trainer without ranks has nothing to restart)."""
+        restart = getattr(self.trainer, "restart", None)
+        if restart is None:
+            return
+        log.warning("restarting the trainer ranks at policy version %d", state.policy_version)
+        await asyncio.to_thread(restart)
+        await self._load_trainer(state)
+
+    async def _guarded(self, state: RunState | None, action: Callable[[], Awaitable[_T]]) -> _T:
+        """Run ``action``; if a trainer rank failed, restart the ranks (from ``state``, else the
+        last version loaded or trained) before the error goes on."""
+        try:
+            return await action()
+        except TrainerRankFailed:
+            known = state if state is not None else self._published
+            if known is not None:
+                try:
+                    await self.recover(known)
+                except Exception:
+                    log.exception("the trainer ranks could not be restarted; the next use tries again")
+            raise
+
+    async def onload(self) -> None:
+        """The trainer back on its device (ranks restarted if one failed)."""
+        onload = getattr(self.trainer, "onload", None)
+        if onload is not None:
+            await self._guarded(None, lambda: asyncio.to_thread(onload))
+
+    async def offload(self) -> None:
+        """The trainer to host memory (ranks restarted if one failed)."""
+        offload = getattr(self.trainer, "offload", None)
+        if offload is not None:
+            await self._guarded(None, lambda: asyncio.to_thread(offload))
+
+    async def close(self) -> None:
+        """Stop the trainer's ranks, if it has any."""
+        close = getattr(self.trainer, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
     async def checkpoint(self, state: RunState, reason: str) -> CheckpointSaved:
         """Save a full checkpoint of the trainer as it stands (between steps) and record it.
@@ -112,12 +200,14 @@ class TrainingService:
         if (
             last is not None
             and (last.step, last.policy_version) == (state.step, version)
-            and (self.run_dir / last.path).is_file()
+            and (self.run_dir / last.path).exists()
         ):
             path = self.run_dir / last.path
         else:
             self.trainer.global_step = state.step
-            path = await asyncio.to_thread(self.trainer.save, self.checkpoints, version)
+            path = await self._guarded(
+                state, lambda: asyncio.to_thread(self.trainer.save, self.checkpoints, version)
+            )
         saved = CheckpointSaved(
             ts=time.time(), step=state.step, policy_version=version, path=self._relative(path), reason=reason
         )
@@ -126,7 +216,7 @@ class TrainingService:
 
     async def export(self, state: RunState, directory: Path) -> ModelExported:
         """Write the current policy as a Hugging Face model directory and record it."""
-        path = await asyncio.to_thread(self.trainer.export_hf, directory)
+        path = await self._guarded(state, lambda: asyncio.to_thread(self.trainer.export_hf, directory))
         exported = ModelExported(
             ts=time.time(), step=state.step, policy_version=state.policy_version, path=str(path.resolve())
         )
@@ -177,13 +267,13 @@ class TrainingService:
         events: list[Event] = []
         version: int | None = None
         if items:
-            output = await asyncio.to_thread(self.trainer.step, items)
+            output = await self._guarded(state, lambda: asyncio.to_thread(self.trainer.step, items))
             metrics.update(output.metrics())
             version = state.policy_version + 1
             self.trainer.global_step = step
             periodic = self.checkpoint_every > 0 and step % self.checkpoint_every == 0
             target = self.checkpoints if periodic else self.weights
-            path = await asyncio.to_thread(self.trainer.save, target, version)
+            path = await self._guarded(state, lambda: asyncio.to_thread(self.trainer.save, target, version))
             relative = self._relative(path)
             events.append(
                 PolicyVersionPublished(ts=time.time(), policy_version=version, step=step, checkpoint=relative)
@@ -211,11 +301,38 @@ class TrainingService:
         )
         # One append: the step and the version it produced become durable together.
         await self.store.append([completed, *events])
+        if version is not None:
+            self._published = replace(state, step=step, policy_version=version, checkpoint=relative)
         return TrainedStep(completed=completed, version=version)
 
     async def push(self, version: int) -> None:
-        """Load the trainer's current weights into the engine as ``version``."""
-        await self.engine.load_weights(self.trainer.state_dict_for_engine(), version)
+        """Load the trainer's current weights into the engine as ``version``, bucket by bucket.
+        A trainer rank that fails during the push: the ranks are restarted from the published
+        version (which is ``version``) and the push is tried once more."""
+        try:
+            await self.engine.load_weight_buckets(self._buckets(), version)
+        except TrainerRankFailed:
+            if self._published is None or getattr(self.trainer, "restart", None) is None:
+                raise
+            log.warning("a trainer rank failed during the push of version %d; pushing again", version)
+            await self.recover(self._published)
+            await self.engine.load_weight_buckets(self._buckets(), version)
+
+    async def _buckets(self) -> AsyncIterator[WeightBucket]:
+        """The trainer's buckets, each packed in a worker thread (the event loop runs on)."""
+        buckets: Iterator[WeightBucket] = self.trainer.weight_buckets(self.push_bucket_bytes)
+        done = object()
+        try:
+            while True:
+                bucket = await asyncio.to_thread(next, buckets, done)
+                if bucket is done:
+                    return
+                assert isinstance(bucket, WeightBucket)
+                yield bucket
+        finally:
+            close = getattr(buckets, "close", None)
+            if close is not None:
+                await asyncio.to_thread(close)
 
     async def step(
         self, state: RunState, groups: Sequence[str], *, eta: int | None = None

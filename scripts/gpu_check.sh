@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check: time the collocation switches (engine sleep/wake, weight push, one verl FSDP step
-# with offload/onload) on a ~0.5B random model. See scripts/gpu_check.py for what is measured.
+# GPU check: time the collocation switches (engine sleep/wake, full and bucketed weight pushes,
+# a verl FSDP step in bf16 with offload/onload, a LoRA step and push; trainer ranks with
+# `-- --ranks 1`) on a ~0.5B random model. See scripts/gpu_check.py for what is measured.
 #
 #   scripts/gpu_check.sh [WHEEL_DIR] [-- ARGS FOR gpu_check.py]
 #       Run on a GPU machine whose Python has torch and transformers. If verl is not importable,

@@ -67,6 +67,8 @@ class ApplianceStarted(Event):
     #: The training step the run stands at after replay.
     resumed_from_step: int
     config: JsonObject = field(default_factory=dict)
+    #: Training worker processes this start trains with (1 in logs written before it existed).
+    trainer_ranks: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -97,6 +97,8 @@ class RunState:
     phase: str = "idle"
     #: How many times the appliance started on this store (1 + restarts).
     starts: int = 0
+    #: The latest start (its settings and trainer ranks), if any.
+    last_start: ApplianceStarted | None = None
     #: Position of the last event applied (0 when positions are not known).
     position: int = 0
     rollouts: dict[str, RolloutView] = field(default_factory=dict)
@@ -138,6 +140,7 @@ class RunState:
             case ApplianceStarted():
                 self.run_id = event.run_id
                 self.starts += 1
+                self.last_start = event
                 self.stop_requested = False
             case PhaseChanged():
                 self.phase = event.phase

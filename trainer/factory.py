@@ -11,6 +11,10 @@ Both take ``model_dir`` and the common options ``device``, ``lr``, ``weight_deca
 ``mini_batches``, ``param_dtype`` and ``gradient_checkpointing``. The defaults differ in one
 place: ``off_policy`` is "bypass" for "torch" (its historical behaviour) and "decoupled" (truncated
 importance sampling) for "verl".
+
+``ranks``: None builds the trainer in this process (world size 1). A number builds verl's trainer
+as that many worker processes (``trainer.ranks.RankedTrainer``: one per GPU, or processes on gloo
+on CPU), which is how the appliance runs it; the torch backend trains in one process only.
 """
 
 from __future__ import annotations
@@ -29,13 +33,27 @@ VERL_ONLY_OPTIONS = frozenset(
 )
 
 
-def make_trainer(backend: Backend, model_dir: str | Path, **options: Any) -> Trainer:
+def make_trainer(
+    backend: Backend,
+    model_dir: str | Path,
+    *,
+    ranks: int | None = None,
+    threads: int | None = None,
+    **options: Any,
+) -> Trainer:
     """A trainer of ``backend`` ("torch" or "verl") for the model in ``model_dir``.
 
-    Raises ``ValueError`` for an unknown backend, or for verl-only options given to "torch"
-    (rather than silently training without, say, the KL term that was asked for).
+    Raises ``ValueError`` for an unknown backend, for verl-only options given to "torch"
+    (rather than silently training without, say, the KL term that was asked for), or for more
+    than one rank with "torch". ``threads``: torch threads of each rank process.
     """
+    if ranks is not None and ranks < 1:
+        raise ValueError(f"a trainer needs at least one rank, got {ranks}")
     if backend == "torch":
+        if ranks is not None and ranks > 1:
+            raise ValueError(
+                f"{ranks} trainer ranks need backend='verl'; the torch backend trains in one process"
+            )
         unsupported = sorted(VERL_ONLY_OPTIONS & options.keys())
         if unsupported:
             raise ValueError(f"options {unsupported} need backend='verl'; the torch backend has none of them")
@@ -43,6 +61,10 @@ def make_trainer(backend: Backend, model_dir: str | Path, **options: Any) -> Tra
 
         return PolicyTrainer(model_dir, **options)
     if backend == "verl":
+        if ranks is not None:
+            from trainer.ranks import RankedTrainer
+
+            return RankedTrainer(model_dir, ranks=ranks, threads=threads, **options)
         from trainer.verl_backend import VerlFSDPTrainer
 
         return VerlFSDPTrainer(model_dir, **options)

@@ -9,15 +9,19 @@ the verl FSDP one) nor how the per-token weights are chosen (``trainer.normaliza
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from trainer.checkpoints import CheckpointStore
 from trainer.samples import Overflow, Sample, truncate_sample
+
+if TYPE_CHECKING:
+    from appliance.engines.buckets import WeightBucket
+    from trainer.sharded import ShardedStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +107,16 @@ class Trainer(Protocol):
         """Detached CPU copies of the full weights, HF names, for ``Engine.load_weights``."""
         ...
 
-    def save(self, store: CheckpointStore, version: int) -> Path:
-        """Write model, optimizer and step as ``version``; returns the file."""
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+        """The same weights (a tied LM head left out) in buckets of about ``bucket_bytes``, for
+        ``Engine.load_weight_buckets``; each bucket is valid until the next is asked for."""
         ...
 
-    def load(self, store: CheckpointStore, version: int | None = None) -> int:
+    def save(self, store: CheckpointStore | ShardedStore, version: int) -> Path:
+        """Write model, optimizer and step as ``version``; returns the file (or directory)."""
+        ...
+
+    def load(self, store: CheckpointStore | ShardedStore, version: int | None = None) -> int:
         """Restore model, optimizer and step from ``version`` (default: the latest)."""
         ...
 

@@ -2,9 +2,10 @@
 
 Owns :class:`PolicyTrainer`: loading the model (float32), the AdamW optimizer, the forward pass
 over :class:`~trainer.samples.Sample` token sequences, the optimizer step, the weights handed to
-the engine, offload/onload and the trainer's part of a checkpoint. It does not own which rollouts
-are trained on or when (the scheduler), the advantages (``trainer.advantage``), how samples are
-built (``trainer.samples``), the loss options (``trainer.losses``), the token weights
+the engine (whole, or streamed in buckets through ``appliance.engines.buckets``), offload/onload
+and the trainer's part of a checkpoint. It does not own which rollouts are trained on or when
+(the scheduler), the advantages (``trainer.advantage``), how samples are built
+(``trainer.samples``), the loss options (``trainer.losses``), the token weights
 (``trainer.normalization``) nor the checkpoint files (``trainer.checkpoints``). The verl FSDP
 backend (``trainer.verl_backend``) implements the same :class:`~trainer.items.Trainer` API.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +34,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM
 
+from appliance.engines.buckets import WeightBucket, pack_buckets
 from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model
 from trainer.items import (
     StepOutput,
@@ -56,6 +58,7 @@ from trainer.losses import (
 )
 from trainer.normalization import Normalization, check_normalization, sample_weights
 from trainer.samples import Overflow, Sample
+from trainer.sharded import ShardedStore
 
 __all__ = ["LossTotals", "PolicyTrainer", "StepOutput", "TrainItem"]
 
@@ -312,8 +315,32 @@ class PolicyTrainer:
             out[name] = copies[key]
         return out
 
-    def save(self, store: CheckpointStore, version: int) -> Path:
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+        """The weights for ``Engine.load_weight_buckets``: ``pack_buckets`` over the tensors of
+        ``model.state_dict()`` (HF names, in its order), each storage once (so a tied
+        ``lm_head.weight`` is left out: the engine ties it), cast to ``dtype`` if given.
+
+        Nothing is cloned: each tensor is copied straight from the model (on whatever device)
+        into the bucket file, so the host holds one bucket at a time. The model must not change
+        until the generator is exhausted or closed."""
+        state: dict[str, torch.Tensor] = self.model.state_dict()
+        seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+        unique: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in state.items():
+            key = (
+                tensor.untyped_storage().data_ptr(),
+                int(tensor.storage_offset()),
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+            )
+            if key not in seen:
+                seen.add(key)
+                unique.append((name, tensor))
+        return pack_buckets(unique, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def save(self, store: CheckpointStore | ShardedStore, version: int) -> Path:
         """Write model, optimizer and step as ``version`` into ``store``; returns the path."""
+        store = _file_store(store)
         return store.save(
             version,
             self.global_step,
@@ -322,8 +349,9 @@ class PolicyTrainer:
             trainer_state={"backend": "torch"},
         )
 
-    def load(self, store: CheckpointStore, version: int | None = None) -> int:
+    def load(self, store: CheckpointStore | ShardedStore, version: int | None = None) -> int:
         """Restore model, optimizer and step from ``version`` (default: the latest); returns it."""
+        store = _file_store(store)
         if version is None:
             version = store.latest()
             if version is None:
@@ -343,3 +371,12 @@ class PolicyTrainer:
     def export_hf(self, directory: Path) -> Path:
         """Write the current weights (and ``model_dir``'s tokenizer files) as an HF model dir."""
         return export_hf_model(self.model.save_pretrained, self.model_dir, directory)
+
+
+def _file_store(store: CheckpointStore | ShardedStore) -> CheckpointStore:
+    if not isinstance(store, CheckpointStore):
+        raise CheckpointError(
+            f"the torch backend keeps single-file checkpoints; {store.directory} holds sharded ones "
+            "(written by the verl backend)"
+        )
+    return store

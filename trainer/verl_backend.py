@@ -7,13 +7,16 @@ export. It does not own the batch layout or the loss function (``trainer.verl_ba
 loss options (``trainer.losses``), the process-wide setup (``trainer.verl_runtime``), nor
 anything the plain-torch backend (``trainer.policy``) owns for itself.
 
-One code path for CPU and GPU: on CPU the engine runs on gloo with world size 1 (a CPU platform
-registered with verl, fp32); on CUDA on NCCL with FSDP2 mixed precision (bf16 compute, fp32
-master weights and gradient reduction). Both use ``sdpa`` attention on padded micro-batches
-(``use_remove_padding=False``: no flash-attn needed).
+One code path for CPU and GPU: on CPU the engine runs on gloo (a CPU platform registered with
+verl, fp32); on CUDA on NCCL with FSDP2 mixed precision (bf16 compute, fp32 master weights and
+gradient reduction). Both use ``sdpa`` attention on padded micro-batches
+(``use_remove_padding=False``: no flash-attn needed). One instance is one rank: world size 1 in
+the appliance's process, or rank ``r`` of ``n`` in a trainer worker process (``trainer.ranks``),
+where FSDP shards parameters, gradients and optimizer state over the ranks.
 
-A step: rows (sample, advantage, weight) -> mini-batches of whole rollouts (one by default) ->
-for each: [proximal and reference log-probs by ``infer_batch``, only when needed] ->
+A step: rows (sample, advantage, weight) -> mini-batches of whole rollouts (one by default),
+planned once and dealt over the ranks (``trainer.step_plan``) -> on each rank, for each
+mini-batch: [proximal and reference log-probs by ``infer_batch``, only when needed] ->
 ``train_batch`` (forward, ``ppo_loss``, backward per micro-batch; clip; AdamW step at a constant
 learning rate, as in the torch backend). A
 mini-batch whose advantages are all 0 runs forward only and takes no optimizer step (it has no
@@ -32,7 +35,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -46,21 +49,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model, full_state_to_hf
-from trainer.items import (
-    StepOutput,
-    TrainItem,
-    check_items,
-    has_signal,
-    reward_stats,
-    trainable_tokens,
-    truncate_items,
-)
+from trainer.items import StepOutput, TrainItem
 from trainer.losses import OFF_POLICY_MODES, LossMode, OffPolicy, actor_config, check_option
-from trainer.normalization import Normalization, check_normalization, sample_weights
+from trainer.normalization import Normalization, check_normalization
 from trainer.samples import Overflow
-from trainer.verl_batch import LossStats, Row, build_batch, response_values, step_loss
-from trainer.verl_lora import merge_lora
+from trainer.sharded import ShardedStore
+from trainer.step_plan import RankResult, RankStats, RankStep, Row, StepPlan, finish, plan_step, shard
+from trainer.verl_batch import build_batch, response_values, step_loss
+from trainer.verl_lora import merge_lora_stream
 from trainer.verl_runtime import ensure_runtime
+
+if TYPE_CHECKING:
+    from appliance.engines.buckets import WeightBucket
 
 log = logging.getLogger(__name__)
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -120,7 +120,11 @@ def _build_engine(model_dir: Path, *, lr: float, weight_decay: float, grad_clip:
             optimizer_config=optimizer_config,
             checkpoint_config=CheckpointConfig(),
         )
-        engine.initialize()
+        # The same random initialization (LoRA's A matrices) in every process and on every rank:
+        # seeded, without disturbing the caller's random state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            engine.initialize()
     return engine
 
 
@@ -152,6 +156,9 @@ class VerlFSDPTrainer:
         gradient_checkpointing: bool = False,
         max_sample_tokens: int | None = None,
         overflow: Overflow = "cut",
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str | None = None,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -159,7 +166,8 @@ class VerlFSDPTrainer:
         if is_cap < 1.0 or mini_batches < 1 or kl_coef < 0 or lora_rank < 0:
             raise ValueError("need is_cap >= 1, mini_batches >= 1, kl_coef >= 0 and lora_rank >= 0")
         self.model_dir = Path(model_dir)
-        self.device = ensure_runtime(device)
+        self.device = ensure_runtime(device, rank=rank, world_size=world_size, init_method=init_method)
+        self.rank, self.world_size = rank, world_size
         self.temperature = temperature
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.off_policy = off_policy
@@ -197,25 +205,45 @@ class VerlFSDPTrainer:
     # --- the step ------------------------------------------------------------------------------
 
     def step(self, items: Sequence[TrainItem]) -> StepOutput:
-        """One policy update over ``items`` (``mini_batches`` optimizer steps; one by default)."""
+        """One policy update over ``items`` (``mini_batches`` optimizer steps; one by default).
+        World size 1 only: the ranks of a larger world each run their share (``run_step``)."""
+        if self.world_size != 1:
+            raise RuntimeError("step() runs a whole step at world size 1; ranks run run_step()")
         start = time.perf_counter()
-        check_items(items)
+        plan = self.plan(items)
+        result = self.run_step(shard(plan, 0, 1))
+        return finish(plan, [result], time.perf_counter() - start)
+
+    def plan(self, items: Sequence[TrainItem]) -> StepPlan:
+        """The step over ``items`` as every rank must run it (``trainer.step_plan``)."""
+        return plan_step(
+            items,
+            mini_batches=self.mini_batches,
+            normalization=self.normalization,
+            decoupled=self.off_policy == "decoupled",
+            max_sample_tokens=self.max_sample_tokens,
+            overflow=self.overflow,
+        )
+
+    def run_step(self, work: RankStep) -> RankResult:
+        """This rank's share of a step; every rank of the world runs its own at the same time."""
         self.onload()
-        items = truncate_items(items, self.max_sample_tokens, self.overflow)
-        stats = LossStats()
+        stats = RankStats()
         grad_norms: list[float] = []
         updated = False
-        chunks = [list(items[i :: self.mini_batches]) for i in range(self.mini_batches)]
-        batches = [(chunk, self._batch(chunk)) for chunk in chunks if chunk]
+        batches = [
+            (trains, self._batch(rows, inert) if rows else None)
+            for rows, inert, trains in zip(work.rows, work.inert, work.trains, strict=True)
+        ]
         # Everything that must see the weights before the first update is computed first.
         for _, batch in batches:
             if batch is not None:
-                self._prepare(batch, precompute_old=self.off_policy == "decoupled" and len(batches) > 1)
-        for chunk, batch in batches:
+                self._prepare(batch, precompute_old=work.precompute_old)
+        for trains, batch in batches:
             if batch is None:
                 continue
             loss_fn = self._loss_function(stats)
-            if has_signal(chunk):
+            if trains:
                 with self.engine.train_mode():
                     self._no_dropout()
                     out = self.engine.train_batch(batch, loss_function=loss_fn)
@@ -227,40 +255,13 @@ class VerlFSDPTrainer:
                     self.engine.infer_batch(batch, loss_function=loss_fn)
                 grad_norms.append(0.0)
         self.global_step += 1
-        n = max(stats.tokens, 1)
-        reward_mean, reward_std = reward_stats(items)
-        return StepOutput(
-            step=self.global_step,
-            updated=updated,
-            loss=stats.loss / max(len(grad_norms), 1),
-            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
-            pg_clipfrac=stats.clipfrac_sum / n,
-            ppo_kl=stats.ppo_kl_sum / n,
-            entropy=stats.entropy_sum / n,
-            tokens=stats.tokens,
-            samples=sum(len(it.samples) for it in items),
-            rollouts=len(items),
-            duration_s=time.perf_counter() - start,
-            kl_ref=stats.kl_ref_sum / n,
-            is_weight_mean=stats.is_weight_sum / n if stats.tokens else 1.0,
-            is_capped_frac=stats.is_capped_sum / n,
-            truncated_samples=sum(1 for it in items for s in it.samples if s.truncation is not None),
-            reward_mean=reward_mean,
-            reward_std=reward_std,
-        )
+        return RankResult(stats=stats, grad_norms=tuple(grad_norms), updated=updated, step=self.global_step)
 
-    def _batch(self, items: Sequence[TrainItem]) -> TensorDict | None:
-        """The mini-batch's rows as verl's batch (None when no sample has a trainable token)."""
-        weights = sample_weights([it.samples for it in items], self.normalization)
-        rows: list[Row] = [
-            (sample, it.advantage, w)
-            for it, row in zip(items, weights, strict=True)
-            for sample, w in zip(it.samples, row, strict=True)
-            if trainable_tokens(sample) > 0
-        ]
-        if not rows:
-            return None
-        return build_batch(rows, temperature=self.temperature, max_token_len=self.max_tokens_per_microbatch)
+    def _batch(self, rows: Sequence[Row], inert: int) -> TensorDict:
+        """A mini-batch's rows as verl's batch (the last ``inert`` rows are padding)."""
+        return build_batch(
+            rows, temperature=self.temperature, max_token_len=self.max_tokens_per_microbatch, inert=inert
+        )
 
     def _prepare(self, batch: TensorDict, *, precompute_old: bool) -> None:
         """Add the proximal (``old_log_probs``) and reference (``ref_log_prob``) log-probs."""
@@ -284,11 +285,12 @@ class VerlFSDPTrainer:
             out = engine.infer_batch(batch, loss_function=None)
         return response_values(out["model_output"]["log_probs"], batch)
 
-    def _loss_function(self, stats: LossStats) -> Any:
+    def _loss_function(self, stats: RankStats) -> Any:
         return functools.partial(
             step_loss,
             self._actor_cfg,
             stats,
+            dp_size=self.world_size,
             off_policy=self.off_policy,
             is_cap=self.is_cap,
             kl_coef=self.kl_coef,
@@ -333,71 +335,139 @@ class VerlFSDPTrainer:
             if was_offloaded:
                 self.offload()
 
-    def _local_state(self) -> dict[str, torch.Tensor]:
-        """The model's state dict as detached CPU copies, the module's own names, read where the
-        parameters are (no onload: an offloaded trainer is read from host memory).
+    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's tensors, whole, the module's own names, read where the parameters are
+        (no onload: an offloaded trainer is read from host memory); tensors that share storage
+        (tied embeddings) come once, under their first name.
 
-        World size 1: every FSDP2 parameter is a DTensor sharded over one rank, so its local
-        shard is the whole tensor and no collective is needed. Tensors that share storage (tied
-        embeddings) share one copy.
+        A collective at world size > 1: every rank must iterate it to the end, in step (each
+        sharded parameter is all-gathered in turn). At world size 1 the local shard is the whole
+        tensor and nothing is gathered.
         """
-        if torch.distributed.get_world_size() != 1:
-            raise RuntimeError("state_dict_for_engine reads local shards: it needs world size 1")
-        copies: dict[int, torch.Tensor] = {}
-        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
         for name, value in self.engine.module.state_dict().items():
-            local = value.to_local() if isinstance(value, DTensor) else value
-            key = id(value)
-            if key not in copies:
-                copies[key] = local.detach().to("cpu", copy=True)
-            out[name] = copies[key]
-        return out
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, DTensor):
+                whole = value.to_local() if self.world_size == 1 else value.full_tensor()
+            else:
+                whole = value
+            yield name, whole.detach()
+
+    def _engine_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`_full_tensors` as the engine's model names them: LoRA merged into the base
+        weights (one layer at a time), a tied LM head left out."""
+        tensors = self._full_tensors()
+        if self.lora_rank > 0:
+            tensors = merge_lora_stream(tensors, alpha=self.lora_alpha, rank=self.lora_rank)
+        for name, tensor in tensors:
+            if self._tied and name == "lm_head.weight":
+                continue
+            yield name, tensor
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         """Full CPU weights with the base model's HF names (LoRA merged in), detached copies;
         tied embeddings keep both keys and share one tensor, as ``PolicyTrainer`` gives them.
-        Works offloaded, without moving the trainer back to the device."""
-        state = self._local_state()
-        if self.lora_rank > 0:
-            state = merge_lora(state, alpha=self.lora_alpha, rank=self.lora_rank)
-        if self._tied and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
+        Works offloaded, without moving the trainer back to the device. A collective at world
+        size > 1 (every rank gets the whole state)."""
+        state = {name: tensor.to("cpu", copy=True) for name, tensor in self._engine_tensors()}
+        if self._tied and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
 
-    def save(self, store: CheckpointStore, version: int) -> Path:
-        """Write model, optimizer, step and LR-scheduler state as ``version``; returns the path.
-        The model part has the module's names (the HF ones without LoRA, as ``PolicyTrainer``
-        writes them); the optimizer part is DCP's full, name-keyed layout."""
-        with self._resident():
-            model_state = get_model_state_dict(self.engine.module, options=_FULL)
-            optim_state = get_optimizer_state_dict(self.engine.module, self.engine.optimizer, options=_FULL)
-        trainer_state = {
+    def weight_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None, directory: Path | None = None
+    ) -> Iterator[WeightBucket]:
+        """The engine's weights (as :meth:`state_dict_for_engine` names them, a tied LM head
+        left out) packed into buckets of about ``bucket_bytes`` (``appliance.engines.buckets``),
+        never the whole model at once. A collective at world size > 1: every rank iterates it;
+        only rank 0 yields buckets. There each rank writes its own shards into the bucket file
+        (``trainer.shard_buckets``); with LoRA the weights are gathered and merged for rank 0."""
+        from appliance.engines.buckets import pack_buckets
+
+        if self.world_size > 1 and self.lora_rank == 0:
+            # Each rank writes its own rows of every parameter into the file: nothing gathered.
+            from trainer.shard_buckets import sharded_buckets
+
+            seen: set[int] = set()
+            tensors: list[tuple[str, torch.Tensor]] = []
+            for name, value in self.engine.module.state_dict().items():
+                if id(value) not in seen and not (self._tied and name == "lm_head.weight"):
+                    tensors.append((name, value))
+                seen.add(id(value))
+            yield from sharded_buckets(tensors, bucket_bytes=bucket_bytes, directory=directory, dtype=dtype)
+            return
+        if self.rank != 0:  # LoRA over several ranks: gathered (and merged) for rank 0 to pack
+            for _ in self._engine_tensors():
+                pass
+            return
+        engine_tensors = self._engine_tensors()
+        yield from pack_buckets(engine_tensors, bucket_bytes=bucket_bytes, directory=directory, dtype=dtype)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
             "backend": "verl",
             "lora_rank": self.lora_rank,
             "lr_scheduler": self.engine.lr_scheduler.state_dict(),
         }
+
+    def _check_trainer_state(self, trainer_state: dict[str, Any], where: Path) -> None:
+        if trainer_state.get("backend") != "verl" or trainer_state.get("lora_rank") != self.lora_rank:
+            backend, rank = trainer_state.get("backend", "torch"), trainer_state.get("lora_rank", 0)
+            raise CheckpointError(
+                f"checkpoint {where} was written by backend {backend!r} with lora_rank "
+                f"{rank}; this trainer is 'verl' with lora_rank {self.lora_rank} (the state layouts differ)"
+            )
+
+    def save(self, store: CheckpointStore | ShardedStore, version: int) -> Path:
+        """Write model, optimizer (unless ``store`` keeps weights only), step and LR-scheduler
+        state as ``version``; returns the path.
+
+        A :class:`~trainer.sharded.ShardedStore` (what the appliance uses): every rank writes its
+        own shards in parallel (torch.distributed.checkpoint), nothing is gathered; a weights
+        store leaves the optimizer out and may cast to bf16. A ``CheckpointStore``: one file with
+        the full state gathered on rank 0 (the module's names; DCP's full, name-keyed optimizer
+        layout)."""
+        if isinstance(store, ShardedStore):
+            with self._resident():
+                return store.save(
+                    version,
+                    self.engine.module,
+                    self.engine.optimizer,
+                    step=self.global_step,
+                    trainer_state=self._trainer_state(),
+                )
+        with self._resident():
+            model_state = get_model_state_dict(self.engine.module, options=_FULL)
+            optim_state = get_optimizer_state_dict(self.engine.module, self.engine.optimizer, options=_FULL)
+        if self.rank != 0:  # the gathers above leave the full state on rank 0 only
+            return store.path(version)
         return store.save(
             version,
             self.global_step,
             cast(dict[str, Any], model_state),
             optim_state,
-            trainer_state=trainer_state,
+            trainer_state=self._trainer_state(),
         )
 
-    def load(self, store: CheckpointStore, version: int | None = None) -> int:
-        """Restore model, optimizer and step from ``version`` (default: the latest); returns it."""
+    def load(self, store: CheckpointStore | ShardedStore, version: int | None = None) -> int:
+        """Restore model, optimizer and step from ``version`` (default: the latest); returns it.
+        A sharded checkpoint loads whatever number of ranks wrote it (DCP reshards)."""
         if version is None:
             version = store.latest()
             if version is None:
                 raise CheckpointError(f"no checkpoint in {store.directory}")
+        if isinstance(store, ShardedStore):
+            self._check_trainer_state(store.manifest(version).trainer_state, store.path(version))
+            with self._resident():
+                manifest = store.load(version, self.engine.module, self.engine.optimizer)
+            self.engine.lr_scheduler.load_state_dict(manifest.trainer_state["lr_scheduler"])
+            self.global_step = manifest.step
+            return version
         payload = store.load(version)
         trainer_state = payload.get("trainer", {})
-        if trainer_state.get("backend") != "verl" or trainer_state.get("lora_rank") != self.lora_rank:
-            backend, rank = trainer_state.get("backend", "torch"), trainer_state.get("lora_rank", 0)
-            raise CheckpointError(
-                f"checkpoint {store.path(version)} was written by backend {backend!r} with lora_rank "
-                f"{rank}; this trainer is 'verl' with lora_rank {self.lora_rank} (the state layouts differ)"
-            )
+        self._check_trainer_state(trainer_state, store.path(version))
         options = StateDictOptions(full_state_dict=True)
         with self._resident():
             set_model_state_dict(self.engine.module, payload["model"], options=options)

@@ -1,7 +1,8 @@
 """Samples in verl's batch layout, and the loss function verl's engine calls per micro-batch.
 
 Owns :func:`build_batch` (samples -> verl's no-padding ``TensorDict``), :func:`response_values`
-(the inverse for per-token engine outputs) and :func:`step_loss` with its :class:`LossStats`.
+(the inverse for per-token engine outputs) and :func:`step_loss`, which adds up a rank's
+:class:`~trainer.step_plan.RankStats`.
 It does not own the engine or the step (``trainer.verl_backend``), the loss options
 (``trainer.losses``) nor the weights (``trainer.normalization``).
 
@@ -23,7 +24,6 @@ micro-batches, and :func:`step_loss` turns them into what verl's ``ppo_loss`` re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,10 +34,10 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from trainer.losses import OffPolicy, importance_weights, kl_penalty
 from trainer.samples import Sample
+from trainer.step_plan import RankStats, Row
 
-#: One row of a batch: a sample (with at least one trainable token), its rollout's advantage,
-#: its per-token normalization weight.
-Row = tuple[Sample, float, float]
+#: The sums ``step_loss`` accumulates (one rank's share of a step).
+LossStats = RankStats
 
 
 def split_point(sample: Sample) -> int:
@@ -48,14 +48,17 @@ def split_point(sample: Sample) -> int:
     raise ValueError(f"a sample of rollout {sample.rollout!r} has no trainable token")
 
 
-def build_batch(rows: Sequence[Row], *, temperature: float, max_token_len: int) -> TensorDict:
+def build_batch(rows: Sequence[Row], *, temperature: float, max_token_len: int, inert: int = 0) -> TensorDict:
     """The rows as verl's no-padding batch, ready for ``train_batch`` / ``infer_batch``.
 
     ``max_token_len`` is the micro-batch budget in tokens (raised to the longest row if needed:
-    verl requires every sequence to fit one micro-batch).
+    verl requires every sequence to fit one micro-batch). The last ``inert`` rows are padding
+    (``trainer.step_plan``): they run through the model with a zero loss mask.
     """
     if not rows:
         raise ValueError("a batch needs at least one row")
+    if not 0 <= inert <= len(rows):
+        raise ValueError(f"{inert} inert rows in a batch of {len(rows)}")
     splits = [split_point(sample) for sample, _, _ in rows]
     b = len(rows)
     p = max(splits)
@@ -74,6 +77,8 @@ def build_batch(rows: Sequence[Row], *, temperature: float, max_token_len: int) 
         attention[i, p - k : p + n] = 1
         responses[i, :n] = tokens[k:]  # right padded
         mask = torch.tensor(sample.loss_mask[k:], dtype=torch.float32)
+        if i >= b - inert:
+            mask.zero_()
         response_mask[i, :n] = mask
         sampler[i, :n] = torch.tensor(sample.logprobs[k:], dtype=torch.float32) * mask
         advantages[i, :n] = advantage * mask
@@ -116,20 +121,6 @@ def response_values(output: torch.Tensor, batch: TensorDict) -> torch.Tensor:
     return no_padding_2_padding(output, batch).detach().float().cpu()
 
 
-@dataclass(slots=True)
-class LossStats:
-    """Token sums over the micro-batches of one step (means are taken at the end)."""
-
-    loss: float = 0.0
-    tokens: int = 0
-    clipfrac_sum: float = 0.0
-    ppo_kl_sum: float = 0.0
-    entropy_sum: float = 0.0
-    kl_ref_sum: float = 0.0
-    is_weight_sum: float = 0.0
-    is_capped_sum: float = 0.0
-
-
 def step_loss(
     actor_cfg: Any,
     stats: LossStats,
@@ -138,6 +129,7 @@ def step_loss(
     is_cap: float,
     kl_coef: float,
     kl_type: str,
+    dp_size: int = 1,
     model_output: dict[str, Any],
     data: TensorDict,
     dp_group: Any = None,
@@ -149,7 +141,8 @@ def step_loss(
     the precomputed proximal ones, or, with one update per step, the current ones detached),
     sets ``rollout_is_weights = norm_weight * truncated IS weight`` (token-sum aggregation, see
     ``trainer.normalization``), calls ``ppo_loss``, and adds ``kl_coef * sum_t w_t KL_t`` against
-    ``ref_log_prob``. Accumulates the step's metrics into ``stats``.
+    ``ref_log_prob``, scaled by ``dp_size`` as verl scales its token sums (FSDP averages the
+    ranks' gradients). Accumulates the step's metrics into ``stats``.
     """
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     fields = ["response_mask", "sampler_log_probs", "norm_weights"]
@@ -181,7 +174,7 @@ def step_loss(
     if kl_coef > 0.0:
         # k3 ("low_var_kl") by default: unbiased for KL(policy || ref) and always >= 0.
         kld = kl_penalty(log_prob, padded["ref_log_prob"].to(log_prob.dtype), kl_type)
-        loss = loss + kl_coef * (kld * padded["norm_weights"] * mask).sum()
+        loss = loss + kl_coef * dp_size * (kld * padded["norm_weights"] * mask).sum()
         stats.kl_ref_sum += float(kld.detach()[mask].sum())
     stats.loss += float(loss.detach())
     stats.tokens += n

@@ -4,20 +4,23 @@ Owns two idempotent calls, :func:`ensure_runtime` and :func:`runtime_device`. It
 any model or engine (``trainer.verl_backend``).
 
 Why this exists. verl 0.9.1's FSDP engine assumes an accelerator and a ``torch.distributed``
-process group (it is normally started by Ray, one process per GPU). In this appliance it runs in
-the one main process, world size 1:
+process group (it is normally started by Ray, one process per GPU). Here it runs either in the
+main process at world size 1, or in the appliance's trainer ranks (``trainer.ranks``: one worker
+process per GPU, or N processes on gloo on CPU):
 
 - verl resolves its device through a platform singleton (``verl.plugin.platform``) that falls
   back to "cuda" on a machine without one, and ``verl.workers.engine.fsdp.transformer_impl``
   reads the device name **at import**. So on CPU a platform whose device is "cpu" and whose
   collective backend is "gloo" must be registered before that module is first imported.
-- ``torch.distributed.init_process_group`` may run only once per process. Every trainer (and
-  every test) shares the one group made here; it uses an in-memory ``HashStore``, so no port is
-  opened and nothing else can join it.
+- ``torch.distributed.init_process_group`` may run only once per process. At world size 1 every
+  trainer (and every test) shares the one group made here on an in-memory ``HashStore`` (no
+  port, nothing else can join); a rank of a larger group meets the others through a file
+  (``init_method="file://..."``, a ``FileStore``: no port either).
 
-Invariant: after ``ensure_runtime(device)`` returns, ``verl.utils.device.get_device_name()`` is
-``device``'s type and a world-size-1 process group exists. Asking for another device type in the
-same process raises (verl's module-level device name cannot change once imported).
+Invariant: after ``ensure_runtime(device, rank=r, world_size=n)`` returns,
+``verl.utils.device.get_device_name()`` is ``device``'s type and a process group of world size
+``n`` exists in which this process is rank ``r``. Asking for another device type or another
+group in the same process raises (verl's module-level device name cannot change once imported).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import threading
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -176,18 +180,32 @@ def _cpu_platform() -> Any:
     return PlatformCPU()
 
 
-def ensure_runtime(device: str | torch.device = "cpu") -> torch.device:
+def ensure_runtime(
+    device: str | torch.device = "cpu",
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    init_method: str | None = None,
+    timeout_s: float = 600.0,
+) -> torch.device:
     """Make verl usable on ``device`` in this process (once); returns the torch device to use.
 
     CPU: registers the CPU platform, then a gloo group. CUDA: verl detects the GPU itself; the
     group uses NCCL for CUDA tensors and gloo for CPU ones (checkpoint gathers), and the current
-    device is set. Safe to call any number of times with the same device type.
+    device is set (``device``'s index, else the rank: one GPU per rank). ``world_size`` > 1 needs
+    ``init_method`` (every rank passes the same one); a collective waits at most ``timeout_s``.
+    Safe to call any number of times with the same arguments.
     """
     global _device_type
     target = torch.device(device)
     kind = target.type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"verl's FSDP engine runs on 'cpu' or 'cuda', not {str(target)!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if world_size > 1 and init_method is None:
+        raise ValueError("a process group of more than one rank needs an init_method")
+    index = target.index if target.index is not None else rank
     with _lock:
         if _device_type is not None and _device_type != kind:
             raise RuntimeError(
@@ -198,16 +216,29 @@ def ensure_runtime(device: str | torch.device = "cpu") -> torch.device:
             _setup_platform(kind)
             _device_type = kind
         if kind == "cuda":
-            torch.cuda.set_device(target.index or 0)
+            torch.cuda.set_device(index)
         if not dist.is_initialized():
             backend = "gloo" if kind == "cpu" else "cpu:gloo,cuda:nccl"
-            # HashStore: an in-process rendezvous, so no TCP port and no environment variables.
-            dist.init_process_group(backend=backend, store=HashStore(), rank=0, world_size=1)
-        elif dist.get_world_size() != 1:
+            timeout = timedelta(seconds=timeout_s)
+            if init_method is None:
+                # HashStore: an in-process rendezvous, so no TCP port and no environment variables.
+                dist.init_process_group(
+                    backend=backend, store=HashStore(), rank=0, world_size=1, timeout=timeout
+                )
+            else:
+                dist.init_process_group(
+                    backend=backend,
+                    init_method=init_method,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
+                )
+        elif (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
             raise RuntimeError(
-                "a multi-process torch.distributed group exists; the trainer needs world size 1"
+                f"this process is rank {dist.get_rank()} of a group of {dist.get_world_size()}; "
+                f"it cannot also be rank {rank} of {world_size}"
             )
-    return torch.device("cuda", target.index or 0) if kind == "cuda" else torch.device("cpu")
+    return torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
 
 
 def _setup_platform(kind: str) -> None:

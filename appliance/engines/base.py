@@ -6,18 +6,19 @@ the engine samples. Every implementation (the in-process torch engine, the vLLM 
 is held to the same contract tests.
 
 Invariant: every token an engine returns carries the policy version that sampled it, and the
-version only changes through ``load_weights``.
+version only changes through ``load_weights`` or ``load_weight_buckets``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from appliance.engines.buckets import WeightBucket
 from appliance.errors import BadRequest, ContextTooLong
 
 
@@ -153,6 +154,20 @@ class Engine(Protocol):
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the weights between generations and serve ``version`` from now on."""
+        ...
+
+    async def load_weight_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
+        """Replace the weights from a stream of buckets (consumed in order, each one fully used before the
+        next is awaited) between generations; serve `version` from now on once the last bucket is in.
+        Every parameter of the model must be covered exactly (a tied lm_head may be left out), else
+        BadRequest and the old version keeps being served where the engine can guarantee that."""
+        ...
+
+    @property
+    def needs_weights(self) -> bool:
+        """True when the engine is up but serves nothing until weights are pushed again (it lost
+        a version that only a bucketed push had, e.g. a restarted server, or a push failed
+        half-way); the scheduler then pushes the published version."""
         ...
 
     @property

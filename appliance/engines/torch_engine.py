@@ -35,6 +35,12 @@ decode step that raises fails every row of the batch (its cache is suspect) and 
 on. Errors reach callers through their event loop (``call_soon_threadsafe``), never directly from
 the worker thread.
 
+Weights arrive whole (``load_weights``: a state dict, loaded with ``load_state_dict``) or as a
+stream of buckets (``load_weight_buckets``: each bucket's tensors are viewed in place in its
+shared-memory file and copied into the parameters, so no second copy of the model is built).
+A bucketed load checks each bucket before copying any of it; one that fails after the first
+copy leaves a mix of old and new weights, so the engine refuses to serve until a load completes.
+
 Invariants: the weights never change while a row decodes (a swap, sleep or wake stops admission,
 waits for the running rows to finish, and holds the lock the step loop holds), so every token of
 a result was sampled by the ``policy_version`` it reports; and each reported log-probability is
@@ -49,7 +55,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +73,7 @@ from appliance.engines.base import (
     SamplingParams,
     validate_request,
 )
+from appliance.engines.buckets import WeightBucket, bucket_tensors, close_stream
 from appliance.engines.sampling import TopLogprobs, choose_tokens
 from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 
@@ -340,6 +347,10 @@ class TorchEngine:
             self._wakeup.set()  # requests queued meanwhile may start now
 
     @property
+    def needs_weights(self) -> bool:
+        return self._needs_weights and not self._released and not self._closed
+
+    @property
     def is_sleeping(self) -> bool:
         return bool(self._released)
 
@@ -402,7 +413,8 @@ class TorchEngine:
             raise EngineUnavailable("the torch engine is asleep (the machine is training); retry shortly")
         if self._needs_weights:
             raise EngineUnavailable(
-                "the torch engine's weights were discarded by sleep(2); load_weights first"
+                "the torch engine has no complete weights (sleep(2) discarded them, or a bucketed "
+                "load failed half-way); load_weights or load_weight_buckets first"
             )
         self._validate(request)
         loop = asyncio.get_running_loop()
@@ -459,6 +471,83 @@ class TorchEngine:
         # so nothing holding a reference to them, nor the model's memory, changes.
         with torch.no_grad():
             self._model.load_state_dict(weights, strict=True)
+
+    async def load_weight_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
+        """Copy each bucket's tensors into the model in place, once no row runs; serve ``version``
+        after the last one. Names and shapes must be the model's own, each at most once, and
+        every one must have come by the last bucket (a tied ``lm_head.weight`` may be left out).
+
+        Each bucket is checked whole before any of it is copied: a bad first bucket leaves the
+        old weights serving. A failure after that (a later bad bucket, a stream that ends or
+        raises before its last bucket, parameters missing at the end) leaves a mix of old and new
+        weights: the engine then refuses to generate until a load completes. The stream is closed
+        when the load ends (``aclose``, where it has one). Like ``load_weights``, the load runs
+        in its own task and completes if the caller is cancelled.
+        """
+        self._ensure_serving()
+        await asyncio.shield(asyncio.ensure_future(self._swap_buckets(buckets, version)))
+
+    async def _swap_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
+        async with self._exclusive_access():
+            if self._weights_discarded:
+                place = torch.device("cpu") if self._released else self._device
+                await asyncio.to_thread(self._place_weights, place)
+            # The parameters and persistent buffers themselves (not detached copies).
+            targets: dict[str, torch.Tensor] = self._model.state_dict(keep_vars=True)
+            seen: set[str] = set()
+            copied = False
+            try:
+                async for bucket in buckets:
+                    self._check_bucket(bucket, seen)
+                    copied = True
+                    await asyncio.to_thread(self._copy_bucket, bucket, targets)
+                    if bucket.last:
+                        break
+                else:
+                    raise BadRequest("the weight buckets ended before their last bucket")
+                missing = self._shapes.keys() - seen - self._optional_names()
+                if missing:
+                    raise BadRequest(
+                        f"the weight buckets did not cover the served model: missing {sorted(missing)[:5]}"
+                    )
+            except BaseException:
+                await close_stream(buckets)
+                if copied:
+                    # Some parameters are new, others old: serving that mix would sample from
+                    # a policy no version describes.
+                    self._needs_weights = True
+                    log.error("torch engine: a bucketed load failed half-way; it serves again after a load")
+                raise
+            await close_stream(buckets)
+            self._policy_version = version
+            self._needs_weights = False
+
+    def _optional_names(self) -> set[str]:
+        """Names a load may leave out: the LM head tied to the embedding (they share a tensor)."""
+        return {"lm_head.weight"} if self._model.config.tie_word_embeddings else set()
+
+    def _check_bucket(self, bucket: WeightBucket, seen: set[str]) -> None:
+        """Every entry of ``bucket`` names a tensor of the model once, with its shape; adds them
+        to ``seen``. Raises ``BadRequest`` before anything is copied."""
+        own = self._shapes
+        names = Counter(entry.name for entry in bucket.entries)
+        unexpected = [name for name in names if name not in own]
+        repeated = sorted(name for name, count in names.items() if name in seen or count > 1)
+        misshapen = [e.name for e in bucket.entries if e.name in own and tuple(own[e.name]) != e.shape]
+        if unexpected or repeated or misshapen:
+            raise BadRequest(
+                f"weight bucket {bucket.index} does not fit the served model: "
+                f"unexpected {sorted(unexpected)[:5]}, repeated {repeated[:5]}, "
+                f"wrong shapes {sorted(misshapen)[:5]}"
+            )
+        seen.update(names)
+
+    @staticmethod
+    def _copy_bucket(bucket: WeightBucket, targets: dict[str, torch.Tensor]) -> None:
+        # copy_ converts dtype and device; the views read the bucket's file without a copy.
+        with torch.no_grad():
+            for name, tensor in bucket_tensors(bucket):
+                targets[name].copy_(tensor)
 
     async def _serve(self) -> None:
         """Start the step loop whenever requests are queued and nothing holds the engine."""

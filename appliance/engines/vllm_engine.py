@@ -5,7 +5,9 @@ token-in/token-out completions (``/v1/completions`` with a token-id prompt, ``re
 per-token log-probs, streamed when the caller wants each token), weight pushes (the tensors are
 written as safetensors to ``/dev/shm`` and the server's workers reload them in place through
 ``/collective_rpc`` -> ``appliance_reload_weights``: vLLM's ``reload_weights(weights_path=...)``
-plus a fix for tied LM heads, see ``appliance.engines.vllm_worker``), sleep and wake (the dev routes),
+plus a fix for tied LM heads, see ``appliance.engines.vllm_worker``) or, without any full copy,
+in buckets (``load_weight_buckets``: each bucket's shared-memory file goes to
+``appliance_load_bucket``, which loads it into the running model), sleep and wake (the dev routes),
 and supervision: a server that dies is restarted and given the current weights again, while calls
 fail fast with the retryable ``EngineUnavailable``. Launching and stopping the process is
 ``appliance.engines.vllm_process``; chat templates, tools and HTTP to agents are the proxy's.
@@ -22,7 +24,11 @@ otherwise; vLLM has no mode for "tempered, not truncated".
 
 Invariants: a weight push or a sleep waits until no generation runs, and generations wait while
 one is in progress, so every token carries the version that sampled it; the version changes only
-through ``load_weights`` (a push to a dead server is deferred and replayed after the restart).
+through ``load_weights`` (a push to a dead server is deferred and replayed after the restart) or
+``load_weight_buckets``. A bucketed push leaves no copy of its weights behind, so nothing can be
+replayed from it: a server that restarts (or wakes from a level-2 sleep) after one refuses to
+serve until the next push, and a bucketed push that fails half-way is undone by reloading the
+previous version from its file where there is one (else, too, serving waits for a push).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
@@ -47,6 +54,7 @@ from appliance.engines.base import (
     GenerateResult,
     validate_request,
 )
+from appliance.engines.buckets import TensorEntry, WeightBucket, close_stream, dtype_of
 from appliance.engines.vllm_process import (
     DEFAULT_VLLM_PYTHON,
     ParsedChoice,
@@ -179,6 +187,8 @@ class VLLMEngine:
         self._weights_dir: Path | None = None
         #: The server's weights may differ from ``_weights_dir``: push before serving again.
         self._push_pending = False
+        #: The served version came in buckets: no file holds it (``_weights_dir`` is None).
+        self._weights_gone = False
         self._pushes = 0
         self.restarts = 0
         #: Seconds the last start / push / sleep / wake / restart took, for callers to log.
@@ -212,6 +222,17 @@ class VLLMEngine:
     def server_pid(self) -> int | None:
         """The launched server's pid (its process group id too); None when attached."""
         return None if self._server is None else self._server.pid
+
+    @property
+    def needs_weights(self) -> bool:
+        return (
+            self._push_pending
+            and self._weights_gone
+            and self._down is None
+            and self._failed is None
+            and not self._closed
+            and not self._released
+        )
 
     @property
     def is_sleeping(self) -> bool:
@@ -279,7 +300,8 @@ class VLLMEngine:
         if self._down is not None:
             raise EngineUnavailable(f"the vLLM server is not serving ({self._down}); retry shortly")
         if self._push_pending and not self._released:
-            # A push failed half-way: the served weights may not be the version's.
+            # A push failed half-way, or the server lost a version only a bucketed push had:
+            # the served weights may not be the version's.
             raise EngineUnavailable("a weight push did not complete; serving resumes after the next one")
         if self._released:
             raise EngineUnavailable("the vLLM engine is asleep (the machine is training); retry shortly")
@@ -390,11 +412,12 @@ class VLLMEngine:
             started = time.monotonic()
             directory = await asyncio.to_thread(self._write_weights, tensors)
             previous, self._weights_dir, self._push_pending = self._weights_dir, directory, True
+            gone, self._weights_gone = self._weights_gone, False
             try:
                 await self._sync_weights()
             except EngineUnavailable:
                 if not await self._server_died():
-                    self._weights_dir = previous
+                    self._weights_dir, self._weights_gone = previous, gone
                     await asyncio.to_thread(shutil.rmtree, directory, True)
                     raise
                 # The server died under the push: the supervisor pushes these weights after
@@ -426,28 +449,140 @@ class VLLMEngine:
         return directory
 
     async def _sync_weights(self) -> None:
-        """Push the current weights if the server may lack them and can take them now."""
+        """Push the current weights if the server may lack them and can take them now (a
+        version that came in buckets cannot be pushed again: it waits for the next push)."""
         if not self._push_pending or "weights" in self._released or self._down is not None:
+            return
+        if self._weights_gone:
+            log.warning("vLLM lost the weights of version %d (a bucketed push)", self._policy_version)
             return
         directory = self._weights_dir or self._model_dir
         # reload_weights(weights_path=...) plus a fix for tied LM heads (vllm_worker.py).
         body = {"method": "appliance_reload_weights", "args": [str(directory)]}
         await self._client.call("POST", "/collective_rpc", body)
+        await self._reset_prefix_cache()
+        self._push_pending = False
+
+    async def _reset_prefix_cache(self) -> None:
         # Cached prefixes hold keys and values of the old weights. The reset fails while blocks
         # are held (a just-aborted request may still hold some): retry briefly.
         for _ in range(50):
             if (await self._client.call("POST", "/reset_prefix_cache"))["success"]:
-                break
+                return
             await asyncio.sleep(0.1)
-        else:
-            raise EngineUnavailable("vLLM did not reset its prefix cache after a weight push; retry")
-        self._push_pending = False
+        raise EngineUnavailable("vLLM did not reset its prefix cache after a weight push; retry")
+
+    async def load_weight_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
+        """Load a push bucket by bucket into the running server, once no generation runs; serve
+        ``version`` after the last one. Each bucket's entries must be checkpoint names with the
+        checkpoint's shapes, each at most once, and all of them must have come by the last
+        bucket (a tied ``lm_head.weight`` may be left out, and is not sent if given: vLLM ties
+        it). Each bucket is checked before it is sent, and the last one also for what is
+        missing, so a stream that fails at its first bucket changes nothing; one that fails
+        later is undone by reloading the previous version from its file, or, when the previous
+        version came in buckets too, leaves the engine refusing to serve until a push completes.
+
+        The server must hold its weights ("weights" woken): a bucket cannot wait for a wake.
+        The stream is closed when the load ends; the load runs in its own task and completes if
+        the caller is cancelled."""
+        self._ensure_open()
+        await asyncio.shield(asyncio.ensure_future(self._swap_buckets(buckets, version)))
+
+    async def _swap_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
+        try:
+            async with self._gate.exclusive():
+                self._ensure_open()
+                if self._down is not None:
+                    raise EngineUnavailable(f"the vLLM server is not serving ({self._down}); retry shortly")
+                if "weights" in self._released:
+                    raise EngineUnavailable(
+                        "the vLLM engine's weights are asleep: wake(['weights']) before pushing buckets"
+                    )
+                started = time.monotonic()
+                expected = await asyncio.to_thread(self._checkpoint_shapes)
+                await self._send_buckets(buckets, expected)
+                previous, self._weights_dir = self._weights_dir, None
+                self._weights_gone, self._push_pending = True, False
+                self._policy_version = version
+                if previous is not None:
+                    await asyncio.to_thread(shutil.rmtree, previous, True)
+                self.switch_times["push"] = time.monotonic() - started
+        finally:
+            await close_stream(buckets)
+
+    async def _send_buckets(
+        self, buckets: AsyncIterator[WeightBucket], expected: dict[str, tuple[int, ...]]
+    ) -> None:
+        """Check and send every bucket; undo what was sent if anything fails."""
+        if self._tied and "lm_head.weight" not in expected:
+            expected = {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
+        required = expected.keys() - ({"lm_head.weight"} if self._tied else set())
+        seen: set[str] = set()
+        sent = False
+        try:
+            async for bucket in buckets:
+                entries = self._checked_entries(bucket, expected, seen)
+                if bucket.last and (missing := required - seen):
+                    raise BadRequest(
+                        f"the weight buckets did not cover the served model: missing {sorted(missing)[:5]}"
+                    )
+                spec = {
+                    "path": bucket.path,
+                    "entries": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries],
+                    "first": not sent,
+                    "last": bucket.last,
+                }
+                sent, self._push_pending = True, True
+                body = {"method": "appliance_load_bucket", "args": [json.dumps(spec)]}
+                await self._client.call("POST", "/collective_rpc", body)
+                if bucket.last:
+                    break
+            else:
+                raise BadRequest("the weight buckets ended before their last bucket")
+            await self._reset_prefix_cache()
+        except BaseException:
+            if sent:
+                await self._undo_buckets()
+            raise
+
+    def _checked_entries(
+        self, bucket: WeightBucket, expected: dict[str, tuple[int, ...]], seen: set[str]
+    ) -> list[TensorEntry]:
+        """The entries of ``bucket`` to send (a tied LM head left out), or ``BadRequest``."""
+        names = Counter(entry.name for entry in bucket.entries)
+        unexpected = sorted(name for name in names if name not in expected)
+        repeated = sorted(name for name, count in names.items() if name in seen or count > 1)
+        misshapen = sorted(e.name for e in bucket.entries if expected.get(e.name, e.shape) != e.shape)
+        dtypes = sorted({e.dtype for e in bucket.entries if not _is_dtype(e.dtype)})
+        if unexpected or repeated or misshapen or dtypes:
+            raise BadRequest(
+                f"weight bucket {bucket.index} does not fit the served model: unexpected "
+                f"{unexpected[:5]}, repeated {repeated[:5]}, wrong shapes {misshapen[:5]}, "
+                f"unknown dtypes {dtypes[:5]}"
+            )
+        seen.update(names)
+        return [e for e in bucket.entries if not (self._tied and e.name == "lm_head.weight")]
+
+    async def _undo_buckets(self) -> None:
+        """After a bucketed push failed half-way: end it in the server, and put the previous
+        version back if a file holds it. Best effort: whatever fails leaves ``_push_pending``
+        set, so nothing is served until a push completes."""
+        log.warning("a bucketed weight push failed half-way; putting version %d back", self._policy_version)
+        try:
+            await self._client.call("POST", "/collective_rpc", {"method": "appliance_abort_buckets"})
+            await self._sync_weights()
+        except Exception as exc:
+            message = exc.message if isinstance(exc, ApplianceError) else f"{type(exc).__name__}: {exc}"
+            log.error(
+                "vLLM: the previous weights could not be put back (%s); serving waits for a push", message
+            )
 
     # -- sleep and wake ---------------------------------------------------------------------
 
     async def sleep(self, level: int = 1) -> None:
         """Wait for running generations, then ``POST /sleep?level=&mode=wait``. Level 2 discards
-        the weights: they are pushed again on wake unless ``load_weights`` comes in between.
+        the weights: they are pushed again on wake unless ``load_weights`` comes in between
+        (a version that came in buckets cannot be: serving then waits for the next push).
         vLLM on CPU has no sleep mode: the call is made and answered, and frees nothing. While
         the server restarts there is nothing to put to sleep: only the state is kept."""
         if level not in (1, 2):
@@ -514,7 +649,7 @@ class VLLMEngine:
             await self._read_server_info()
             async with self._gate.exclusive():
                 self._down = None
-                self._push_pending = self._push_pending or self._weights_dir is not None
+                self._push_pending = self._push_pending or self._weights_dir is not None or self._weights_gone
                 if self._released:  # it died asleep: the accelerator is still the trainer's
                     await self._client.call("POST", f"/sleep?level={self._sleep_level}&mode=wait")
                     self._push_pending = self._push_pending or self._sleep_level == 2
@@ -530,3 +665,11 @@ class VLLMEngine:
                 await self._server.stop()
             return False
         return True
+
+
+def _is_dtype(name: str) -> bool:
+    try:
+        dtype_of(name)
+    except ValueError:
+        return False
+    return True

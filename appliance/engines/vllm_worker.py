@@ -1,19 +1,49 @@
 """Code that runs inside vLLM's worker processes (in vLLM's own virtualenv), never in the appliance.
 
 Owns ``ApplianceWorkerExtension``, the ``--worker-extension-cls`` vLLM mixes into each worker, so
-that ``POST /collective_rpc`` can call ``appliance_reload_weights``. It imports nothing from the
-appliance (the file is copied next to the server and put on its ``PYTHONPATH`` alone) and
-nothing from vLLM at import time, so it type-checks without vLLM installed.
+that ``POST /collective_rpc`` can call its methods: ``appliance_reload_weights`` (a whole
+safetensors directory), ``appliance_load_bucket`` / ``appliance_abort_buckets`` (a push streamed
+in buckets, see ``appliance.engines.buckets``) and ``appliance_weight_digests`` (what the served
+model computes with, for tests and diagnosis). It imports nothing from the appliance (the file is
+copied next to the server and put on its ``PYTHONPATH`` alone; the bucket layout is therefore
+read here by its own few lines) and nothing from vLLM at import time, so it type-checks without
+vLLM installed.
 
 Why not vLLM's own ``reload_weights`` alone: its layerwise reload copies new values into a tied
 embedding in place, but the LM head that shares that tensor loads nothing and is not processed
 again; on CPU that processing holds a prepacked copy of the weight for the logits GEMM, so the
 head kept computing with the old embedding (measured: log-probs off by ~1.5 after a push).
+
+Buckets: on CPU a linear layer's weight is not a tensor one could copy into: after loading,
+vLLM prepacks it for oneDNN and empties the parameter. A reload must therefore go through vLLM's
+layerwise reload (``initialize_layerwise_reload``: layers back to their checkpoint shapes on the
+meta device; each layer is materialised, loaded, processed and copied back into its kernel
+tensors as soon as all of its weights have arrived; ``finalize_layerwise_reload`` handles the
+rest). ``reload_weights(weights_iterator=...)`` does all three in one call, so it cannot take a
+push bucket by bucket: a layer whose weights straddle two buckets (q_proj in one, v_proj in the
+next) would be finalised half-loaded. So the first bucket initialises, every bucket goes through
+``model.load_weights``, and the last one finalises (then the tied LM heads are reprocessed, as
+above). Between buckets a half-loaded layer keeps the tensors it was given; those are views of
+the bucket file, which the next bucket overwrites, so they are cloned before the call returns:
+the worker's extra memory is the layers in flight, about one bucket, never the whole model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import json
+from collections.abc import Iterator
 from typing import Any
+
+#: The worker attribute that is True while a bucketed push is half-way.
+_PUSHING = "_appliance_bucket_push"
+_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _vllm(module: str) -> Any:
+    """A vLLM module, imported when first needed (vLLM exists only in the server's venv)."""
+    return importlib.import_module(module)
 
 
 class ApplianceWorkerExtension:
@@ -23,8 +53,118 @@ class ApplianceWorkerExtension:
         """Reload the weights in place from the safetensors in ``weights_path``; returns the
         number of tied LM heads whose processed copy was rebuilt."""
         worker: Any = self
+        self.appliance_abort_buckets()
         worker.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         return reprocess_tied_lm_heads(worker.model_runner.get_model())
+
+    def appliance_load_bucket(self, bucket: str) -> dict[str, int]:
+        """Load one bucket of a push into the running model. ``bucket`` is JSON:
+        ``{"path", "entries": [[name, dtype, shape, offset, nbytes], ...], "first", "last"}``
+        with HF names. The first bucket starts a push (abandoning one left half-way), the last
+        ends it. Returns the number of tensors loaded and of tied LM heads reprocessed. If
+        loading fails the push is abandoned (the model then holds a mix of old and new
+        weights: the caller must push whole weights before serving)."""
+        import torch
+
+        set_current_vllm_config = _vllm("vllm.config").set_current_vllm_config
+        layerwise = _vllm(_LAYERWISE)
+        worker: Any = self
+        spec = json.loads(bucket)
+        model = worker.model_runner.get_model()
+        heads = 0
+        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            if spec["first"]:
+                self.appliance_abort_buckets()
+                layerwise.initialize_layerwise_reload(model)
+                setattr(worker, _PUSHING, True)
+            elif not getattr(worker, _PUSHING, False):
+                raise RuntimeError("a weight bucket came without the first bucket of its push")
+            try:
+                raw, tensors = bucket_views(spec["path"], spec["entries"])
+                model.load_weights(tensors)
+                if raw is not None:
+                    keep_buffered_weights(model, raw)
+                del raw, tensors
+                if spec["last"]:
+                    setattr(worker, _PUSHING, False)
+                    layerwise.finalize_layerwise_reload(model, worker.model_config)
+                    heads = reprocess_tied_lm_heads(model)
+                    reset_caches(worker.model_runner)
+            except BaseException:
+                self.appliance_abort_buckets()
+                raise
+        return {"tensors": len(spec["entries"]), "tied_heads": heads}
+
+    def appliance_abort_buckets(self) -> bool:
+        """Abandon a bucketed push left half-way (its layers go back to their kernel tensors,
+        holding a mix of old and new weights); returns whether there was one."""
+        worker: Any = self
+        if not getattr(worker, _PUSHING, False):
+            return False
+        import torch
+
+        setattr(worker, _PUSHING, False)
+        with _vllm("vllm.config").set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            _vllm(_LAYERWISE).finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
+        return True
+
+    def appliance_weight_digests(self) -> dict[str, str]:
+        """SHA-256 of each HF-named weight as the served model computes with it (see
+        ``weight_digests``)."""
+        import torch
+
+        worker: Any = self
+        with _vllm("vllm.config").set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            return weight_digests(worker.model_runner.get_model(), worker.model_config.dtype)
+
+
+def bucket_views(path: str, entries: list[list[Any]]) -> tuple[Any, Iterator[tuple[str, Any]]]:
+    """The file mapped copy-on-write (None if no entry has bytes) and an iterator over zero-copy
+    views of its entries, as ``appliance.engines.buckets.bucket_tensors`` makes them."""
+    import torch
+
+    def views(raw: Any) -> Iterator[tuple[str, Any]]:
+        for name, dtype, shape, offset, nbytes in entries:
+            kind = getattr(torch, dtype)
+            if nbytes == 0:
+                yield name, torch.empty(tuple(shape), dtype=kind)
+            else:
+                yield name, raw[offset : offset + nbytes].view(kind).view(tuple(shape))
+
+    end = max((int(offset) + int(nbytes) for _, _, _, offset, nbytes in entries), default=0)
+    raw = torch.from_file(path, shared=False, size=end, dtype=torch.uint8) if end else None
+    return raw, views(raw)
+
+
+def keep_buffered_weights(model: Any, raw: Any) -> int:
+    """Clone the views of ``raw`` that half-loaded layers hold for later (the next bucket
+    overwrites the file); returns how many were cloned."""
+    layerwise_info = _vllm(_LAYERWISE).LAYERWISE_INFO
+    storage = raw.untyped_storage().data_ptr()
+    cloned = 0
+    for module in model.modules():
+        info = layerwise_info.get(module)
+        if info is None:
+            continue
+        for _, args in info.loaded_weights:
+            for key, value in list(args.arguments.items()):
+                if (
+                    hasattr(value, "untyped_storage")
+                    and not value.is_meta
+                    and value.untyped_storage().data_ptr() == storage
+                ):
+                    args.arguments[key] = value.clone()
+                    cloned += 1
+    return cloned
+
+
+def reset_caches(model_runner: Any) -> None:
+    """What vLLM's ``reload_weights`` resets after new weights (LoRA state, encoder and
+    multimodal caches), where the runner has it."""
+    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        reset = getattr(model_runner, name, None)
+        if callable(reset):
+            reset()
 
 
 def reprocess_tied_lm_heads(model: Any) -> int:
@@ -43,3 +183,58 @@ def reprocess_tied_lm_heads(model: Any) -> int:
             method.process_weights_after_loading(module)
             done += 1
     return done
+
+
+def _digest(tensor: Any) -> str:
+    # + 0.0 turns -0.0 into 0.0: the identity GEMM below cannot tell them apart.
+    import torch
+
+    values = (tensor.detach().to(torch.float32) + 0.0).contiguous().cpu()
+    return hashlib.sha256(values.numpy().tobytes()).hexdigest()
+
+
+def weight_digests(model: Any, dtype: Any) -> dict[str, str]:
+    """Per HF weight name, the SHA-256 of the weight (as float32 bytes, -0.0 as 0.0) that the
+    served model computes with: linear layers and the LM head are read back through their own
+    kernels (input @ W^T with an identity input, exact in floating point), so a prepacked copy
+    that missed an update shows; fused projections (``packed_modules_mapping``: qkv_proj,
+    gate_up_proj) are split into their HF parts; other parameters are read directly. For
+    unquantized models without tensor parallelism whose vLLM names are the HF names."""
+    import torch
+
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: dict[str, str] = {}
+    handled: set[int] = set()
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        method: Any = getattr(module, "quant_method", None)
+        prefix, _, leaf = name.rpartition(".")
+        if kind == "ParallelLMHead":
+            eye = torch.eye(module.embedding_dim, dtype=dtype)
+            weight = method.apply(module, eye).T[: module.org_vocab_size]
+            out[f"{name}.weight"] = _digest(weight)
+        elif kind == "VocabParallelEmbedding":
+            out[f"{name}.weight"] = _digest(module.weight[: module.org_vocab_size])
+        elif hasattr(module, "input_size_per_partition") and method is not None:
+            eye = torch.eye(module.input_size_per_partition, dtype=dtype)
+            weight = method.apply(module, eye, None).T
+            bias = getattr(module, "bias", None)
+            parts = packed.get(leaf)
+            if parts:
+                sizes = list(module.output_sizes)
+                names = [f"{prefix}.{part}" if prefix else part for part in parts]
+                weights = weight.split(sizes)
+                biases = bias.split(sizes) if bias is not None else [None] * len(parts)
+            else:
+                names, weights, biases = [name], [weight], [bias]
+            for part, w, b in zip(names, weights, biases, strict=True):
+                out[f"{part}.weight"] = _digest(w)
+                if b is not None:
+                    out[f"{part}.bias"] = _digest(b)
+        else:
+            for pname, param in module.named_parameters(recurse=False):
+                if id(param) not in handled:
+                    out[f"{name}.{pname}" if name else pname] = _digest(param)
+            continue
+        handled.update(id(p) for p in module.parameters(recurse=False))
+    return out

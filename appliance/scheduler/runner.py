@@ -64,6 +64,7 @@ from store.events import (
     TrainStepFailed,
 )
 from store.projections import RolloutView, RunState, one_line
+from trainer.rank_rpc import TrainerRankFailed
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,9 @@ class SchedulerRunner:
             stopping=self._stop.is_set(),
             phase=self._phase,
             generating_for_s=time.monotonic() - self._generating_since,
-            engine_failed=self._engine_failed,
+            # An engine that lost weights only a bucketed push had gets them pushed again.
+            # An engine that lost weights only a bucketed push had gets them pushed again.
+            engine_failed=self._engine_failed or bool(getattr(self.engine, "needs_weights", False)),
             admissions_paused=self._admissions_paused(),
         )
 
@@ -426,15 +429,13 @@ class SchedulerRunner:
         state = self.live.state
         step = state.step + 1
         eta = self.policy.eta if self.policy.mode == "async" else None
-        trainer = self.training.trainer
         self.gate.close(preempt=self.policy.mode == "async")
         await self._phase_changed("train")
         try:
             await self._drain(step)
             await self._timed(step, "sleep", lambda: self.engine.sleep(self.sleep_level))
-            if hasattr(trainer, "onload"):
-                await self._timed(step, "onload", lambda: asyncio.to_thread(trainer.onload))
             try:
+                await self._timed(step, "onload", self.training.onload)
                 trained = await self._timed(
                     step,
                     "train",
@@ -444,8 +445,11 @@ class SchedulerRunner:
             except Exception as exc:  # nothing of the step is durable: its groups stay ready
                 trained = None
                 await self._train_failed(step, groups, exc)
-            if hasattr(trainer, "offload"):
-                await self._timed(step, "offload", lambda: asyncio.to_thread(trainer.offload))
+            try:
+                await self._timed(step, "offload", self.training.offload)
+            except TrainerRankFailed:
+                # The ranks were restarted from the published version; the step goes on.
+                log.exception("a trainer rank failed while offloading after step %d", step)
             # Level 2 discarded the engine's weights: push the current ones even without a new step.
             version = trained.version if trained is not None else None
             if version is None and self.sleep_level == 2:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from appliance.app import Appliance
 from appliance.chat.render import GENERATION_PROMPT
 from appliance.engines.base import GenerateRequest, GenerateResult
+from appliance.engines.buckets import WeightBucket
+from appliance.errors import BadRequest
 from store.events import LLMCallCompleted, PolicyVersionPublished, RewardReported, TrainStepCompleted
 from store.eventstore import EventStore
 from tests.support import make_config
@@ -122,3 +126,27 @@ async def test_trainer_options_run_end_to_end(
         (step,) = app.live.state.steps
         assert step.samples > 0
         assert all(v == v for v in step.metrics.values())  # no NaN
+
+
+async def test_an_engine_that_lost_its_weights_gets_them_pushed_again(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1)) as app:
+
+        async def cut_short() -> AsyncIterator[WeightBucket]:
+            buckets = app.training.trainer.weight_buckets(4096)
+            try:
+                yield next(buckets)  # the stream ends without its last bucket
+            finally:
+                buckets.close()  # type: ignore[attr-defined]
+
+        with pytest.raises(BadRequest):
+            await app.engine.load_weight_buckets(cut_short(), 0)
+        assert app.engine.needs_weights  # it serves nothing rather than a mix of two versions
+        async with asyncio.timeout(120):  # without the new push no rollout could ever finish
+            assert await app.run() == "reached step 1"
+        assert not app.engine.needs_weights and app.engine.policy_version == 1
+        engine: Any = app.engine
+        served = engine._model.state_dict()
+        for name, tensor in app.training.trainer.state_dict_for_engine().items():
+            assert torch.equal(served[name], tensor), name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,134 @@ def test_export_dir_defaults_into_the_run_directory(tmp_path: Path) -> None:
     assert config.export_path == tmp_path / "run" / "export"
     elsewhere = load_config(overrides={"data_dir": tmp_path / "run"}, env={"APPLIANCE_EXPORT_DIR": "/srv/m"})
     assert elsewhere.export_path == Path("/srv/m")
+
+
+def test_trainer_settings_layer_like_every_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.cli import _config_from, _parser
+
+    path = tmp_path / "run.toml"
+    path.write_text('trainer = "verl"\nlora_rank = 8\nparam_dtype = "bf16"\ngradient_checkpointing = true\n')
+    config = load_config(
+        path,
+        {"mini_batches": 2},
+        env={"APPLIANCE_TRAINER_RANKS": "2", "APPLIANCE_KL_COEF": "0.05", "APPLIANCE_LORA_RANK": "16"},
+    )
+    assert (config.trainer, config.lora_rank, config.param_dtype) == (
+        "verl",
+        16,
+        "bf16",
+    )  # env beats the file
+    assert config.gradient_checkpointing is True
+    assert (config.trainer_ranks, config.kl_coef, config.mini_batches) == (2, 0.05, 2)
+    assert config.resolved_trainer_ranks() == 2
+
+    # Flags: ``up`` maps each one onto its field and beats the environment; absent flags keep it.
+    for key in [k for k in os.environ if k.startswith("APPLIANCE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("APPLIANCE_PUSH_BUCKET_MB", "64")
+    monkeypatch.setenv("APPLIANCE_MINI_BATCHES", "3")
+    args = _parser().parse_args(
+        [
+            "up",
+            "--config",
+            str(path),
+            "--trainer-ranks",
+            "4",
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "32",
+            "--no-gradient-checkpointing",
+            "--param-dtype",
+            "fp32",
+            "--kl-coef",
+            "0.1",
+            "--kl-type",
+            "k2",
+            "--mini-batches",
+            "4",
+            "--max-tokens-per-microbatch",
+            "1024",
+        ]
+    )
+    flagged = _config_from(args)
+    assert flagged.trainer_ranks == 4 and flagged.lora_rank == 4 and flagged.lora_alpha == 32
+    assert flagged.gradient_checkpointing is False and flagged.param_dtype == "fp32"
+    assert (flagged.kl_coef, flagged.kl_type, flagged.mini_batches) == (0.1, "k2", 4)
+    assert flagged.max_tokens_per_microbatch == 1024
+    assert flagged.push_bucket_mb == 64  # no flag: the environment's
+    cpu = _config_from(
+        _parser().parse_args(["up", "--trainer", "verl", "--device", "cpu", "--push-bucket-mb", "8"])
+    )
+    assert (cpu.trainer, cpu.device, cpu.push_bucket_mb, cpu.mini_batches) == ("verl", "cpu", 8, 3)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"APPLIANCE_TRAINER_RANKS": "0"}, "trainer_ranks must be at least 1"),
+        ({"APPLIANCE_TRAINER_RANKS": "2"}, 'trainer_ranks > 1 needs trainer = "verl"'),
+        (
+            {"APPLIANCE_LORA_RANK": "8", "APPLIANCE_KL_COEF": "0.1"},
+            'lora_rank, kl_coef need trainer = "verl"',
+        ),
+        ({"APPLIANCE_GRADIENT_CHECKPOINTING": "true"}, 'gradient_checkpointing need trainer = "verl"'),
+        ({"APPLIANCE_TRAINER": "verl", "APPLIANCE_LORA_RANK": "-1"}, "lora_rank must be 0"),
+        ({"APPLIANCE_TRAINER": "verl", "APPLIANCE_MINI_BATCHES": "0"}, "mini_batches must be at least 1"),
+        ({"APPLIANCE_TRAINER": "verl", "APPLIANCE_KL_COEF": "-0.1"}, "kl_coef must be 0 or more"),
+        ({"APPLIANCE_TRAINER": "verl", "APPLIANCE_PARAM_DTYPE": "int8"}, "param_dtype must be one of"),
+        ({"APPLIANCE_MAX_TOKENS_PER_MICROBATCH": "0"}, "max_tokens_per_microbatch must be at least 1"),
+        ({"APPLIANCE_PUSH_BUCKET_MB": "0"}, "push_bucket_mb must be at least 1"),
+    ],
+)
+def test_bad_trainer_settings_are_one_readable_error(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        load_config(env=env)
+    assert "\n" not in raised.value.message
+
+
+def test_trainer_options_are_make_trainers_arguments() -> None:
+    import inspect
+
+    from trainer.factory import VERL_ONLY_OPTIONS
+    from trainer.policy import PolicyTrainer
+
+    torch_options = load_config(
+        env={"APPLIANCE_LR": "0.001", "APPLIANCE_TEMPERATURE": "none"}
+    ).trainer_options()
+    assert torch_options == {
+        "device": "cpu",
+        "lr": 0.001,
+        "grad_clip": 1.0,
+        "temperature": 1.0,  # None (the client's) trains at 1
+        "loss": "ppo",
+        "normalization": "rollout",
+        "max_tokens_per_microbatch": 4096,
+    }
+    assert torch_options.keys() <= inspect.signature(PolicyTrainer).parameters.keys()
+
+    verl = load_config(
+        env={"APPLIANCE_TRAINER": "verl", "APPLIANCE_LORA_RANK": "8", "APPLIANCE_TRAINER_RANKS": "2"}
+    )
+    verl_options = verl.trainer_options()
+    assert verl_options.keys() - torch_options.keys() == VERL_ONLY_OPTIONS
+    assert verl_options["lora_rank"] == 8 and verl_options["lora_alpha"] is None
+    assert verl_options["param_dtype"] is None  # the backend picks bf16 on cuda, fp32 on cpu
+    assert "trainer_ranks" not in verl_options and "push_bucket_mb" not in verl_options
+
+
+def test_trainer_ranks_default_to_the_gpus_only_for_verl_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert load_config(env={}).resolved_trainer_ranks() == 1  # cpu
+    assert load_config(env={"APPLIANCE_DEVICE": "cuda"}).resolved_trainer_ranks() == 1  # torch backend
+    verl = {"APPLIANCE_DEVICE": "cuda", "APPLIANCE_TRAINER": "verl"}
+    assert load_config(env=verl).resolved_trainer_ranks() == 4
+    assert load_config(env={**verl, "APPLIANCE_TRAINER_RANKS": "2"}).resolved_trainer_ranks() == 2
+    assert (
+        load_config(
+            env={"APPLIANCE_TRAINER": "verl", "APPLIANCE_TRAINER_RANKS": "2"}
+        ).resolved_trainer_ranks()
+        == 2
+    )

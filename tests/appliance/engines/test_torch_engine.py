@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from appliance.engines.buckets import WeightBucket, pack_buckets, stream_buckets
 from appliance.engines.sampling import NUCLEUS_CANDIDATES, draw_rows
 from appliance.engines.torch_engine import TorchEngine
 from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, EngineContract, generate, greedy, unsampled_id
+from trainer.policy import PolicyTrainer
 
 #: A stop id no sampled token equals: runs go on to their length.
 NEVER = -1
@@ -337,6 +339,106 @@ async def test_requests_queued_when_the_engine_falls_asleep_fail(joining: TorchE
         await queued
     await joining.wake()
     assert len((await generate(joining, PROMPTS[1], greedy(4))).token_ids) >= 1
+
+
+# --- bucketed weight loads: the trainer's tensors straight into the parameters --------------
+
+
+def exists(path: str) -> bool:
+    return Path(path).exists()
+
+
+def perturbed(model: Any, seed: int) -> None:
+    """Add noise to every parameter of ``model`` in place (a tied head moves with its embedding)."""
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=noise))
+
+
+async def test_trainer_weights_in_buckets_are_served_bit_for_bit(
+    joining: TorchEngine, tiny_model_dir: Path
+) -> None:
+    trainer = PolicyTrainer(tiny_model_dir)
+    perturbed(trainer.model, 3)
+    paths: list[str] = []
+
+    async def watched() -> AsyncIterator[WeightBucket]:
+        async for bucket in stream_buckets(trainer.weight_buckets(4096)):
+            paths.append(bucket.path)
+            yield bucket
+
+    params = greedy(12, [NEVER])
+    before = await generate(joining, PROMPTS[3], params)
+    await joining.load_weight_buckets(watched(), 4)
+    assert joining.policy_version == 4
+    assert len(paths) > 3 and len(set(paths)) == 1 and not exists(paths[0])
+    source, served = trainer.model.state_dict(), joining._model.state_dict()
+    assert source.keys() == served.keys()
+    for name, tensor in source.items():
+        assert torch.equal(served[name], tensor), name
+    assert joining._model.lm_head.weight is joining._model.model.embed_tokens.weight  # still tied
+    after = await generate(joining, PROMPTS[3], params)
+    assert after.policy_version == 4 and after.token_ids != before.token_ids
+
+    # Cast on the way (a bfloat16 push into a float32 engine), after a level-2 sleep.
+    await joining.sleep(2)
+    await joining.wake()
+    await joining.load_weight_buckets(stream_buckets(trainer.weight_buckets(1 << 20, torch.bfloat16)), 5)
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(joining._model.state_dict()[name], tensor.to(torch.bfloat16).float()), name
+    assert (await generate(joining, PROMPTS[3], params)).policy_version == 5
+
+
+async def test_buckets_that_do_not_fit_are_refused_and_a_mix_is_never_served(
+    joining: TorchEngine, tiny_model_dir: Path
+) -> None:
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    perturbed(model, 4)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    params = greedy(10, [NEVER])
+    before = await generate(joining, PROMPTS[2], params)
+
+    def push(items: dict[str, torch.Tensor], bucket_bytes: int = 2048) -> AsyncIterator[WeightBucket]:
+        return stream_buckets(pack_buckets(items.items(), bucket_bytes=bucket_bytes))
+
+    # A bad first bucket: nothing is copied, the old weights serve on.
+    with pytest.raises(BadRequest, match="unexpected"):
+        await joining.load_weight_buckets(push({"model.nope": torch.ones(3), **state}), 1)
+    with pytest.raises(BadRequest, match="wrong shapes"):
+        bad = {"model.norm.weight": torch.ones(3)} | {k: v for k, v in state.items() if "norm" not in k}
+        await joining.load_weight_buckets(push(bad), 1)
+    again = await generate(joining, PROMPTS[2], params)
+    assert (again.token_ids, again.logprobs, joining.policy_version) == (before.token_ids, before.logprobs, 0)
+
+    # A parameter missing at the end, a name sent twice, a stream that stops before its last
+    # bucket: some weights were copied, so the engine refuses to serve until a load completes.
+    missing = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    twice = [*state.items(), ("model.norm.weight", state["model.norm.weight"])]
+
+    async def cut_short() -> AsyncIterator[WeightBucket]:
+        async for bucket in push(state):
+            if bucket.last:
+                return
+            yield bucket
+
+    failures = [
+        (push(missing), "missing"),
+        (stream_buckets(pack_buckets(twice, bucket_bytes=2048)), "repeated"),
+        (cut_short(), "before their last bucket"),
+    ]
+    for stream, message in failures:
+        with pytest.raises(BadRequest, match=message):
+            await joining.load_weight_buckets(stream, 1)
+        assert joining.policy_version == 0
+        with pytest.raises(EngineUnavailable, match="no complete weights"):
+            await generate(joining, PROMPTS[2], params)
+
+    await joining.load_weight_buckets(push(state), 2)
+    assert joining.policy_version == 2
+    assert (await generate(joining, PROMPTS[2], params)).token_ids != before.token_ids
+    for name, tensor in state.items():
+        assert torch.equal(joining._model.state_dict()[name], tensor), name
 
 
 # --- the batched sampler the engine uses, at vocabulary sizes the hand-made tests miss --------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
 from appliance.engines.base import Engine, GenerateRequest, SamplingParams, validate_request
+from appliance.engines.buckets import WeightBucket, pack_buckets, stream_buckets
 from appliance.engines.factory import vllm_python
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.errors import BadRequest, EngineUnavailable
@@ -39,6 +40,7 @@ from tests.appliance.engines.contract import (
     unsampled_id,
 )
 from tests.support import make_config
+from trainer.policy import PolicyTrainer
 
 # absolute(), not resolve(): the venv's python is a symlink to the base interpreter.
 VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
@@ -229,6 +231,98 @@ class TestVLLMEngine(EngineContract):
         await engine.load_weights({k: v for k, v in weights.items() if k != "lm_head.weight"}, 7)
         await engine.load_weights(weights, 8)
         assert engine.policy_version == 8 and engine.switch_times["push"] < 5.0
+
+    async def test_bucketed_push_is_served_bit_for_bit(
+        self, engine: VLLMEngine, tiny_model_dir: Path
+    ) -> None:
+        """The trainer's tensors, pushed in buckets of a few KB (layers straddle buckets), are
+        exactly what vLLM computes with afterwards: read back through its own kernels, the
+        prepacked linear layers and the tied LM head included."""
+        original = original_weights(tiny_model_dir)
+        assert await served_digests(engine) == digests(original)  # the read-back itself is exact
+        trainer = PolicyTrainer(tiny_model_dir)
+        noise = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for param in trainer.model.parameters():
+                param.add_(0.1 * torch.randn(param.shape, generator=noise))
+        paths: list[str] = []
+
+        async def watched() -> AsyncIterator[WeightBucket]:
+            async for bucket in stream_buckets(trainer.weight_buckets(8192)):
+                paths.append(bucket.path)
+                yield bucket
+
+        await engine.load_weight_buckets(watched(), 3)
+        assert engine.policy_version == 3 and len(paths) > 4 and not exists(paths[0])
+        assert await served_digests(engine) == digests(trainer.model.state_dict())
+        result = await generate(engine, PROMPTS[6], greedy(16, [self.unreachable_stop_id]))
+        assert result.policy_version == 3
+        expected = teacher_forced(trainer.model, PROMPTS[6], result.token_ids, 1.0)
+        assert result.logprobs == pytest.approx(expected, abs=self.logprob_atol)
+
+    async def test_a_bucketed_push_that_fails_is_undone_or_refused(
+        self, engine: VLLMEngine, tiny_model_dir: Path
+    ) -> None:
+        original = original_weights(tiny_model_dir)
+        noise = torch.Generator().manual_seed(6)
+        state = {
+            k: v + 0.1 * torch.randn(v.shape, generator=noise)
+            for k, v in original.items()
+            if k != "lm_head.weight"
+        }
+        missing = {k: v for k, v in state.items() if k != "model.norm.weight"}  # found at the last bucket
+        params = greedy(10, [self.unreachable_stop_id])
+        before = await generate(engine, PROMPTS[4], params)
+
+        def push(items: dict[str, torch.Tensor]) -> AsyncIterator[WeightBucket]:
+            return stream_buckets(pack_buckets(items.items(), bucket_bytes=8192))
+
+        # Refused at the first bucket: nothing reached the server.
+        with pytest.raises(BadRequest, match="wrong shapes"):
+            await engine.load_weight_buckets(push({"model.embed_tokens.weight": torch.ones(3)}), 1)
+        # Refused after buckets were loaded: version 0 is put back from the checkpoint.
+        with pytest.raises(BadRequest, match="missing"):
+            await engine.load_weight_buckets(push(missing), 1)
+        assert engine.policy_version == 0
+        assert await served_digests(engine) == digests(original)
+        assert (await generate(engine, PROMPTS[4], params)).token_ids == before.token_ids
+
+        # After a bucketed push no file holds the served version: a failed push cannot be
+        # undone, so nothing is served until a push completes.
+        await engine.load_weight_buckets(push(state), 1)
+        with pytest.raises(BadRequest, match="missing"):
+            await engine.load_weight_buckets(push(missing), 2)
+        with pytest.raises(EngineUnavailable, match="did not complete"):
+            await generate(engine, PROMPTS[4], params)
+        await engine.load_weight_buckets(push(state), 2)
+        assert (await generate(engine, PROMPTS[4], params)).policy_version == 2
+        assert await served_digests(engine) == digests(
+            {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+        )
+
+
+def exists(path: str) -> bool:
+    return Path(path).exists()
+
+
+def digests(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """What ``appliance_weight_digests`` computes, for weights held here (float32, -0.0 as 0.0)."""
+    return {
+        name: hashlib.sha256((t.detach().float() + 0.0).contiguous().numpy().tobytes()).hexdigest()
+        for name, t in weights.items()
+    }
+
+
+async def served_digests(engine: VLLMEngine) -> dict[str, str]:
+    """Per HF name, the digest of the weight the server computes with (``vllm_worker.py``)."""
+    body = {"method": "appliance_weight_digests"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{engine.base_url}/collective_rpc", json=body) as response,
+    ):
+        assert response.status == 200, await response.text()
+        results: list[dict[str, str]] = (await response.json())["results"]
+    return results[0]
 
 
 async def test_missing_venv_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,92 @@
+"""The appliance with verl's trainer over rank processes (gloo): steps, bucketed pushes that leave
+the engine's weights bit-identical to the trainer's, a rank killed between steps (one failed
+step, the ranks restarted from the published version, the run goes on), and a run resumed from
+its sharded checkpoints with another number of ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from appliance.app import Appliance
+from store.events import ApplianceStarted, TrainStepCompleted, TrainStepFailed
+from store.eventstore import EventStore
+from store.projections import RunState
+from tests.support import make_config
+from trainer.ranks import RankedTrainer
+
+
+def assert_engine_serves_the_trainer(app: Appliance) -> None:
+    trainer = app.training.trainer
+    engine: Any = app.engine
+    served = engine._model.state_dict()
+    pushed = trainer.state_dict_for_engine()
+    assert served.keys() == pushed.keys()
+    for name, tensor in pushed.items():
+        assert torch.equal(served[name], tensor), name
+
+
+async def test_two_ranks_train_push_and_survive_a_killed_rank(tmp_path: Path, tiny_model_dir: Path) -> None:
+    killed: list[int] = []
+
+    def kill_a_rank(completed: TrainStepCompleted, state: RunState) -> None:
+        trainer = app.training.trainer
+        assert isinstance(trainer, RankedTrainer)
+        if not killed:  # after the first step: the next onload finds rank 1 gone
+            killed.append(trainer.group.pids()[1])
+            os.kill(killed[0], signal.SIGKILL)
+
+    config = make_config(
+        tmp_path, tiny_model_dir, trainer="verl", trainer_ranks=2, max_steps=2, push_bucket_mb=1
+    )
+    async with Appliance(config, on_step=kill_a_rank) as app:
+        trainer = app.training.trainer
+        assert isinstance(trainer, RankedTrainer) and trainer.ranks == 2
+        assert await app.run() == "reached step 2"
+        assert app.engine.policy_version == 2
+        assert killed and killed[0] not in trainer.group.pids()  # restarted
+        assert_engine_serves_the_trainer(app)
+        events = [s.event for s in await app.store.read()]
+
+    (started,) = [e for e in events if isinstance(e, ApplianceStarted)]
+    assert started.trainer_ranks == 2
+    failed = [e for e in events if isinstance(e, TrainStepFailed)]
+    assert [f.step for f in failed] == [2]
+    assert "trainer rank 1 died" in failed[0].error
+    assert [e.step for e in events if isinstance(e, TrainStepCompleted)] == [1, 2]
+
+
+async def test_a_run_resumes_with_another_number_of_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """2 ranks -> 1 -> 2 over three starts of one run: each start trains on from the sharded
+    checkpoint of the last (weights equal to what the previous start ended with)."""
+    ended: dict[str, torch.Tensor] | None = None
+    for ranks, target in ((2, 1), (1, 2), (2, 3)):
+        config = make_config(tmp_path, tiny_model_dir, trainer="verl", trainer_ranks=ranks, max_steps=target)
+        async with Appliance(config) as app:
+            trainer = app.training.trainer
+            assert isinstance(trainer, RankedTrainer) and trainer.ranks == ranks
+            if ended is not None:
+                restored = trainer.state_dict_for_engine()
+                assert restored.keys() == ended.keys()
+                assert all(torch.equal(restored[k], ended[k]) for k in ended)
+                assert_engine_serves_the_trainer(app)
+            assert await app.run() == f"reached step {target}"
+            assert_engine_serves_the_trainer(app)
+            ended = trainer.state_dict_for_engine()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert any(p.is_dir() and (p / "manifest.json").is_file() for p in checkpoints.iterdir())
+    events = [s.event for s in await read_events(tmp_path / "run")]
+    assert [e.trainer_ranks for e in events if isinstance(e, ApplianceStarted)] == [2, 1, 2]
+    assert [e.step for e in events if isinstance(e, TrainStepCompleted)] == [1, 2, 3]
+
+
+async def read_events(run_dir: Path) -> list[Any]:
+    store = await EventStore.open(run_dir / "events.sqlite")
+    try:
+        return list(await store.read())
+    finally:
+        await store.close()

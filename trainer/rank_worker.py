@@ -1,0 +1,111 @@
+"""The body of one trainer rank: a worker process that runs commands on its verl trainer.
+
+Owns :func:`serve`, the target ``trainer.ranks.RankGroup`` spawns once per rank. It joins the
+process group (``init_method``, a file every rank shares), builds its ``VerlFSDPTrainer`` (rank
+``r`` of ``n``: FSDP shards parameters, gradients and optimizer state over the ranks), answers
+``Ok`` once ready, then runs the commands of ``trainer.rank_rpc`` one at a time until
+``Shutdown`` or until the driver's end of the pipe closes. A command that raises answers
+``Failed`` with the traceback; the driver then stops every rank (a rank that raised inside a
+collective leaves the others waiting in it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.rank_rpc import (
+    BucketReady,
+    Command,
+    Continue,
+    Failed,
+    Load,
+    Offload,
+    Ok,
+    Onload,
+    PushWeights,
+    RunStep,
+    Save,
+    Shutdown,
+    StateDict,
+)
+
+log = logging.getLogger(__name__)
+
+
+def serve(
+    conn: Connection,
+    *,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    model_dir: str,
+    options: dict[str, Any],
+    threads: int | None,
+) -> None:
+    """Run rank ``rank`` of ``world_size`` until told to stop (the spawned process's target)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from trainer.verl_backend import VerlFSDPTrainer
+
+        trainer = VerlFSDPTrainer(
+            model_dir, rank=rank, world_size=world_size, init_method=init_method, **options
+        )
+    except BaseException as exc:
+        conn.send(Failed(type(exc).__name__, str(exc), traceback.format_exc()))
+        return
+    conn.send(Ok())
+    try:
+        while True:
+            try:
+                command: Command = conn.recv()
+            except EOFError:
+                return  # the driver went away
+            if isinstance(command, Shutdown):
+                conn.send(Ok())
+                return
+            try:
+                conn.send(Ok(_run(trainer, command, conn)))
+            except Exception as exc:
+                conn.send(Failed(type(exc).__name__, str(exc), traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _run(trainer: Any, command: Command, conn: Connection) -> Any:
+    if isinstance(command, RunStep):
+        return trainer.run_step(command.work)
+    if isinstance(command, Save):
+        trainer.global_step = command.step
+        return trainer.save(command.store, command.version)
+    if isinstance(command, Load):
+        version = trainer.load(command.store, command.version)
+        return version, trainer.global_step
+    if isinstance(command, Offload):
+        return trainer.offload()
+    if isinstance(command, Onload):
+        return trainer.onload()
+    if isinstance(command, PushWeights):
+        dtype = getattr(torch, command.dtype) if command.dtype else None
+        directory = Path(command.directory) if command.directory else None
+        count = 0
+        for bucket in trainer.weight_buckets(command.bucket_bytes, dtype=dtype, directory=directory):
+            conn.send(BucketReady(bucket))
+            reply = conn.recv()
+            if not isinstance(reply, Continue):
+                raise RuntimeError(f"expected Continue during a weight push, got {type(reply).__name__}")
+            count += 1
+        return count
+    if isinstance(command, StateDict):
+        state = trainer.state_dict_for_engine()
+        return state if trainer.rank == 0 else None
+    raise TypeError(f"unknown trainer rank command {type(command).__name__}")
