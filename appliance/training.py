@@ -127,13 +127,22 @@ class TrainingService:
         if not state.checkpoint:
             return
         version = state.policy_version
-        source: CheckpointStore | ShardedStore = self.checkpoints
-        if state.checkpoint and (self.run_dir / state.checkpoint).parent == self.weights.directory:
+        # A run written before checkpoints were sharded names ``.pt`` files: read those as such.
+        single_file = state.checkpoint.endswith(".pt")
+        source: CheckpointStore | ShardedStore = (
+            CheckpointStore(self.checkpoints.directory, self.checkpoints.keep)
+            if single_file and isinstance(self.checkpoints, ShardedStore)
+            else self.checkpoints
+        )
+        if (self.run_dir / state.checkpoint).parent == self.weights.directory:
             base = state.last_checkpoint
             optimizer_from = (
                 self.run_dir / base.path if base is not None and base.policy_version <= version else None
             )
-            if isinstance(self.weights, ShardedWeightsStore):
+            if isinstance(self.weights, ShardedWeightsStore) and not single_file:
+                if optimizer_from is not None and optimizer_from.suffix == ".pt":
+                    log.warning("the optimizer state in %s is not sharded: it starts afresh", optimizer_from)
+                    optimizer_from = None
                 source = ShardedWeightsStore(
                     self.weights.directory,
                     self.weights.keep,
@@ -163,12 +172,12 @@ class TrainingService:
         try:
             return await action()
         except TrainerRankFailed:
-            known = state if state is not None else self._published
-            if known is not None:
-                try:
-                    await self.recover(known)
-                except Exception:
-                    log.exception("the trainer ranks could not be restarted; the next use tries again")
+            # Nothing restored or trained yet: the run is at version 0, the model's own weights.
+            known = state if state is not None else (self._published or RunState())
+            try:
+                await self.recover(known)
+            except Exception:
+                log.exception("the trainer ranks could not be restarted; the next use tries again")
             raise
 
     async def onload(self) -> None:
@@ -312,10 +321,10 @@ class TrainingService:
         try:
             await self.engine.load_weight_buckets(self._buckets(), version)
         except TrainerRankFailed:
-            if self._published is None or getattr(self.trainer, "restart", None) is None:
+            if getattr(self.trainer, "restart", None) is None:
                 raise
             log.warning("a trainer rank failed during the push of version %d; pushing again", version)
-            await self.recover(self._published)
+            await self.recover(self._published or RunState())
             await self.engine.load_weight_buckets(self._buckets(), version)
 
     async def _buckets(self) -> AsyncIterator[WeightBucket]:

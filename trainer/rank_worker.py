@@ -53,6 +53,9 @@ def serve(
     if threads is not None:
         torch.set_num_threads(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # A deprecation note torch logs once per process when transformers asks whether it is
+    # being traced (every rank would print it to the appliance's terminal).
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     try:
         from trainer.verl_backend import VerlFSDPTrainer
 

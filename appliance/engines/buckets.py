@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,11 @@ def default_directory() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
+#: The bucket files this process has open for writing, by path (``bucket_tensors`` reads a
+#: bucket made in this process through the same mapping).
+_OPEN: weakref.WeakValueDictionary[str, BucketBuffer] = weakref.WeakValueDictionary()
+
+
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
@@ -95,6 +101,7 @@ class BucketBuffer:
         self.size = 0
         self._bytes: torch.Tensor | None = None
         self.grow(size)
+        _OPEN[str(path)] = self
 
     @classmethod
     def create(cls, directory: Path | None = None, size: int = 0) -> BucketBuffer:
@@ -131,6 +138,7 @@ class BucketBuffer:
     def close(self) -> None:
         """Unlink the file and drop the mapping (views still held keep their pages). Idempotent."""
         self._bytes = None
+        _OPEN.pop(str(self.path), None)
         self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> BucketBuffer:
@@ -188,14 +196,22 @@ def bucket_tensors(bucket: WeightBucket) -> Iterator[tuple[str, torch.Tensor]]:
     valid while the bucket is.
 
     The file is mapped copy-on-write (``MAP_PRIVATE``): the views read the file's pages without
-    copying them, and a write to a view, should a consumer make one, never reaches the file.
+    copying them, and a write to a view, should a consumer make one, never reaches the file. A
+    bucket written in this process is read through its writer's mapping instead (the same pages
+    are not mapped twice); consumers only read.
     """
     end = max((entry.offset + entry.nbytes for entry in bucket.entries), default=0)
     if end == 0:
         for entry in bucket.entries:  # only empty tensors
             yield entry.name, torch.empty(entry.shape, dtype=dtype_of(entry.dtype))
         return
-    raw = torch.from_file(bucket.path, shared=False, size=end, dtype=torch.uint8)
+    producer = _OPEN.get(bucket.path)
+    if producer is not None and producer.size >= end:
+        # Written in this process: read through the producer's own mapping (no second mapping
+        # of the same pages, no page faults); the consumer only reads the views.
+        raw = producer.bytes
+    else:
+        raw = torch.from_file(bucket.path, shared=False, size=end, dtype=torch.uint8)
     for entry in bucket.entries:
         view = raw[entry.offset : entry.offset + entry.nbytes].view(dtype_of(entry.dtype))
         yield entry.name, view.view(entry.shape)

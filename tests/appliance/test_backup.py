@@ -145,3 +145,35 @@ async def test_backup_of_a_live_run_resumes_at_the_backed_up_version(tmp_path: P
     started = [e for e in after if isinstance(e, ApplianceStarted)]
     assert [(e.resumed_from_version, e.resumed_from_step) for e in started] == [(version, step)]
     assert [e.policy_version for e in after if isinstance(e, PolicyVersionPublished)] == [version + 1]
+
+
+def test_a_backup_of_a_sharded_run_resumes_with_another_number_of_ranks(tmp_path: Path) -> None:
+    """verl's checkpoints are directories of per-rank shards: the backup copies them whole, and
+    the copy resumes with one rank what two ranks trained."""
+    data_dir, destination = tmp_path / "run", tmp_path / "backup"
+    small = ("--headless", "--model", "tiny", "--port", "0", "--group-size", "2", "--batch-groups", "1")
+    done = cli(
+        "up", *small, "--data-dir", str(data_dir), "--steps", "1", "--trainer", "verl", "--trainer-ranks", "2"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = cli("backup", str(destination), "--data-dir", str(data_dir))
+    assert done.returncode == 0, done.stdout + done.stderr
+    state = RunState.from_events(read_events_sync(destination / "events.sqlite"))
+    assert state.checkpoint and (destination / state.checkpoint / "manifest.json").is_file()
+    assert state.last_checkpoint is not None
+    assert (destination / state.last_checkpoint.path / "manifest.json").is_file()
+
+    done = cli(
+        "up",
+        *small,
+        "--data-dir",
+        str(destination),
+        "--steps",
+        "2",
+        "--trainer",
+        "verl",
+        "--trainer-ranks",
+        "1",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stopped: reached step 2" in done.stdout

@@ -50,6 +50,14 @@ async def test_two_ranks_train_push_and_survive_a_killed_rank(tmp_path: Path, ti
         assert app.engine.policy_version == 2
         assert killed and killed[0] not in trainer.group.pids()  # restarted
         assert_engine_serves_the_trainer(app)
+
+        # A rank that dies during a push: the ranks restart at the published version and the
+        # push is made again.
+        before = trainer.group.pids()
+        os.kill(before[0], signal.SIGKILL)
+        await app.training.push(app.live.state.policy_version)
+        assert not set(before) & set(trainer.group.pids())
+        assert_engine_serves_the_trainer(app)
         events = [s.event for s in await app.store.read()]
 
     (started,) = [e for e in events if isinstance(e, ApplianceStarted)]

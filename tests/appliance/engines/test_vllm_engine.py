@@ -384,6 +384,35 @@ async def test_supervisor_restarts_a_killed_server(server: VLLMEngine, tiny_mode
     assert server.switch_times["restart"] > 0
 
 
+async def test_a_restart_after_a_bucketed_push_asks_for_the_weights_again(
+    server: VLLMEngine, tiny_model_dir: Path
+) -> None:
+    """A bucketed push leaves no file to replay: the restarted server reports ``needs_weights``
+    (the scheduler then pushes the published version) and serves nothing until a push."""
+    trainer = PolicyTrainer(tiny_model_dir)
+    noise = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=noise))
+    await server.load_weight_buckets(stream_buckets(trainer.weight_buckets(1 << 16)), 4)
+    assert not server.needs_weights
+    restarts = server.restarts
+    assert server._server is not None
+    server._server.kill()
+    async with asyncio.timeout(540):
+        while True:  # the supervisor relaunches it in the background
+            await asyncio.sleep(0.5)
+            if server.restarts > restarts:
+                break
+    assert server.needs_weights
+    with pytest.raises(EngineUnavailable, match="weight push"):
+        await generate(server, PROMPTS[2], greedy(4))
+    await server.load_weight_buckets(stream_buckets(trainer.weight_buckets(1 << 16)), 4)
+    assert not server.needs_weights
+    assert await served_digests(server) == digests(trainer.model.state_dict())
+    assert (await generate(server, PROMPTS[2], greedy(4))).policy_version == 4
+
+
 async def varied_reward_agent(task: Task, client: ClientConfig) -> float:
     """One chat call through the proxy, rewarded by a hash of the reply and the rollout: rollouts of
     a group differ, so the step has a non-zero advantage to learn from (the example agent's
