@@ -21,20 +21,26 @@ worst a ``.tmp`` file, which the next :class:`CheckpointStore` removes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from appliance.errors import ApplianceError
 
+if TYPE_CHECKING:
+    from appliance.engines.buckets import WeightBucket
+
 _NAME = re.compile(r"^v(\d{6,})\.pt$")
 _TMP_SUFFIX = ".tmp"
 _KEYS = ("version", "step", "model", "optimizer")
+#: Size of the safetensors shards of an export written from buckets (``buckets_to_hf``).
+EXPORT_BUCKET_BYTES = 2 << 30
 
 
 class CheckpointError(ApplianceError):
@@ -231,6 +237,45 @@ def export_hf_model(save_pretrained: Callable[[Path], None], model_dir: Path, di
         raise
     _fsync_directory(directory.parent)
     return directory
+
+
+def buckets_to_hf(buckets: Iterable[WeightBucket]) -> Callable[[Path], None]:
+    """A ``save_pretrained`` for :func:`export_hf_model` from a weight push's buckets
+    (``Trainer.weight_buckets``): each bucket becomes one safetensors shard as it comes
+    (``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``, as Hugging Face
+    writes a sharded model; ``model.safetensors`` when one bucket holds it all), so the export
+    holds one bucket in memory, never the whole model. A tied LM head left out of the buckets is
+    tied again by the model's config when it is loaded."""
+
+    def save(target: Path) -> None:
+        from safetensors.torch import save_file
+
+        from appliance.engines.buckets import bucket_tensors
+
+        weight_map: dict[str, str] = {}
+        files: list[Path] = []
+        total = 0
+        for bucket in buckets:
+            path = target / f"model-{len(files) + 1:05d}.safetensors"
+            tensors = dict(bucket_tensors(bucket))
+            save_file(tensors, str(path), metadata={"format": "pt"})
+            files.append(path)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, path.name))
+        if len(files) == 1:
+            files[0].replace(target / "model.safetensors")
+            return
+        names = {}
+        for k, path in enumerate(files, start=1):
+            names[path.name] = f"model-{k:05d}-of-{len(files):05d}.safetensors"
+            path.replace(target / names[path.name])
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: names[file] for name, file in sorted(weight_map.items())},
+        }
+        (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    return save
 
 
 def full_state_to_hf(model_dir: Path, state: Mapping[str, Any]) -> Callable[[Path], None]:

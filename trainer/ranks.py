@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model, full_state_to_hf
+from trainer.checkpoints import (
+    EXPORT_BUCKET_BYTES,
+    CheckpointError,
+    CheckpointStore,
+    buckets_to_hf,
+    export_hf_model,
+)
 from trainer.items import StepOutput, TrainItem
 from trainer.normalization import check_normalization
 from trainer.rank_rpc import (
@@ -354,5 +360,5 @@ class RankedTrainer:
         return state
 
     def export_hf(self, directory: Path) -> Path:
-        state = self.state_dict_for_engine()
-        return export_hf_model(full_state_to_hf(self.model_dir, state), self.model_dir, directory)
+        buckets = self.weight_buckets(EXPORT_BUCKET_BYTES)
+        return export_hf_model(buckets_to_hf(buckets), self.model_dir, directory)

@@ -48,7 +48,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model, full_state_to_hf
+from trainer.checkpoints import (
+    EXPORT_BUCKET_BYTES,
+    CheckpointError,
+    CheckpointStore,
+    buckets_to_hf,
+    export_hf_model,
+)
 from trainer.items import StepOutput, TrainItem
 from trainer.losses import OFF_POLICY_MODES, LossMode, OffPolicy, actor_config, check_option
 from trainer.normalization import Normalization, check_normalization
@@ -479,7 +485,8 @@ class VerlFSDPTrainer:
         return version
 
     def export_hf(self, directory: Path) -> Path:
-        """Write the current (merged) weights and ``model_dir``'s tokenizer files as an HF dir."""
+        """Write the current (merged) weights and ``model_dir``'s tokenizer files as an HF dir,
+        from the push's buckets (one safetensors shard each; never the whole model in memory)."""
         return export_hf_model(
-            full_state_to_hf(self.model_dir, self.state_dict_for_engine()), self.model_dir, directory
+            buckets_to_hf(self.weight_buckets(EXPORT_BUCKET_BYTES)), self.model_dir, directory
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ import torch
 from appliance.app import Appliance
 from store.events import ApplianceStarted, TrainStepCompleted, TrainStepFailed
 from store.eventstore import EventStore
-from store.projections import RunState
 from tests.support import make_config
 from trainer.ranks import RankedTrainer
 
@@ -31,21 +31,24 @@ def assert_engine_serves_the_trainer(app: Appliance) -> None:
 
 
 async def test_two_ranks_train_push_and_survive_a_killed_rank(tmp_path: Path, tiny_model_dir: Path) -> None:
-    killed: list[int] = []
-
-    def kill_a_rank(completed: TrainStepCompleted, state: RunState) -> None:
-        trainer = app.training.trainer
-        assert isinstance(trainer, RankedTrainer)
-        if not killed:  # after the first step: the next onload finds rank 1 gone
-            killed.append(trainer.group.pids()[1])
-            os.kill(killed[0], signal.SIGKILL)
-
     config = make_config(
         tmp_path, tiny_model_dir, trainer="verl", trainer_ranks=2, max_steps=2, push_bucket_mb=1
     )
-    async with Appliance(config, on_step=kill_a_rank) as app:
+    async with Appliance(config) as app:
         trainer = app.training.trainer
         assert isinstance(trainer, RankedTrainer) and trainer.ranks == 2
+        real_step = trainer.step
+        killed: list[int] = []
+
+        def step_losing_a_rank(items: Any) -> Any:
+            # The second step loses rank 1 once it has begun: rank 0 is left waiting for it in
+            # the step's first collective.
+            if trainer.global_step == 1 and not killed:
+                killed.append(trainer.group.pids()[1])
+                threading.Timer(0.05, os.kill, (killed[0], signal.SIGKILL)).start()
+            return real_step(items)
+
+        trainer.step = step_losing_a_rank  # type: ignore[method-assign]
         assert await app.run() == "reached step 2"
         assert app.engine.policy_version == 2
         assert killed and killed[0] not in trainer.group.pids()  # restarted

@@ -7,6 +7,7 @@ trains on.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from appliance.engines.buckets import bucket_tensors
 from tests.trainer.helpers import sample
-from trainer.checkpoints import CheckpointStore
+from trainer.checkpoints import CheckpointStore, buckets_to_hf, export_hf_model
 from trainer.items import TrainItem
 from trainer.rank_rpc import TrainerRankFailed
 from trainer.ranks import RankedTrainer
@@ -185,3 +186,24 @@ def test_lora_over_two_ranks_steps_and_pushes_as_one(tiny_model_dir: Path, hf_mo
             torch.testing.assert_close(tensor, merged[name], rtol=0, atol=5e-3 * LR, msg=name)
     finally:
         two.close()
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 20_000])
+def test_export_from_ranks_is_written_bucket_by_bucket(
+    two_ranks: RankedTrainer, tiny_model_dir: Path, tmp_path: Path, bucket_bytes: int | None
+) -> None:
+    """The HF export is written from the push's buckets (one safetensors shard each, an index
+    when there are several): it loads with transformers as the trainer's weights."""
+    if bucket_bytes is None:
+        out = two_ranks.export_hf(tmp_path / "final")
+        assert (out / "model.safetensors").is_file()
+    else:
+        out = export_hf_model(
+            buckets_to_hf(two_ranks.weight_buckets(bucket_bytes)), tiny_model_dir, tmp_path / "f"
+        )
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1
+    exported: Any = AutoModelForCausalLM.from_pretrained(out)
+    loaded = exported.state_dict()
+    for name, tensor in two_ranks.state_dict_for_engine().items():
+        assert torch.equal(loaded[name], tensor), name
