@@ -72,6 +72,11 @@ _REPLACED = ".replaced"  # a complete older copy of a version being written agai
 _DISCARDED = ".discarded"  # a version being deleted
 # Sharded (local) state dicts: DTensors as they are, on their device, no gather.
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
+#: The same, without the frozen parameters (LoRA's base model: they are ``model_dir``'s own).
+_TRAINABLE = StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True)
+_TRAINABLE_LOAD = StateDictOptions(
+    full_state_dict=False, cpu_offload=False, ignore_frozen_params=True, strict=False
+)
 
 T = TypeVar("T")
 
@@ -91,6 +96,9 @@ class Manifest:
     world_size: int
     #: The trainer's small state (rank 0's), as JSON gave it back.
     trainer_state: dict[str, Any]
+    #: Only the trainable parameters were stored: the frozen ones (LoRA's base weights) are the
+    #: model directory's, which the loading trainer was built from.
+    trainable_only: bool = False
 
 
 # --- process group helpers ------------------------------------------------------------------------
@@ -190,6 +198,7 @@ def read_manifest(directory: Path) -> Manifest:
             dtype=raw["dtype"],
             world_size=int(raw["world_size"]),
             trainer_state=raw["trainer_state"],
+            trainable_only=bool(raw.get("trainable_only", False)),
         )
         if manifest.kind not in ("weights", "full") or not isinstance(manifest.dtype, str | None):
             raise ValueError(f"kind {manifest.kind!r}, dtype {manifest.dtype!r}")
@@ -224,6 +233,8 @@ def save_sharded(
     complete and durable, on every rank.
     """
     directory = Path(directory)
+    # A module with frozen parameters (LoRA) stores only what training changes: its adapters.
+    trainable_only = any(not param.requires_grad for param in module.parameters())
     if dtype is not None and (optimizer is not None or not dtype.is_floating_point):
         raise ValueError(f"dtype {dtype}: only a weights checkpoint (no optimizer) is cast, to a float dtype")
     manifest = {
@@ -235,6 +246,7 @@ def save_sharded(
         "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
         "world_size": dist.get_world_size() if _distributed() else 1,
         "trainer_state": trainer_state,
+        "trainable_only": trainable_only,
     }
     text = json.dumps(manifest, indent=2, sort_keys=True)  # TypeError on every rank alike
     partial = _aside(directory, _PARTIAL)
@@ -257,7 +269,7 @@ def save_sharded(
         shutil.rmtree(replaced, ignore_errors=True)
 
     _on_rank0(prepare)
-    model_state = get_model_state_dict(module, options=_SHARDED)
+    model_state = get_model_state_dict(module, options=_TRAINABLE if trainable_only else _SHARDED)
     if dtype is not None:
         # DTensor.to keeps the placements: each rank casts only its own shard.
         model_state = {
@@ -300,9 +312,14 @@ def load_sharded(
     """
     directory = Path(directory)
     manifest = _on_rank0(lambda: read_manifest(directory))
-    model_state = get_model_state_dict(module, options=_SHARDED)
-    _load(directory, {"model": model_state})
-    set_model_state_dict(module, model_state, options=_SHARDED)
+    if manifest.trainable_only:  # the frozen parameters stay as the module was built
+        model_state = get_model_state_dict(module, options=_TRAINABLE)
+        _load(directory, {"model": model_state})
+        set_model_state_dict(module, model_state, options=_TRAINABLE_LOAD)
+    else:
+        model_state = get_model_state_dict(module, options=_SHARDED)
+        _load(directory, {"model": model_state})
+        set_model_state_dict(module, model_state, options=_SHARDED)
     if optimizer is None:
         return manifest
     source = directory

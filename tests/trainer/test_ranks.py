@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from appliance.engines.buckets import bucket_tensors
@@ -26,6 +27,7 @@ from trainer.checkpoints import CheckpointStore, buckets_to_hf, export_hf_model
 from trainer.items import TrainItem
 from trainer.rank_rpc import TrainerRankFailed
 from trainer.ranks import RankedTrainer
+from trainer.sharded import ShardedStore
 from trainer.verl_backend import VerlFSDPTrainer
 
 LR = 1e-2
@@ -168,7 +170,9 @@ def test_ranks_write_their_shards_into_the_buckets(
         assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
 
 
-def test_lora_over_two_ranks_steps_and_pushes_as_one(tiny_model_dir: Path, hf_model: Any) -> None:
+def test_lora_over_two_ranks_steps_pushes_and_checkpoints_as_one(
+    tiny_model_dir: Path, hf_model: Any, tmp_path: Path
+) -> None:
     options: dict[str, Any] = {"lr": LR, "lora_rank": 4, "lora_alpha": 8}
     one = VerlFSDPTrainer(tiny_model_dir, **options)
     two = RankedTrainer(tiny_model_dir, ranks=2, threads=1, **options)
@@ -184,6 +188,21 @@ def test_lora_over_two_ranks_steps_and_pushes_as_one(tiny_model_dir: Path, hf_mo
         assert got.keys() == merged.keys() - {"lm_head.weight"}
         for name, tensor in got.items():
             torch.testing.assert_close(tensor, merged[name], rtol=0, atol=5e-3 * LR, msg=name)
+
+        # Checkpointed: the adapters (and their optimizer state) only, the base being the
+        # model directory's; a fresh trainer of another world size loads them back.
+        store = ShardedStore(tmp_path / "checkpoints")
+        two.global_step = 1
+        path = two.save(store, 1)
+        assert store.manifest(1).trainable_only
+        stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        base = [k for k in stored if k.startswith("model.") and "lora_" not in k]
+        assert base in ([], ["model.base_model.model.lm_head.weight"])  # (an alias of the embedding)
+        fresh = VerlFSDPTrainer(tiny_model_dir, **options)
+        assert fresh.load(store, 1) == 1
+        loaded = fresh.state_dict_for_engine()
+        for name, tensor in two.state_dict_for_engine().items():
+            assert torch.equal(loaded[name], tensor), name
     finally:
         two.close()
 
