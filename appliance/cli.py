@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="verl: recompute activations in the backward pass",
     )
+    up.add_argument(
+        "--remove-padding",
+        action=argparse.BooleanOptionalAction,
+        help="verl: pack each micro-batch's sequences without padding (default: on)",
+    )
     up.add_argument("--param-dtype", help="verl: bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)")
     up.add_argument("--kl-coef", type=float, help="verl: KL penalty to the initial policy (0: none)")
     up.add_argument("--kl-type", help="verl: KL estimator (default low_var_kl)")

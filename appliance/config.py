@@ -28,6 +28,7 @@ VERL_ONLY = (
     "lora_rank",
     "lora_alpha",
     "gradient_checkpointing",
+    "remove_padding",
     "param_dtype",
     "kl_coef",
     "kl_type",
@@ -103,6 +104,9 @@ class ApplianceConfig:
     lora_alpha: int | None = None
     #: verl only: recompute activations in the backward pass (less memory, more compute).
     gradient_checkpointing: bool = False
+    #: verl only: pack each micro-batch's sequences into one row without padding (the model
+    #: separates them by their position ids); False pads them to the longest.
+    remove_padding: bool = True
     #: verl only: dtype of the FSDP parameters, "bf16", "fp16" or "fp32" (None: bf16 on cuda,
     #: fp32 on cpu); gradients are reduced and kept in fp32.
     param_dtype: str | None = None

@@ -8,9 +8,9 @@ Both take ``model_dir`` and the common options ``device``, ``lr``, ``weight_deca
 ``grad_clip``, ``clip_ratio``, ``clip_ratio_high``, ``temperature``, ``max_tokens_per_microbatch``,
 ``loss``, ``off_policy``, ``is_cap``, ``normalization``, ``max_sample_tokens``, ``overflow``. Only
 "verl" has ``kl_coef``/``kl_type`` (a reference model), ``lora_rank``/``lora_alpha``,
-``mini_batches``, ``param_dtype`` and ``gradient_checkpointing``. The defaults differ in one
-place: ``off_policy`` is "bypass" for "torch" (its historical behaviour) and "decoupled" (truncated
-importance sampling) for "verl".
+``mini_batches``, ``param_dtype``, ``gradient_checkpointing`` and ``remove_padding``. The
+defaults differ in one place: ``off_policy`` is "bypass" for "torch" (its historical behaviour)
+and "decoupled" (truncated importance sampling) for "verl".
 
 ``ranks``: None builds the trainer in this process (world size 1). A number builds verl's trainer
 as that many worker processes (``trainer.ranks.RankedTrainer``: one per GPU, or processes on gloo
@@ -29,7 +29,16 @@ BACKENDS: tuple[str, ...] = get_args(Backend)
 
 #: Options only the verl backend understands.
 VERL_ONLY_OPTIONS = frozenset(
-    {"kl_coef", "kl_type", "lora_rank", "lora_alpha", "mini_batches", "param_dtype", "gradient_checkpointing"}
+    {
+        "kl_coef",
+        "kl_type",
+        "lora_rank",
+        "lora_alpha",
+        "mini_batches",
+        "param_dtype",
+        "gradient_checkpointing",
+        "remove_padding",
+    }
 )
 
 

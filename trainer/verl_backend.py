@@ -9,10 +9,13 @@ anything the plain-torch backend (``trainer.policy``) owns for itself.
 
 One code path for CPU and GPU: on CPU the engine runs on gloo (a CPU platform registered with
 verl, fp32); on CUDA on NCCL with FSDP2 mixed precision (bf16 compute, fp32 master weights and
-gradient reduction). Both use ``sdpa`` attention on padded micro-batches
-(``use_remove_padding=False``: no flash-attn needed). One instance is one rank: world size 1 in
-the appliance's process, or rank ``r`` of ``n`` in a trainer worker process (``trainer.ranks``),
-where FSDP shards parameters, gradients and optimizer state over the ranks.
+gradient reduction). Both use ``sdpa`` attention on micro-batches cut by a token budget
+(``max_tokens_per_microbatch``) whose sequences are packed into one row without padding
+(``remove_padding``, the default: transformers builds the block-diagonal causal mask from the
+position ids, so no flash-attn is needed; ``remove_padding=False`` pads them instead). One
+instance is one rank: world size 1 in the appliance's process, or rank ``r`` of ``n`` in a
+trainer worker process (``trainer.ranks``), where FSDP shards parameters, gradients and
+optimizer state over the ranks.
 
 A step: rows (sample, advantage, weight) -> mini-batches of whole rollouts (one by default),
 planned once and dealt over the ranks (``trainer.step_plan``) -> on each rank, for each
@@ -89,7 +92,7 @@ def _quiet() -> Iterator[None]:
 
 def _build_engine(model_dir: Path, *, lr: float, weight_decay: float, grad_clip: float, **kw: Any) -> Any:
     """One verl ``FSDPEngineWithLMHead``, initialized. ``kw``: lora_rank, lora_alpha,
-    param_dtype, gradient_checkpointing, max_token_len, param_offload."""
+    param_dtype, gradient_checkpointing, remove_padding, max_token_len, param_offload."""
     with _quiet():
         from verl.trainer.config import CheckpointConfig
         from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -99,7 +102,7 @@ def _build_engine(model_dir: Path, *, lr: float, weight_decay: float, grad_clip:
             path=str(model_dir),
             load_tokenizer=False,
             override_config={"attn_implementation": "sdpa"},
-            use_remove_padding=False,
+            use_remove_padding=kw["remove_padding"],
             enable_gradient_checkpointing=kw["gradient_checkpointing"],
             lora_rank=kw["lora_rank"],
             lora_alpha=kw["lora_alpha"],
@@ -160,6 +163,7 @@ class VerlFSDPTrainer:
         mini_batches: int = 1,
         param_dtype: str | None = None,
         gradient_checkpointing: bool = False,
+        remove_padding: bool = True,
         max_sample_tokens: int | None = None,
         overflow: Overflow = "cut",
         rank: int = 0,
@@ -184,6 +188,7 @@ class VerlFSDPTrainer:
         self.lora_alpha = lora_alpha if lora_alpha is not None else 2 * lora_rank
         self.mini_batches = mini_batches
         self.gradient_checkpointing = gradient_checkpointing
+        self.remove_padding = remove_padding
         self.max_sample_tokens, self.overflow = max_sample_tokens, overflow
         self.global_step = 0
         self._offloaded = False
@@ -198,6 +203,7 @@ class VerlFSDPTrainer:
             "lora_alpha": self.lora_alpha,
             "param_dtype": param_dtype or ("bf16" if self.device.type == "cuda" else "fp32"),
             "gradient_checkpointing": gradient_checkpointing,
+            "remove_padding": remove_padding,
             "max_token_len": max_tokens_per_microbatch,
         }
         self.engine: Any = _build_engine(self.model_dir, param_offload=False, **engine_kw)
@@ -266,7 +272,11 @@ class VerlFSDPTrainer:
     def _batch(self, rows: Sequence[Row], inert: int) -> TensorDict:
         """A mini-batch's rows as verl's batch (the last ``inert`` rows are padding)."""
         return build_batch(
-            rows, temperature=self.temperature, max_token_len=self.max_tokens_per_microbatch, inert=inert
+            rows,
+            temperature=self.temperature,
+            max_token_len=self.max_tokens_per_microbatch,
+            inert=inert,
+            remove_padding=self.remove_padding,
         )
 
     def _prepare(self, batch: TensorDict, *, precompute_old: bool) -> None:

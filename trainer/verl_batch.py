@@ -48,12 +48,21 @@ def split_point(sample: Sample) -> int:
     raise ValueError(f"a sample of rollout {sample.rollout!r} has no trainable token")
 
 
-def build_batch(rows: Sequence[Row], *, temperature: float, max_token_len: int, inert: int = 0) -> TensorDict:
+def build_batch(
+    rows: Sequence[Row],
+    *,
+    temperature: float,
+    max_token_len: int,
+    inert: int = 0,
+    remove_padding: bool = False,
+) -> TensorDict:
     """The rows as verl's no-padding batch, ready for ``train_batch`` / ``infer_batch``.
 
     ``max_token_len`` is the micro-batch budget in tokens (raised to the longest row if needed:
     verl requires every sequence to fit one micro-batch). The last ``inert`` rows are padding
     (``trainer.step_plan``): they run through the model with a zero loss mask.
+    ``remove_padding``: the engine packs each micro-batch's sequences into one row without
+    padding (the model separates them by their position ids); else it pads them.
     """
     if not rows:
         raise ValueError("a batch needs at least one row")
@@ -104,7 +113,7 @@ def build_batch(rows: Sequence[Row], *, temperature: float, max_token_len: int, 
     tu.assign_non_tensor(
         td,
         temperature=float(temperature),
-        use_remove_padding=False,
+        use_remove_padding=remove_padding,
         use_fused_kernels=False,
         use_dynamic_bsz=True,
         max_token_len_per_gpu=max(max_token_len, longest),

@@ -62,9 +62,14 @@ def two_ranks(tiny_model_dir: Path) -> Iterator[RankedTrainer]:
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     """Equal up to summation order. AdamW moves every weight by about ``LR`` whatever the size of
     its gradient, so a gradient element near zero turns float rounding into a visible step: the
-    bound is 0.5% of a step (a missing or doubled rank's gradient is off by whole steps)."""
+    bound is 0.5% of a step (a missing or doubled rank's gradient is off by whole steps). The
+    keys' biases are left out: their gradient is zero in exact arithmetic (a constant added to
+    every key of a query leaves its softmax unchanged), so Adam's step there is rounding noise
+    of either sign."""
     assert a.keys() == b.keys()
     for name in a:
+        if name.endswith("k_proj.bias"):
+            continue
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=5e-3 * LR, msg=name)
 
 

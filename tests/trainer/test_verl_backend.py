@@ -69,10 +69,17 @@ def test_a_real_step_raises_positively_rewarded_tokens(tiny_model_dir: Path, hf_
 
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
-def test_same_loss_and_gradient_norm_as_the_torch_backend(tiny_model_dir: Path, normalization: str) -> None:
+@pytest.mark.parametrize("remove_padding", [True, False], ids=["packed", "padded"])
+def test_same_loss_and_gradient_norm_as_the_torch_backend(
+    tiny_model_dir: Path, normalization: str, remove_padding: bool
+) -> None:
+    """Packed micro-batches (the default: several sequences in one row, separated by their
+    position ids) and padded ones compute what the torch backend computes sample by sample."""
     mode = check_normalization(normalization)
     torch_trainer = PolicyTrainer(tiny_model_dir, normalization=mode)
-    verl_trainer = VerlFSDPTrainer(tiny_model_dir, off_policy="bypass", normalization=mode)
+    verl_trainer = VerlFSDPTrainer(
+        tiny_model_dir, off_policy="bypass", normalization=mode, remove_padding=remove_padding
+    )
     model = torch_trainer.model
     # Several samples per rollout, some stale (so some ratios are clipped), uneven lengths.
     items = [
