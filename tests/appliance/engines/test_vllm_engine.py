@@ -40,7 +40,10 @@ from tests.appliance.engines.contract import (
     unsampled_id,
 )
 from tests.support import make_config
+from tests.trainer import helpers
+from trainer.items import TrainItem
 from trainer.policy import PolicyTrainer
+from trainer.ranks import RankedTrainer
 
 # absolute(), not resolve(): the venv's python is a symlink to the base interpreter.
 VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
@@ -382,6 +385,31 @@ async def test_supervisor_restarts_a_killed_server(server: VLLMEngine, tiny_mode
     assert (again.token_ids, again.policy_version) == (expected.token_ids, 1)
     assert again.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
     assert server.switch_times["restart"] > 0
+
+
+async def test_buckets_written_by_two_trainer_ranks_are_served_bit_for_bit(
+    server: VLLMEngine, tiny_model_dir: Path
+) -> None:
+    """Each rank of a 2-rank verl trainer writes its own rows of every parameter into the bucket
+    file; vLLM then computes with exactly the trainer's weights."""
+    trainer = RankedTrainer(tiny_model_dir, ranks=2, threads=1, lr=1e-2)
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        model.eval()
+        # One step, so the weights pushed are nobody's but this trainer's.
+        trainer.step(
+            [
+                TrainItem("a", 1.0, (helpers.sample(model, "a", [10, 11, 12]),)),
+                TrainItem("b", -1.0, (helpers.sample(model, "b", [20, 21]),)),
+            ]
+        )
+        assert digests(trainer.state_dict_for_engine()) != digests(original_weights(tiny_model_dir))
+        pushes = stream_buckets(trainer.weight_buckets(1 << 15))
+        await server.load_weight_buckets(pushes, 5)
+        assert server.policy_version == 5
+        assert await served_digests(server) == digests(trainer.state_dict_for_engine())
+    finally:
+        trainer.close()
 
 
 async def test_a_restart_after_a_bucketed_push_asks_for_the_weights_again(
