@@ -343,6 +343,16 @@ async def test_not_started(tiny_model_dir: Path) -> None:
     await engine.close()
 
 
+async def relaunched(server: VLLMEngine, restarts: int) -> None:
+    """Wait until the supervisor has relaunched a server a test killed (more than ``restarts``
+    restarts so far) and it is up: the module's later tests share it."""
+    async with asyncio.timeout(540):
+        while True:
+            await asyncio.sleep(0.5)
+            if server.restarts > restarts and server._down is None:
+                return
+
+
 @RACES_A_FAST_SERVER
 async def test_supervisor_restarts_a_killed_server(server: VLLMEngine, tiny_model_dir: Path) -> None:
     """A dead server is relaunched and given the weights it served; calls meanwhile fail retryably."""
@@ -367,11 +377,15 @@ async def test_supervisor_restarts_a_killed_server(server: VLLMEngine, tiny_mode
     )
     await asyncio.wait_for(sampling.wait(), 60)
     assert server._server is not None
+    restarts = server.restarts
     server._server.kill()
-    with pytest.raises(EngineUnavailable):
-        await in_flight
-    with pytest.raises(EngineUnavailable):  # retryable while it restarts
-        await generate(server, PROMPTS[2], params)
+    try:
+        with pytest.raises(EngineUnavailable):
+            await in_flight
+        with pytest.raises(EngineUnavailable):  # retryable while it restarts
+            await generate(server, PROMPTS[2], params)
+    finally:
+        await relaunched(server, restarts)  # the tests after this one need the server, even if it failed
 
     async with asyncio.timeout(540):
         while True:  # what a client does with a 503: retry until it serves again
@@ -380,7 +394,7 @@ async def test_supervisor_restarts_a_killed_server(server: VLLMEngine, tiny_mode
                 break
             except EngineUnavailable:
                 await asyncio.sleep(0.5)
-    assert server.restarts == 1
+    assert server.restarts == restarts + 1
     assert server.server_pid not in (None, old_pid)
     assert (again.token_ids, again.policy_version) == (expected.token_ids, 1)
     assert again.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
@@ -427,11 +441,7 @@ async def test_a_restart_after_a_bucketed_push_asks_for_the_weights_again(
     restarts = server.restarts
     assert server._server is not None
     server._server.kill()
-    async with asyncio.timeout(540):
-        while True:  # the supervisor relaunches it in the background
-            await asyncio.sleep(0.5)
-            if server.restarts > restarts:
-                break
+    await relaunched(server, restarts)
     assert server.needs_weights
     with pytest.raises(EngineUnavailable, match="weight push"):
         await generate(server, PROMPTS[2], greedy(4))
