@@ -202,6 +202,8 @@ class Appliance:
             checkpoint_every=config.checkpoint_every,
             push_bucket_bytes=config.push_bucket_mb << 20,
             weights_dtype=torch.bfloat16 if config.trainer == "verl" and bf16 else None,
+            # A trainer computing in bf16 hands the engine bf16 weights (half the bytes).
+            push_dtype=torch.bfloat16 if config.trainer == "verl" and bf16 else None,
         )
         self._stack.push_async_callback(training.close)
         if state.policy_version > 0:

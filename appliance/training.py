@@ -78,11 +78,14 @@ class TrainingService:
         checkpoint_every: int = 0,
         push_bucket_bytes: int = 256 << 20,
         weights_dtype: torch.dtype | None = None,
+        push_dtype: torch.dtype | None = None,
     ) -> None:
         if push_bucket_bytes < 1:
             raise ValueError(f"push_bucket_bytes must be >= 1, got {push_bucket_bytes}")
         self.trainer = trainer
         self.push_bucket_bytes = push_bucket_bytes
+        #: The dtype the weights travel in (None: the trainer's own, e.g. fp32 master weights).
+        self.push_dtype = push_dtype
         #: The run state the trainer's ranks are restarted from (set by restore/train).
         self._published: RunState | None = None
         self.advantage = advantage
@@ -329,7 +332,7 @@ class TrainingService:
 
     async def _buckets(self) -> AsyncIterator[WeightBucket]:
         """The trainer's buckets, each packed in a worker thread (the event loop runs on)."""
-        buckets: Iterator[WeightBucket] = self.trainer.weight_buckets(self.push_bucket_bytes)
+        buckets: Iterator[WeightBucket] = self.trainer.weight_buckets(self.push_bucket_bytes, self.push_dtype)
         done = object()
         try:
             while True:

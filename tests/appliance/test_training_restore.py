@@ -1,5 +1,5 @@
-"""TrainingService.restore for the verl backend: sharded checkpoints, and the single ``.pt`` files
-of a run written before checkpoints were sharded."""
+"""TrainingService with the verl backend: restore from sharded checkpoints, and from the single
+``.pt`` files of a run written before checkpoints were sharded; the push in bf16."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def trained(model_dir: Path) -> VerlFSDPTrainer:
     return trainer
 
 
-async def restored(model_dir: Path, run: Path, state: RunState) -> tuple[VerlFSDPTrainer, dict[str, Any]]:
+async def restored(
+    model_dir: Path, run: Path, state: RunState, push_dtype: torch.dtype | None = None
+) -> tuple[VerlFSDPTrainer, dict[str, Any]]:
     """A fresh trainer and engine restored by the service to ``state``; the engine's weights."""
     trainer = VerlFSDPTrainer(model_dir, lr=1e-2)
     engine = TorchEngine(model_dir)
@@ -47,6 +49,7 @@ async def restored(model_dir: Path, run: Path, state: RunState) -> tuple[VerlFSD
             store=store,
             engine=engine,
             push_bucket_bytes=4096,
+            push_dtype=push_dtype,
         )
         assert await service.restore(state) == state.step
         assert engine.policy_version == state.policy_version
@@ -89,3 +92,18 @@ async def test_resumes_a_run_whose_checkpoints_are_single_files(tiny_model_dir: 
     expected = source.state_dict_for_engine()
     assert_equal(trainer.state_dict_for_engine(), expected)
     assert_equal(served, expected)
+
+
+async def test_pushes_in_bf16_when_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A trainer computing in bf16 hands the engine bf16 weights: the engine (fp32 here) serves
+    the master weights rounded to bf16."""
+    source = trained(tiny_model_dir)
+    source.global_step = 1
+    path = source.save(ShardedWeightsStore(tmp_path / "checkpoints" / "weights"), 1)
+    state = RunState(policy_version=1, step=1, checkpoint=str(path.relative_to(tmp_path)))
+
+    _, served = await restored(tiny_model_dir, tmp_path, state, push_dtype=torch.bfloat16)
+
+    expected = source.state_dict_for_engine()
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in expected.values())
+    assert_equal(served, {k: v.to(torch.bfloat16).float() for k, v in expected.items()})
