@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -43,7 +43,7 @@ from typing import TypeVar
 import torch
 
 from appliance.engines.base import Engine
-from appliance.engines.buckets import WeightBucket
+from appliance.engines.buckets import WeightBucket, stream_buckets
 from store.events import (
     CheckpointSaved,
     Event,
@@ -330,21 +330,9 @@ class TrainingService:
             await self.recover(self._published or RunState())
             await self.engine.load_weight_buckets(self._buckets(), version)
 
-    async def _buckets(self) -> AsyncIterator[WeightBucket]:
+    def _buckets(self) -> AsyncIterator[WeightBucket]:
         """The trainer's buckets, each packed in a worker thread (the event loop runs on)."""
-        buckets: Iterator[WeightBucket] = self.trainer.weight_buckets(self.push_bucket_bytes, self.push_dtype)
-        done = object()
-        try:
-            while True:
-                bucket = await asyncio.to_thread(next, buckets, done)
-                if bucket is done:
-                    return
-                assert isinstance(bucket, WeightBucket)
-                yield bucket
-        finally:
-            close = getattr(buckets, "close", None)
-            if close is not None:
-                await asyncio.to_thread(close)
+        return stream_buckets(self.trainer.weight_buckets(self.push_bucket_bytes, self.push_dtype))
 
     async def step(
         self, state: RunState, groups: Sequence[str], *, eta: int | None = None

@@ -300,16 +300,11 @@ class PolicyTrainer:
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies of ``model.state_dict()``, same keys (tied weights keep both keys
         and share one copy), ready for the engine's ``load_state_dict(strict=True)``."""
-        copies: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        copies: dict[_StorageKey, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         state: dict[str, torch.Tensor] = self.model.state_dict()
         for name, tensor in state.items():
-            key = (
-                tensor.untyped_storage().data_ptr(),
-                int(tensor.storage_offset()),
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-            )
+            key = _storage_key(tensor)
             if key not in copies:
                 copies[key] = tensor.detach().to("cpu", copy=True)
             out[name] = copies[key]
@@ -324,15 +319,10 @@ class PolicyTrainer:
         into the bucket file, so the host holds one bucket at a time. The model must not change
         until the generator is exhausted or closed."""
         state: dict[str, torch.Tensor] = self.model.state_dict()
-        seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+        seen: set[_StorageKey] = set()
         unique: list[tuple[str, torch.Tensor]] = []
         for name, tensor in state.items():
-            key = (
-                tensor.untyped_storage().data_ptr(),
-                int(tensor.storage_offset()),
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-            )
+            key = _storage_key(tensor)
             if key not in seen:
                 seen.add(key)
                 unique.append((name, tensor))
@@ -371,6 +361,19 @@ class PolicyTrainer:
     def export_hf(self, directory: Path) -> Path:
         """Write the current weights (and ``model_dir``'s tokenizer files) as an HF model dir."""
         return export_hf_model(self.model.save_pretrained, self.model_dir, directory)
+
+
+#: What makes two tensors the same one (tied weights): storage, offset, shape, stride.
+_StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _storage_key(tensor: torch.Tensor) -> _StorageKey:
+    return (
+        tensor.untyped_storage().data_ptr(),
+        int(tensor.storage_offset()),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
 
 
 def _file_store(store: CheckpointStore | ShardedStore) -> CheckpointStore:

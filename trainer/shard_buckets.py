@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from appliance.engines.buckets import ALIGN, BucketBuffer, TensorEntry, WeightBucket, dtype_name
+from appliance.engines.buckets import BucketBuffer, TensorEntry, WeightBucket, aligned, dtype_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +34,6 @@ class _Slot:
     name: str
     value: torch.Tensor
     entry: TensorEntry
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
 
 
 def _layout(
@@ -50,7 +46,7 @@ def _layout(
         target = dtype if dtype is not None and value.is_floating_point() else value.dtype
         shape = tuple(value.shape)
         nbytes = prod(shape) * target.itemsize
-        offset = _aligned(used)
+        offset = aligned(used)
         if buckets[-1] and offset + nbytes > bucket_bytes:
             buckets.append([])
             offset = 0

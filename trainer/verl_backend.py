@@ -351,6 +351,15 @@ class VerlFSDPTrainer:
             if was_offloaded:
                 self.offload()
 
+    def _unique_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's state dict (sharded DTensors as they are), each tensor once under its
+        first name: tied embeddings share one."""
+        seen: set[int] = set()
+        for name, value in self.engine.module.state_dict().items():
+            if id(value) not in seen:
+                seen.add(id(value))
+                yield name, value
+
     def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's tensors, whole, the module's own names, read where the parameters are
         (no onload: an offloaded trainer is read from host memory); tensors that share storage
@@ -360,11 +369,7 @@ class VerlFSDPTrainer:
         sharded parameter is all-gathered in turn). At world size 1 the local shard is the whole
         tensor and nothing is gathered.
         """
-        seen: set[int] = set()
-        for name, value in self.engine.module.state_dict().items():
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
+        for name, value in self._unique_state():
             if isinstance(value, DTensor):
                 whole = value.to_local() if self.world_size == 1 else value.full_tensor()
             else:
@@ -406,12 +411,11 @@ class VerlFSDPTrainer:
             # Each rank writes its own rows of every parameter into the file: nothing gathered.
             from trainer.shard_buckets import sharded_buckets
 
-            seen: set[int] = set()
-            tensors: list[tuple[str, torch.Tensor]] = []
-            for name, value in self.engine.module.state_dict().items():
-                if id(value) not in seen and not (self._tied and name == "lm_head.weight"):
-                    tensors.append((name, value))
-                seen.add(id(value))
+            tensors = [
+                (name, value)
+                for name, value in self._unique_state()
+                if not (self._tied and name == "lm_head.weight")
+            ]
             yield from sharded_buckets(tensors, bucket_bytes=bucket_bytes, directory=directory, dtype=dtype)
             return
         if self.rank != 0:  # LoRA over several ranks: gathered (and merged) for rank 0 to pack

@@ -88,7 +88,8 @@ def default_directory() -> Path:
 _OPEN: weakref.WeakValueDictionary[str, BucketBuffer] = weakref.WeakValueDictionary()
 
 
-def _aligned(offset: int) -> int:
+def aligned(offset: int) -> int:
+    """``offset`` rounded up to a multiple of ``ALIGN`` (where the next tensor may start)."""
     return -(-offset // ALIGN) * ALIGN
 
 
@@ -176,7 +177,7 @@ def pack_buckets(
             source = tensor.detach()
             target = dtype if dtype is not None and source.is_floating_point() else source.dtype
             nbytes = source.numel() * target.itemsize
-            offset = _aligned(used)
+            offset = aligned(used)
             if entries and offset + nbytes > bucket_bytes:
                 yield WeightBucket(str(buffer.path), tuple(entries), index, last=False)
                 entries, used, index, offset = [], 0, index + 1, 0
