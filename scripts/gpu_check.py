@@ -64,7 +64,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
-from appliance.engines.buckets import WeightBucket, pack_buckets, stream_buckets
+from appliance.engines.buckets import WeightBucket, bucket_tensors, pack_buckets, stream_buckets
+from appliance.engines.lora import served_adapter
 from appliance.engines.torch_engine import TorchEngine
 
 T = TypeVar("T")
@@ -370,7 +371,7 @@ async def lora_part(
     version: int,
 ) -> None:
     """A LoRA trainer (rank 8, alpha 16): one step on the same samples, then a bucketed push of
-    its merged weights, then the engine serves them."""
+    its adapters alone, then the engine serves them on its base weights."""
     from trainer.verl_backend import VerlFSDPTrainer
 
     print("LoRA (rank 8, alpha 16):", flush=True)
@@ -382,11 +383,22 @@ async def lora_part(
     out = timed("lora_step_s", lambda: lora.step(train_items(*batch)))
     note(f"loss {out.loss:+.4f} grad_norm {out.grad_norm:.4f}")
     lora.offload()
-    merged = lora.state_dict_for_engine()
     await engine.wake(["weights"])
-    exact, _, _ = await checked_push(
-        engine, lora.weight_buckets(bucket_bytes), merged, version, "lora_push_s"
+    pushed: dict[str, torch.Tensor] = {}
+
+    def capturing() -> Iterator[WeightBucket]:
+        for bucket in lora.weight_buckets(bucket_bytes):
+            pushed.update((name, tensor.clone()) for name, tensor in bucket_tensors(bucket))
+            yield bucket
+
+    count = await bucketed_push(engine, capturing(), version, "lora_push_s")
+    # Adapters alone travel; the engine serves exactly them (in its dtype) on its base weights.
+    served = served_adapter(engine._model)
+    exact = served.keys() == pushed.keys() and all(
+        torch.equal(served[name], tensor.to(served[name].dtype)) for name, tensor in pushed.items()
     )
+    TIMINGS["lora_push_bytes"] = sum(t.numel() * t.element_size() for t in pushed.values())
+    note(f"{count} bucket(s), {len(pushed)} adapter tensors; {'exact' if exact else 'NOT EXACT'}")
     TIMINGS["lora_push_exact"] = exact
     await engine.wake(["kv_cache"])
     await serves(engine, batch, version)

@@ -72,6 +72,8 @@ class PushWeights:
     bucket_bytes: int
     dtype: str | None
     directory: str | None
+    #: LoRA merged into whole weights (an export) instead of the adapters alone.
+    merged: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,7 +101,10 @@ def _run(trainer: Any, command: Command, conn: Connection) -> Any:
         dtype = getattr(torch, command.dtype) if command.dtype else None
         directory = Path(command.directory) if command.directory else None
         count = 0
-        for bucket in trainer.weight_buckets(command.bucket_bytes, dtype=dtype, directory=directory):
+        buckets = trainer.weight_buckets(
+            command.bucket_bytes, dtype=dtype, directory=directory, merged=command.merged
+        )
+        for bucket in buckets:
             conn.send(BucketReady(bucket))
             reply = conn.recv()
             if not isinstance(reply, Continue):

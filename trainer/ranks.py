@@ -349,16 +349,23 @@ class RankedTrainer:
         self.group.broadcast(Onload())
 
     def weight_buckets(
-        self, bucket_bytes: int, dtype: torch.dtype | None = None, directory: Path | None = None
+        self,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        directory: Path | None = None,
+        *,
+        merged: bool = False,
     ) -> Iterator[WeightBucket]:
-        """The engine's weights in buckets, gathered by the ranks and packed by rank 0."""
+        """The engine's weights (with LoRA: the adapters, unless ``merged``) in buckets, written
+        by the ranks and handed on by rank 0 (``VerlFSDPTrainer.weight_buckets``)."""
         name = str(dtype).removeprefix("torch.") if dtype is not None else None
-        yield from self.group.push(PushWeights(bucket_bytes, name, str(directory) if directory else None))
+        where = str(directory) if directory else None
+        yield from self.group.push(PushWeights(bucket_bytes, name, where, merged=merged))
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = self.group.broadcast(StateDict())[0]
         return state
 
     def export_hf(self, directory: Path) -> Path:
-        buckets = self.weight_buckets(EXPORT_BUCKET_BYTES)
+        buckets = self.weight_buckets(EXPORT_BUCKET_BYTES, merged=True)
         return export_hf_model(buckets_to_hf(buckets), self.model_dir, directory)

@@ -65,7 +65,7 @@ from trainer.samples import Overflow
 from trainer.sharded import ShardedStore
 from trainer.step_plan import RankResult, RankStats, RankStep, Row, StepPlan, finish, plan_step, shard
 from trainer.verl_batch import build_batch, response_values, step_loss
-from trainer.verl_lora import merge_lora_stream
+from trainer.verl_lora import adapter_name, merge_lora_stream
 from trainer.verl_runtime import ensure_runtime
 
 if TYPE_CHECKING:
@@ -397,16 +397,36 @@ class VerlFSDPTrainer:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
 
-    def weight_buckets(
-        self, bucket_bytes: int, dtype: torch.dtype | None = None, directory: Path | None = None
-    ) -> Iterator[WeightBucket]:
-        """The engine's weights (as :meth:`state_dict_for_engine` names them, a tied LM head
-        left out) packed into buckets of about ``bucket_bytes`` (``appliance.engines.buckets``),
-        never the whole model at once. A collective at world size > 1: every rank iterates it;
-        only rank 0 yields buckets. There each rank writes its own shards into the bucket file
-        (``trainer.shard_buckets``); with LoRA the weights are gathered and merged for rank 0."""
-        from appliance.engines.buckets import pack_buckets
+    def _adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters, whole, named for the engine (``<module>.lora_A.weight``, see
+        ``appliance.engines.buckets.LoraAdapter``); base weights are neither read nor gathered.
+        A collective at world size > 1 (each adapter is all-gathered in turn)."""
+        for name, value in self._unique_state():
+            if ".lora_A." not in name and ".lora_B." not in name:
+                continue
+            whole = value.full_tensor() if isinstance(value, DTensor) and self.world_size > 1 else value
+            if isinstance(whole, DTensor):
+                whole = whole.to_local()
+            yield adapter_name(name), whole.detach()
 
+    def weight_buckets(
+        self,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        directory: Path | None = None,
+        *,
+        merged: bool = False,
+    ) -> Iterator[WeightBucket]:
+        """What the engine needs of this version, packed into buckets of about ``bucket_bytes``
+        (``appliance.engines.buckets``), never the whole model at once: with LoRA the adapters
+        alone (buckets marked with their ``LoraAdapter``; the engine keeps its base weights),
+        unless ``merged``; otherwise (or ``merged``) the weights as :meth:`state_dict_for_engine`
+        names them, a tied LM head left out. A collective at world size > 1: every rank iterates
+        it; only rank 0 yields buckets. Whole weights are written by each rank from its own
+        shards (``trainer.shard_buckets``); adapters, and merged weights, are gathered for rank 0."""
+        from appliance.engines.buckets import LoraAdapter, pack_buckets
+
+        adapters = self.lora_rank > 0 and not merged
         if self.world_size > 1 and self.lora_rank == 0:
             # Each rank writes its own rows of every parameter into the file: nothing gathered.
             from trainer.shard_buckets import sharded_buckets
@@ -418,12 +438,15 @@ class VerlFSDPTrainer:
             ]
             yield from sharded_buckets(tensors, bucket_bytes=bucket_bytes, directory=directory, dtype=dtype)
             return
-        if self.rank != 0:  # LoRA over several ranks: gathered (and merged) for rank 0 to pack
-            for _ in self._engine_tensors():
+        source = self._adapter_tensors() if adapters else self._engine_tensors()
+        if self.rank != 0:  # gathered for rank 0 to pack
+            for _ in source:
                 pass
             return
-        engine_tensors = self._engine_tensors()
-        yield from pack_buckets(engine_tensors, bucket_bytes=bucket_bytes, directory=directory, dtype=dtype)
+        adapter = LoraAdapter(self.lora_rank, float(self.lora_alpha)) if adapters else None
+        yield from pack_buckets(
+            source, bucket_bytes=bucket_bytes, directory=directory, dtype=dtype, adapter=adapter
+        )
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -502,5 +525,5 @@ class VerlFSDPTrainer:
         """Write the current (merged) weights and ``model_dir``'s tokenizer files as an HF dir,
         from the push's buckets (one safetensors shard each; never the whole model in memory)."""
         return export_hf_model(
-            buckets_to_hf(self.weight_buckets(EXPORT_BUCKET_BYTES)), self.model_dir, directory
+            buckets_to_hf(self.weight_buckets(EXPORT_BUCKET_BYTES, merged=True)), self.model_dir, directory
         )

@@ -1,12 +1,14 @@
 """LoRA weights -> plain weights: the full state dict of a peft model as the base model's.
 
 Owns :func:`merge_lora` (a whole state dict) and :func:`merge_lora_stream` (the same, one layer
-at a time, for a weight push that never holds the whole model). The engine serving the policy
-is a plain HF model, so a LoRA-trained policy is handed over merged: for every adapted linear
-layer ``W' = W + (alpha / r) * B @ A`` (peft's scaling without rsLoRA), under the base model's
-own parameter names. This is computed from the gathered weights, never in place on the training
-module (merging in place and un-merging again would round the base weights). It does not own
-how adapters are added or trained (verl's FSDP engine with ``HFModelConfig.lora_rank``).
+at a time, for an export that never holds the whole model), and :func:`adapter_name` (how a
+push that carries only the adapters names them). Engines serve a LoRA-trained policy as their
+base weights plus the adapters (pushed alone); an export, and the whole-weights path, hand it
+over merged: for every adapted linear layer ``W' = W + (alpha / r) * B @ A`` (peft's scaling
+without rsLoRA), under the base model's own parameter names. This is computed from the
+gathered weights, never in place on the training module (merging in place and un-merging again
+would round the base weights). It does not own how adapters are added or trained (verl's FSDP
+engine with ``HFModelConfig.lora_rank``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 
 _PREFIX = re.compile(r"^(base_model\.model\.|base_model\.)")
+
+
+def adapter_name(name: str) -> str:
+    """A peft adapter parameter's name as a push names it: ``base_model.model.model.layers.0.mlp.
+    up_proj.lora_A.default.weight`` -> ``model.layers.0.mlp.up_proj.lora_A.weight`` (the base
+    model's module, see ``appliance.engines.buckets.LoraAdapter``)."""
+    for kind in ("lora_A", "lora_B"):
+        marker = f".{kind}."
+        if marker in name:
+            module = _PREFIX.sub("", name.split(marker)[0])
+            return f"{module}.{kind}.weight"
+    raise ValueError(f"{name!r} is not a LoRA adapter parameter")
 
 
 def merge_lora(state: Mapping[str, torch.Tensor], *, alpha: float, rank: int) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Weight buckets: a model's tensors streamed through one reusable shared-memory file.
 
-Owns the wire format of a bucketed weight push (``TensorEntry``, ``WeightBucket``), the file that
+Owns the wire format of a bucketed weight push (``TensorEntry``, ``WeightBucket``, and
+``LoraAdapter`` for a push that carries a LoRA adapter instead of whole weights), the file that
 carries the bytes (``BucketBuffer``), the producer (``pack_buckets``: copies tensors into the
 file, one bucket at a time), the consumer's view of a bucket (``bucket_tensors``: zero-copy CPU
 tensors over the file), and the hand-over between a producer and an async consumer
@@ -52,6 +53,42 @@ class TensorEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """What makes a push a LoRA adapter rather than whole weights: its entries are
+    ``<module>.lora_A.weight`` (rank x in) and ``<module>.lora_B.weight`` (out x rank) for linear
+    layers ``<module>`` of the served model, which computes ``W x + (alpha / rank) B A x`` with its
+    own (base) ``W``; every other weight stays the base model's."""
+
+    rank: int
+    alpha: float
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+#: The suffixes of an adapter push's entry names.
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+def adapter_pairs(names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """Per adapted module, the names of its A and B entries; a ValueError names an entry that is
+    not an adapter's, or a module lacking one of its two."""
+    modules: dict[str, dict[str, str]] = {}
+    for name in names:
+        for kind, suffix in (("A", LORA_A), ("B", LORA_B)):
+            if name.endswith(suffix):
+                modules.setdefault(name.removesuffix(suffix), {})[kind] = name
+                break
+        else:
+            raise ValueError(f"{name!r} is not a LoRA adapter weight (<module>.lora_A/B.weight)")
+    lacking = sorted(module for module, parts in modules.items() if len(parts) != 2)
+    if lacking:
+        raise ValueError(f"LoRA modules {lacking[:3]} lack their A or B weight")
+    return {module: (parts["A"], parts["B"]) for module, parts in modules.items()}
+
+
+@dataclass(frozen=True, slots=True)
 class WeightBucket:
     """Some tensors of one push, in a file that the next bucket of the push overwrites."""
 
@@ -62,6 +99,8 @@ class WeightBucket:
     index: int
     #: True on the push's final bucket.
     last: bool
+    #: Set on every bucket of a push that carries a LoRA adapter (None: whole weights).
+    adapter: LoraAdapter | None = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -155,6 +194,7 @@ def pack_buckets(
     bucket_bytes: int,
     directory: Path | None = None,
     dtype: torch.dtype | None = None,
+    adapter: LoraAdapter | None = None,
 ) -> Generator[WeightBucket, None, None]:
     """Copy tensors (any device; cast to `dtype` if given) into ONE reusable BucketBuffer file, yielding a
     WeightBucket each time it is full (and a final one with last=True). A bucket is valid until the
@@ -165,7 +205,8 @@ def pack_buckets(
 
     Only floating-point tensors are cast (an integer buffer keeps its dtype). Tensors are laid
     out in the order given, each at a multiple of ``ALIGN``; with no tensors at all the push is
-    one empty bucket with last=True.
+    one empty bucket with last=True. ``adapter`` marks every bucket as part of a LoRA adapter
+    push (see ``LoraAdapter``).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
@@ -179,7 +220,7 @@ def pack_buckets(
             nbytes = source.numel() * target.itemsize
             offset = aligned(used)
             if entries and offset + nbytes > bucket_bytes:
-                yield WeightBucket(str(buffer.path), tuple(entries), index, last=False)
+                yield WeightBucket(str(buffer.path), tuple(entries), index, last=False, adapter=adapter)
                 entries, used, index, offset = [], 0, index + 1, 0
             buffer.grow(offset + nbytes)
             destination = buffer.bytes[offset : offset + nbytes].view(target).view(source.shape)
@@ -187,7 +228,7 @@ def pack_buckets(
             destination.copy_(source)
             entries.append(TensorEntry(name, dtype_name(target), tuple(source.shape), offset, nbytes))
             used = offset + nbytes
-        yield WeightBucket(str(buffer.path), tuple(entries), index, last=True)
+        yield WeightBucket(str(buffer.path), tuple(entries), index, last=True, adapter=adapter)
     finally:
         buffer.close()
 
@@ -245,6 +286,25 @@ async def stream_buckets(buckets: Iterator[WeightBucket]) -> AsyncGenerator[Weig
         if close is not None:
             with contextlib.suppress(Exception):
                 close()
+
+
+async def peek(
+    buckets: AsyncIterator[WeightBucket],
+) -> tuple[WeightBucket | None, AsyncGenerator[WeightBucket, None]]:
+    """The first bucket of ``buckets`` (None if it has none) and a stream that yields it again,
+    then the rest: a consumer can tell an adapter push from a whole-weights push before taking
+    it. Closing the original stream is still the consumer's (``close_stream``)."""
+    iterator = aiter(buckets)
+    first = await anext(iterator, None)
+
+    async def again() -> AsyncGenerator[WeightBucket, None]:
+        if first is None:
+            return
+        yield first
+        async for bucket in iterator:
+            yield bucket
+
+    return first, again()
 
 
 async def close_stream(buckets: AsyncIterator[WeightBucket]) -> None:

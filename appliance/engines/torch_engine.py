@@ -62,9 +62,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from appliance.engines import lora
 from appliance.engines.base import (
     SEED_MAX,
     SEED_MIN,
@@ -73,7 +75,7 @@ from appliance.engines.base import (
     SamplingParams,
     validate_request,
 )
-from appliance.engines.buckets import WeightBucket, bucket_tensors, close_stream
+from appliance.engines.buckets import LoraAdapter, WeightBucket, bucket_tensors, close_stream, peek
 from appliance.engines.sampling import TopLogprobs, choose_tokens
 from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 
@@ -268,6 +270,8 @@ class TorchEngine:
         self._released: set[str] = set()
         self._weights_discarded = False
         self._needs_weights = False
+        #: Whether the parameters are ``model_dir``'s (what a LoRA adapter is served on top of).
+        self._base_weights = True
 
     @property
     def policy_version(self) -> int:
@@ -464,6 +468,8 @@ class TorchEngine:
             self._needs_weights = False
 
     def _copy_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        lora.detach(self._model)
+        self._base_weights = False
         if self._weights_discarded:
             # Asleep at level 2 and not woken yet: give them storage where level 1 keeps them.
             self._place_weights(torch.device("cpu") if self._released else self._device)
@@ -489,38 +495,85 @@ class TorchEngine:
 
     async def _swap_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
         async with self._exclusive_access():
-            if self._weights_discarded:
-                place = torch.device("cpu") if self._released else self._device
-                await asyncio.to_thread(self._place_weights, place)
-            # The parameters and persistent buffers themselves (not detached copies).
-            targets: dict[str, torch.Tensor] = self._model.state_dict(keep_vars=True)
-            seen: set[str] = set()
-            copied = False
             try:
-                async for bucket in buckets:
-                    self._check_bucket(bucket, seen)
-                    copied = True
-                    await asyncio.to_thread(self._copy_bucket, bucket, targets)
-                    if bucket.last:
-                        break
+                first, stream = await peek(buckets)
+                if first is not None and first.adapter is not None:
+                    await self._swap_adapter(stream)
                 else:
-                    raise BadRequest("the weight buckets ended before their last bucket")
-                missing = self._shapes.keys() - seen - self._optional_names()
-                if missing:
-                    raise BadRequest(
-                        f"the weight buckets did not cover the served model: missing {sorted(missing)[:5]}"
-                    )
-            except BaseException:
+                    await self._copy_buckets(stream)
+            finally:
                 await close_stream(buckets)
-                if copied:
-                    # Some parameters are new, others old: serving that mix would sample from
-                    # a policy no version describes.
-                    self._needs_weights = True
-                    log.error("torch engine: a bucketed load failed half-way; it serves again after a load")
-                raise
-            await close_stream(buckets)
             self._policy_version = version
             self._needs_weights = False
+
+    async def _copy_buckets(self, buckets: AsyncIterator[WeightBucket]) -> None:
+        """Whole weights, bucket by bucket, into the parameters (in place)."""
+        if self._weights_discarded:
+            place = torch.device("cpu") if self._released else self._device
+            await asyncio.to_thread(self._place_weights, place)
+        # The parameters and persistent buffers themselves (not detached copies).
+        targets: dict[str, torch.Tensor] = self._model.state_dict(keep_vars=True)
+        seen: set[str] = set()
+        copied = False
+        try:
+            async for bucket in buckets:
+                self._check_bucket(bucket, seen)
+                if not copied:
+                    lora.detach(self._model)
+                    self._base_weights = False
+                copied = True
+                await asyncio.to_thread(self._copy_bucket, bucket, targets)
+                if bucket.last:
+                    break
+            else:
+                raise BadRequest("the weight buckets ended before their last bucket")
+            missing = self._shapes.keys() - seen - self._optional_names()
+            if missing:
+                raise BadRequest(
+                    f"the weight buckets did not cover the served model: missing {sorted(missing)[:5]}"
+                )
+        except BaseException:
+            if copied:
+                # Some parameters are new, others old: serving that mix would sample from
+                # a policy no version describes.
+                self._needs_weights = True
+                log.error("torch engine: a bucketed load failed half-way; it serves again after a load")
+            raise
+
+    async def _swap_adapter(self, buckets: AsyncIterator[WeightBucket]) -> None:
+        """A LoRA adapter (``appliance.engines.lora``), checked whole before anything changes,
+        served on top of ``model_dir``'s weights (read again if they were replaced or dropped)."""
+        weights = await lora.collect_adapter(buckets)
+        pairs = lora.check_adapter(weights, lora.linear_shapes(self._model))
+        await asyncio.to_thread(self._attach_adapter, weights.adapter, pairs)
+
+    def _attach_adapter(
+        self, adapter: LoraAdapter, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        if self._weights_discarded or not self._base_weights:
+            self._load_base_weights()
+        lora.attach(self._model, adapter, pairs)
+
+    def _load_base_weights(self) -> None:
+        """``model_dir``'s weights back into the parameters, one safetensors file at a time."""
+        if self._weights_discarded:
+            self._place_weights(torch.device("cpu") if self._released else self._device)
+        lora.detach(self._model)
+        targets: dict[str, torch.Tensor] = self._model.state_dict(keep_vars=True)
+        seen: set[str] = set()
+        with torch.no_grad():
+            for path in sorted(self._model_dir.glob("*.safetensors")):
+                for name, tensor in load_file(str(path)).items():
+                    if name in targets:
+                        targets[name].copy_(tensor)
+                        seen.add(name)
+        missing = self._shapes.keys() - seen - self._optional_names()
+        if missing:
+            self._needs_weights = True
+            raise EngineUnavailable(
+                f"{self._model_dir} lacks weights of the served model: {sorted(missing)[:5]}"
+            )
+        self._base_weights = True
 
     def _optional_names(self) -> set[str]:
         """Names a load may leave out: the LM head tied to the embedding (they share a tensor)."""

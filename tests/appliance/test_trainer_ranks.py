@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
+from appliance.engines.lora import served_adapter
 from store.events import ApplianceStarted, TrainStepCompleted, TrainStepFailed
 from store.eventstore import EventStore
 from tests.support import make_config
@@ -101,3 +103,29 @@ async def read_events(run_dir: Path) -> list[Any]:
         return list(await store.read())
     finally:
         await store.close()
+
+
+async def test_a_lora_run_pushes_adapters_the_engine_serves_on_its_base(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """With LoRA every push carries the adapters alone: after two steps over two ranks the engine
+    still holds the model directory's weights, and with its adapters computes the trainer's
+    merged weights."""
+    config = make_config(
+        tmp_path, tiny_model_dir, trainer="verl", trainer_ranks=2, max_steps=2, lora_rank=4, lora_alpha=8
+    )
+    async with Appliance(config) as app:
+        assert await app.run() == "reached step 2"
+        engine: Any = app.engine
+        served = engine._model.state_dict()
+        adapters = served_adapter(engine._model)
+        merged = app.training.trainer.state_dict_for_engine()
+    base: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for name, tensor in base.state_dict().items():
+        assert torch.equal(served[name], tensor), name
+    assert len(adapters) == 28
+    for module in {name.removesuffix(".lora_A.weight") for name in adapters if "lora_A" in name}:
+        a, b = adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"]
+        weight = served[f"{module}.weight"] + (8 / 4) * b @ a
+        torch.testing.assert_close(weight, merged[f"{module}.weight"], rtol=0, atol=1e-6)
+    assert any(not torch.equal(merged[name], tensor) for name, tensor in base.state_dict().items())
