@@ -27,7 +27,11 @@ the model itself) through ``RankedTrainer`` at 1 and at 2 ranks, alternating, on
 step each first; the median of ``--step-repeats`` (only when ``--ranks`` has 1 and 2).
 
     .venv/bin/python scripts/bench_push.py [--model tiny|smollm2-135m|<dir>] [--bucket-mb 256]
-        [--repeats 3] [--ranks 1,2] [--no-torch] [--skip-step] [--data-dir appliance-data]
+        [--repeats 3] [--ranks 1,2] [--no-torch] [--skip-step] [--lora-rank R] [--data-dir appliance-data]
+
+With ``--lora-rank R`` a 1-rank verl LoRA trainer (alpha 2R) is measured too: **new** pushes its
+adapters alone (the engine serves them on its base weights), **old** its merged weights in
+buckets (how a LoRA policy was pushed before).
 
 ``smollm2-135m`` is converted once into ``<data-dir>/models`` (the cache ``make up`` uses).
 """
@@ -179,6 +183,17 @@ async def push_new(trainer: Trainer, engine: TorchEngine, version: int, bucket_b
     return pushed
 
 
+async def push_merged(trainer: Trainer, engine: TorchEngine, version: int, bucket_bytes: int) -> Pushed:
+    """A LoRA trainer's push as whole weights (the adapters merged in, in buckets): what a LoRA
+    push was before adapters went alone; the "old" path of the LoRA rows."""
+    pushed = Pushed()
+    ranked: Any = trainer
+    await engine.load_weight_buckets(
+        stream(ranked.weight_buckets(bucket_bytes, merged=True), pushed), version
+    )
+    return pushed
+
+
 async def stream(buckets: Iterator[WeightBucket], pushed: Pushed) -> AsyncIterator[WeightBucket]:
     """``TrainingService._buckets``: each ``next`` (the packing) in a worker thread; counts the
     buckets and their bytes in ``pushed``."""
@@ -211,8 +226,10 @@ class PushResult:
     #: path -> label ("appliance", "rank 0") -> field -> the per-push extras.
     extra: dict[str, dict[str, dict[str, list[int]]]] = field(default_factory=dict)
     buckets: int = 0
-    #: The bytes of one new push (the model's tensors, a tied LM head once).
+    #: The bytes of one new push (the model's tensors, a tied LM head once; with LoRA the
+    #: adapters), and of one old push that came in buckets (LoRA's merged weights), else 0.
     bytes: int = 0
+    old_bytes: int = 0
 
     def time(self, path: str) -> float:
         return statistics.median(self.times[path])
@@ -223,24 +240,36 @@ class PushResult:
 
 
 async def bench_pushes(
-    name: str, trainer: Trainer, engine: TorchEngine, bucket_bytes: int, repeats: int, version: int
+    name: str,
+    trainer: Trainer,
+    engine: TorchEngine,
+    bucket_bytes: int,
+    repeats: int,
+    version: int,
+    old: Callable[[Trainer, TorchEngine, int, int], Any] = push_old,
+    old_engine: TorchEngine | None = None,
 ) -> tuple[PushResult, int]:
-    """Warm-up pushes (one per path), then ``repeats`` alternating pairs, new first."""
+    """Warm-up pushes (one per path), then ``repeats`` alternating pairs, new first; the old
+    path pushes into ``old_engine`` where one is given (so that each engine sees only its kind
+    of push, as in a run)."""
     sources = {"appliance": process(os.getpid()), "system": system_shmem}
     if isinstance(trainer, RankedTrainer):
         sources["rank 0"] = process(trainer.group.pids()[0])
     result = PushResult(name)
     for round_ in range(repeats + 1):
-        for path, push in (("new", push_new), ("old", push_old)):
+        for path, push in (("new", push_new), ("old", old)):
             version += 1
             gc.collect()
             malloc_trim()
             with PeakMemory(sources) as memory:
                 started = time.perf_counter()
-                pushed = await push(trainer, engine, version, bucket_bytes)
+                target = old_engine if path == "old" and old_engine is not None else engine
+                pushed = await push(trainer, target, version, bucket_bytes)
                 elapsed = time.perf_counter() - started
             if path == "new":
                 result.buckets, result.bytes = pushed.buckets, pushed.bytes
+            else:
+                result.old_bytes = pushed.bytes
             if round_ == 0:
                 continue  # warm-up
             result.times[path].append(elapsed)
@@ -417,20 +446,50 @@ async def run(args: argparse.Namespace) -> int:
     try:
         configurations: list[tuple[str, int | None]] = [] if args.no_torch else [("torch", None)]
         configurations += [(f"verl x{n}", n) for n in ranks]
+        if args.lora_rank:
+            configurations.append((f"verl x1 LoRA r{args.lora_rank}", -1))
+        lora_lines: list[str] = []
         for name, n in configurations:
             started = time.perf_counter()
+            old: Callable[[Trainer, TorchEngine, int, int], Any] = push_old
+            lora_trainer: RankedTrainer | None = None
+            old_engine: TorchEngine | None = None
             if n is None:
                 trainer: Trainer = make_trainer("torch", resolved.path)
+            elif n < 0:  # LoRA: adapters alone (new) against the merged weights in buckets (old)
+                r = args.lora_rank
+                made = make_trainer("verl", resolved.path, ranks=1, threads=1, lora_rank=r, lora_alpha=2 * r)
+                assert isinstance(made, RankedTrainer)
+                trainer = lora_trainer = made
+                old = push_merged
+                # Merged weights go to an engine of their own: the adapters' engine keeps its base.
+                old_engine = TorchEngine(resolved.path, device="cpu", dtype=torch.float32)
+                await old_engine.start()
             else:
                 made = make_trainer("verl", resolved.path, ranks=n, threads=1)
                 assert isinstance(made, RankedTrainer)
                 trainer = ranked[n] = made
             print(f"{name}: trainer ready in {time.perf_counter() - started:.1f} s", flush=True)
-            result, version = await bench_pushes(name, trainer, engine, bucket_bytes, args.repeats, version)
+            try:
+                result, version = await bench_pushes(
+                    name, trainer, engine, bucket_bytes, args.repeats, version, old, old_engine
+                )
+            finally:
+                if old_engine is not None:
+                    await old_engine.close()
             results.append(result)
+            if lora_trainer is not None:
+                lora_lines.append(
+                    f"{name}: a push carries {mib(result.bytes)} MiB of adapters against"
+                    f" {mib(result.old_bytes)} MiB of merged weights"
+                    f" ({result.bytes / result.old_bytes:.3f}x);"
+                    f" {result.time('new') / result.time('old'):.2f}x the time"
+                )
+                lora_trainer.close()
             del trainer
             gc.collect()
         verdicts = print_pushes(results, bucket_bytes) if results else []
+        verdicts += lora_lines
         if items:
             print("\nsteps ...", flush=True)
             times = bench_steps({n: ranked[n] for n in (1, 2)}, items, args.step_repeats)
@@ -464,6 +523,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollouts", type=int, default=16, help="rollouts in the step's batch")
     parser.add_argument("--tokens", type=int, default=40, help="tokens per rollout, about")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this process")
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="also a 1-rank verl LoRA trainer of this rank: adapters alone (new) vs merged weights (old)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.step_repeats < 1:
         parser.error("--repeats and --step-repeats must be at least 1")

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -563,10 +563,12 @@ class TorchEngine:
         seen: set[str] = set()
         with torch.no_grad():
             for path in sorted(self._model_dir.glob("*.safetensors")):
-                for name, tensor in load_file(str(path)).items():
-                    if name in targets:
-                        targets[name].copy_(tensor)
-                        seen.add(name)
+                # A tensor at a time, from the file's mapping: never a second copy of the model.
+                with safe_open(str(path), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        if name in targets:
+                            targets[name].copy_(handle.get_tensor(name))
+                            seen.add(name)
         missing = self._shapes.keys() - seen - self._optional_names()
         if missing:
             self._needs_weights = True

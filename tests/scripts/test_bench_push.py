@@ -55,3 +55,27 @@ def test_bench_push_with_ranked_trainers_and_the_step(
         assert f"| verl x{ranks} | old |" in printed and f"| verl x{ranks} | new |" in printed
         assert f"verl x{ranks}: rank 0 peak extra RSS" in printed
     assert "2 ranks / 1 rank per sample:" in printed
+
+
+def test_bench_push_compares_lora_adapters_with_merged_weights(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import bench_push
+
+    argv = [
+        *small_run(tiny_model_dir, tmp_path),
+        "--ranks",
+        "",
+        "--skip-step",
+        "--no-torch",
+        "--lora-rank",
+        "4",
+    ]
+    assert bench_push.main(argv) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| verl x1 LoRA r4 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["old", "new"]
+    line = next(line for line in printed.splitlines() if "MiB of adapters against" in line)
+    ratio = float(line.split("(")[1].split("x)")[0])
+    # The tiny model's 14 adapted layers at rank 4 are a few percent of its weights.
+    assert 0 < ratio < 0.2
