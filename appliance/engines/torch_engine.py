@@ -40,6 +40,9 @@ stream of buckets (``load_weight_buckets``: each bucket's tensors are viewed in 
 shared-memory file and copied into the parameters, so no second copy of the model is built).
 A bucketed load checks each bucket before copying any of it; one that fails after the first
 copy leaves a mix of old and new weights, so the engine refuses to serve until a load completes.
+A push of a LoRA adapter (buckets marked with their ``LoraAdapter``) is collected and checked
+whole, then served on ``model_dir``'s weights (``appliance.engines.lora``: read back first if
+whole weights replaced them or a level-2 sleep dropped them); a bad one changes nothing.
 
 Invariants: the weights never change while a row decodes (a swap, sleep or wake stops admission,
 waits for the running rows to finish, and holds the lock the step loop holds), so every token of

@@ -7,7 +7,10 @@ written as safetensors to ``/dev/shm`` and the server's workers reload them in p
 ``/collective_rpc`` -> ``appliance_reload_weights``: vLLM's ``reload_weights(weights_path=...)``
 plus a fix for tied LM heads, see ``appliance.engines.vllm_worker``) or, without any full copy,
 in buckets (``load_weight_buckets``: each bucket's shared-memory file goes to
-``appliance_load_bucket``, which loads it into the running model), sleep and wake (the dev routes),
+``appliance_load_bucket``, which loads it into the running model) or, for a LoRA run, an adapter
+alone (written as peft files and loaded through ``/v1/load_lora_adapter`` under a new name per
+load; requests name it, and it is loaded again after a restart or a base reload), sleep and
+wake (the dev routes),
 and supervision: a server that dies is restarted and given the current weights again, while calls
 fail fast with the retryable ``EngineUnavailable``. Launching and stopping the process is
 ``appliance.engines.vllm_process``; chat templates, tools and HTTP to agents are the proxy's.
