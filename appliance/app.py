@@ -42,15 +42,17 @@ from appliance.config import ApplianceConfig
 from appliance.controller import RolloutController
 from appliance.engines.base import Engine
 from appliance.engines.factory import create_engine
+from appliance.engines.fleet import EngineFleet
 from appliance.errors import StopForced
 from appliance.health import Health
+from appliance.placement import describe
 from appliance.proxy.calls import CallService
 from appliance.proxy.control import RUN_STATE
 from appliance.proxy.gate import ServingGate
 from appliance.proxy.http import ProxySettings
 from appliance.proxy.server import ProxyServer, build_app
 from appliance.rollouts import RolloutRegistry
-from appliance.scheduler.decide import SchedulePolicy
+from appliance.scheduler.decide import Mode, SchedulePolicy
 from appliance.scheduler.live import LiveState
 from appliance.scheduler.runner import SchedulerRunner, Validation
 from appliance.training import TrainingService
@@ -80,6 +82,15 @@ def resolve_model(config: ApplianceConfig) -> tuple[str, Path]:
     return resolved.name, resolved.path
 
 
+def schedule_mode(config: ApplianceConfig) -> Mode:
+    """The scheduler's mode: ``split`` where the placement is (the engine's GPUs never stop for
+    a step; with ``mode = "sync"`` the bound is eta 0, so it stays on-policy), else the config's
+    mode."""
+    if config.placement == "split":
+        return "split"
+    return "async" if config.mode == "async" else "sync"
+
+
 class Appliance:
     def __init__(
         self,
@@ -89,7 +100,7 @@ class Appliance:
         on_step: StepCallback | None = None,
         on_notice: Callable[[str], None] | None = None,
     ) -> None:
-        self.config = config
+        self.config = config.with_resolved_device()  # device "auto": cuda or cpu, from here on
         self._adapter = adapter
         self._on_step = on_step
         self._on_notice = on_notice
@@ -159,7 +170,9 @@ class Appliance:
         # One appliance per data directory, then the checks that need nothing loaded: a start
         # that cannot work fails here in one line, before the model loads or the store is written.
         self._stack.enter_context(preflight.data_dir_lock(config.data_dir))
-        await asyncio.to_thread(preflight.check, config)
+        plan = await asyncio.to_thread(preflight.check, config)
+        if plan is not None:
+            log.info("%s", "\n".join(describe(plan)))
         self.model_name, model_dir = await asyncio.to_thread(resolve_model, config)
 
         self.store = await EventStore.open(config.db_path)
@@ -211,7 +224,13 @@ class Appliance:
 
         gate = ServingGate(hold_timeout_s=config.hold_timeout_s)
         self.admin_token = config.admin_token or _admin_token(config.data_dir / "admin_token")
-        self.registry = RolloutRegistry(tokenizer, detect_format(model_dir), max_rollouts=config.max_rollouts)
+        self.registry = RolloutRegistry(
+            tokenizer,
+            detect_format(model_dir),
+            max_rollouts=config.max_rollouts,
+            # A fleet forgets which replica served a rollout once it ends.
+            on_unregister=self.engine.release if isinstance(self.engine, EngineFleet) else None,
+        )
         calls = CallService(
             engine=self.engine,
             store=self.store,
@@ -253,6 +272,7 @@ class Appliance:
                     resumed_from_step=state.step,
                     config=config.to_json(),
                     trainer_ranks=trainer_ranks if config.trainer == "verl" else 1,
+                    placement=plan.to_json() if plan is not None else {},
                 )
             ]
         )
@@ -287,8 +307,8 @@ class Appliance:
                 batch_groups=config.batch_groups,
                 group_size=config.group_size,
                 max_steps=config.max_steps,
-                mode="async" if config.mode == "async" else "sync",
-                eta=config.eta,
+                mode=schedule_mode(config),
+                eta=config.eta if config.mode == "async" else 0,
                 max_inflight_rollouts=config.max_inflight_rollouts,
                 min_generate_s=config.min_generate_s,
                 validate_every=config.validate_every if held_out else 0,

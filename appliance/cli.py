@@ -6,7 +6,10 @@ and the ``status`` report. ``up`` runs the appliance until it is stopped or reac
 when stdout is a terminal and progress lines otherwise or with ``--headless``; ``status`` reads
 the store and prints the run summarised (with the disk it takes), also while another process
 is writing it; ``tui`` opens the dashboard on a running appliance (``--url``) or on a run's
-store, read-only (``--db``); ``backup`` copies a run, also a running one (``appliance.backup``).
+store, read-only (``--db``); ``backup`` copies a run, also a running one (``appliance.backup``);
+``plan`` prints the GPU placement of a model on this machine or a described one
+(``appliance.placement``), exit status 2 when it does not fit;
+``doctor`` tells what this machine offers a run and what to fix (``appliance.doctor``).
 Errors a person can fix are printed as one line and exit with status 2.
 """
 
@@ -51,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--batch-groups", type=int, help="task groups per training step")
     up.add_argument("--lr", type=float, help="learning rate")
     up.add_argument("--trainer", help="training backend: torch (plain torch) or verl (verl's FSDP engine)")
-    up.add_argument("--device", help="device of the engine and the trainer: cpu or cuda")
+    up.add_argument(
+        "--device",
+        help="device of the engine and the trainer: cpu, cuda or auto (default: cuda if torch sees a GPU)",
+    )
     up.add_argument(
         "--trainer-ranks",
         type=int,
@@ -76,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--mini-batches", type=int, help="verl: optimizer steps per training step")
     up.add_argument("--max-tokens-per-microbatch", type=int, help="tokens per trainer micro-batch")
     up.add_argument("--push-bucket-mb", type=int, help="bucket size of the weight push, in MiB")
+    _placement_flags(up)
+    up.add_argument("--sleep-level", type=int, help="vLLM's sleep while training: 1 offloads, 2 discards")
     up.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
 
     status = sub.add_parser("status", help="print the state of a run from its store")
@@ -97,7 +105,99 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("appliance-data"),
         help="run directory (default ./appliance-data)",
     )
+
+    doctor = sub.add_parser(
+        "doctor", help="check this machine before a run: torch build, GPUs, vLLM, /dev/shm, RAM, disk"
+    )
+    doctor.add_argument("--config", type=Path, help="TOML file with config keys (see appliance/config.py)")
+    doctor.add_argument("--data-dir", type=Path, help="run directory whose disk is checked")
+    doctor.add_argument("--engine", help="the engine the run will use (vllm: its venv must work)")
+    doctor.add_argument("--trainer", help="the training backend the run will use (verl: verl must import)")
+    doctor.add_argument("--no-vllm", action="store_true", help="do not probe vLLM's interpreter (~5-60 s)")
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_plan_parser(sub)
     return parser
+
+
+def _placement_flags(parser: argparse.ArgumentParser) -> None:
+    """The placement flags ``up`` and ``plan`` share (``appliance.placement``)."""
+    parser.add_argument("--placement", help="collocated (default: every GPU generates and trains) or split")
+    parser.add_argument(
+        "--gpus", type=int, help="use the first N GPUs (default: all; plan --gpu-memory-gib: describe N)"
+    )
+    parser.add_argument("--engine-replicas", type=int, help="vLLM replicas, each on its own GPUs")
+    parser.add_argument("--tensor-parallel-size", type=int, help="GPUs each vLLM replica is sharded over")
+    parser.add_argument(
+        "--max-model-len", type=int, dest="vllm_max_model_len", metavar="N", help="vLLM's longest sequence"
+    )
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="the GPU placement of a model on this machine (or one described); exit 2 if it does not fit",
+    )
+    plan.add_argument("--gpu-memory-gib", type=float, help="describe a machine whose GPUs have this much")
+    plan.add_argument(
+        "--ram-gib", type=float, help="host RAM (default: this machine's; unchecked if described)"
+    )
+    model = plan.add_mutually_exclusive_group()
+    model.add_argument("--model", help="'tiny', 'smollm2-135m' or a Hugging Face model directory")
+    model.add_argument("--model-params", help="a model of this many parameters: 7e9, 7B, 135M")
+    _placement_flags(plan)
+    plan.add_argument("--trainer-ranks", type=int, help="training processes, one per GPU (default: derived)")
+    plan.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    plan.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations")
+    plan.add_argument("--sleep-level", type=int, default=1, help="vLLM's sleep while training: 1 or 2")
+    plan.add_argument("--gpu-memory-utilization", type=float, help="vLLM's share of a GPU (default: derived)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``lightning-appliance plan``: 0 when the plan fits, 2 when it does not."""
+    from appliance.machine import model_spec, probe_machine
+    from appliance.memory_model import GIB, ModelSpec, parse_param_count
+    from appliance.placement import Machine, PlacementSettings, describe, plan
+
+    defaults = ApplianceConfig()
+    spec: ModelSpec | None
+    if args.model_params is not None:
+        spec = ModelSpec(params=parse_param_count(args.model_params))
+    else:
+        spec = model_spec(args.model or defaults.model, defaults.models_dir)
+        if spec is None:
+            known = "not 'tiny', 'smollm2-135m' nor a directory with a config.json"
+            raise ApplianceError(f"unknown model {args.model!r}: {known}; or pass --model-params 7B")
+    for name in ("gpus", "gpu_memory_gib", "ram_gib"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ApplianceError(f"--{name.replace('_', '-')} must be above 0")
+    machine = probe_machine(gpus=args.gpu_memory_gib is None)
+    gpus = args.gpus
+    if args.gpu_memory_gib is not None:  # a described machine: --gpus of that size
+        machine = Machine.described(gpus or 1, round(args.gpu_memory_gib * GIB))
+        gpus = None
+    elif gpus is not None and gpus > len(machine.gpus):
+        have = f"this machine has {len(machine.gpus)} GPU(s)"
+        raise ApplianceError(f"{have}; describe one with --gpus {gpus} --gpu-memory-gib G")
+    if args.ram_gib is not None:
+        machine = Machine(gpus=machine.gpus, ram_bytes=round(args.ram_gib * GIB))
+    settings = PlacementSettings(
+        placement=args.placement or defaults.placement,
+        gpus=gpus,
+        engine_replicas=args.engine_replicas,
+        tensor_parallel_size=args.tensor_parallel_size,
+        trainer_ranks=args.trainer_ranks,
+        lora_rank=args.lora_rank,
+        gradient_checkpointing=args.gradient_checkpointing,
+        tokens_per_microbatch=defaults.max_tokens_per_microbatch,
+        max_model_len=args.vllm_max_model_len,
+        max_num_seqs=defaults.max_batch_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep_level=args.sleep_level,
+    )
+    result = plan(machine, spec, settings)
+    print(json.dumps(result.to_json(), indent=2) if args.json else "\n".join(describe(result)))
+    return 0 if result.fits else 2
 
 
 def _config_from(args: argparse.Namespace) -> ApplianceConfig:
@@ -118,6 +218,12 @@ def _config_from(args: argparse.Namespace) -> ApplianceConfig:
         *VERL_ONLY,
         "max_tokens_per_microbatch",
         "push_bucket_mb",
+        "placement",
+        "gpus",
+        "engine_replicas",
+        "tensor_parallel_size",
+        "vllm_max_model_len",
+        "sleep_level",
     )
     return load_config(args.config, {k: getattr(args, k) for k in keys})
 
@@ -485,6 +591,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tui":
             tui_app(args).run()
             return 0
+        if args.command == "plan":
+            return plan_command(args)
+        if args.command == "doctor":
+            from appliance import doctor
+
+            overrides = {"data_dir": args.data_dir, "engine": args.engine, "trainer": args.trainer}
+            return doctor.run(
+                load_config(args.config, overrides), probe_vllm=not args.no_vllm, as_json=args.json
+            )
         if args.command == "backup":
             from appliance.backup import backup
 

@@ -23,6 +23,8 @@ ENV_PREFIX = "APPLIANCE_"
 
 #: The generation engines ``engine`` may name.
 ENGINES = ("torch", "vllm")
+#: What ``placement`` may name (see ``appliance.placement``).
+PLACEMENTS = ("collocated", "split")
 #: Settings only the verl backend has (``trainer.factory.VERL_ONLY_OPTIONS``), in flag order.
 VERL_ONLY = (
     "lora_rank",
@@ -77,6 +79,8 @@ class ApplianceConfig:
     max_steps: int | None = None
     #: "sync" (generate a batch, then train) or "async" (collocated: train as soon as a batch of
     #: groups is ready; rollouts still running are preempted and continue under the new weights).
+    #: With placement = "split" the scheduler runs split mode (generation never stops for a step,
+    #: docs/scheduler.md): "async" bounds it by eta, "sync" keeps it on-policy (eta 0).
     mode: str = "sync"
     #: Staleness bound (async): a rollout starts at most this many versions before the version
     #: it is trained at, and sampled tokens older than that are dropped from the loss.
@@ -139,8 +143,18 @@ class ApplianceConfig:
     max_batch_size: int = 16
     #: Torch CPU threads (None: torch's default). One is fastest for the tiny model on 2 cores.
     threads: int | None = 1
-    #: Device for the engine and the trainer ("cpu" or "cuda").
-    device: str = "cpu"
+    #: Device for the engine and the trainer: "cpu", "cuda", or "auto" ("cuda" when torch sees a
+    #: CUDA GPU, else "cpu"; resolved once when the config is built, see ``resolve_device``).
+    device: str = "auto"
+    #: Where generation and training go on the GPUs (``appliance.placement``; ``lightning-appliance
+    #: plan`` shows it): "collocated" (every GPU alternates: vLLM sleeps while the trainer trains,
+    #: the trainer offloads while vLLM generates) or "split" (the first engine_replicas x
+    #: tensor_parallel_size GPUs generate, the trainer ranks train on the next ones).
+    placement: str = "collocated"
+    #: GPUs the appliance uses: the first this many of those torch sees (None: all of them).
+    gpus: int | None = None
+    #: vLLM servers, each on tensor_parallel_size GPUs of its own.
+    engine_replicas: int = 1
     #: Full checkpoints (model + optimizer + trainer state) to keep on disk, and as many of the
     #: per-version weight files written between them.
     keep_checkpoints: int = 3
@@ -235,7 +249,7 @@ class ApplianceConfig:
             return self.trainer_ranks
         if self.device != "cuda" or self.trainer != "verl":
             return 1
-        import torch  # only here: reading the config must not load torch
+        import torch  # only here (and for device = "auto", see resolve_device)
 
         return max(1, torch.cuda.device_count())
 
@@ -257,6 +271,13 @@ class ApplianceConfig:
             options.update({name: getattr(self, name) for name in VERL_ONLY})
         return options
 
+    def with_resolved_device(self) -> ApplianceConfig:
+        """This config with ``device`` = "auto" made concrete (``resolve_device``); else itself.
+        ``load_config`` and ``Appliance`` call it, so nothing downstream sees "auto"."""
+        if self.device != "auto":
+            return self
+        return dataclasses.replace(self, device=resolve_device(self.device))
+
     def to_json(self) -> dict[str, Any]:
         """The config as recorded in the event log: secrets left out."""
         out = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
@@ -265,6 +286,20 @@ class ApplianceConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ApplianceConfig)}
+
+
+def resolve_device(device: str) -> str:
+    """``device`` with "auto" made concrete: "cuda" when ``torch.cuda.is_available()`` (a CUDA
+    build of torch that sees a GPU), else "cpu". Any other value is returned as it is; only
+    "auto" imports torch. Without torch at all "auto" is "cpu" (nothing trains then anyway;
+    ``lightning-appliance doctor`` says why)."""
+    if device != "auto":
+        return device
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 _KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool, "Path": Path, "dict": dict}
@@ -318,7 +353,7 @@ def load_config(
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = _coerce(key, value)
-    config = ApplianceConfig(**values)
+    config = ApplianceConfig(**values).with_resolved_device()
     if config.group_size < 1 or config.batch_groups < 1:
         raise ConfigError("group_size and batch_groups must be at least 1")
     if config.mode not in ("sync", "async"):
@@ -364,6 +399,12 @@ def load_config(
         raise ConfigError(f"min_free_disk_gib must be 0 or more; got {config.min_free_disk_gib}")
     if config.sleep_level not in (1, 2):
         raise ConfigError(f"sleep_level must be 1 or 2; got {config.sleep_level}")
+    if config.placement not in PLACEMENTS:
+        raise ConfigError(f"placement must be one of {', '.join(PLACEMENTS)}; got {config.placement!r}")
+    for name in ("gpus", "engine_replicas", "tensor_parallel_size"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be at least 1; got {value}")
     _check_trainer(config)
     return config
 

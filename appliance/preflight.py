@@ -3,12 +3,13 @@
 Owns the data directory's lock (one appliance per data directory) and the checks that turn a
 start that would fail late (after the model loaded, with a traceback, or worse, a second
 appliance writing the same store) into one line a person can act on: the data directory is
-writable, the proxy's port is free, the disk has room, the engine is known, and the run on disk
-was trained with the model asked for. Each failure raises :class:`PreflightFailed` (the CLI
+writable, the proxy's port is free, the disk has room, the engine is known, the run on disk
+was trained with the model asked for, and the placement plan fits the machine (the GPUs' and host
+RAM's memory, ``appliance.placement``). Each failure raises :class:`PreflightFailed` (the CLI
 prints it as one line and exits 2) before anything is written to the event store.
 
-It does not own the config's validation (``appliance.config``) nor the store: it only reads the
-store, read-only, for the model the run was started with.
+It does not own the config's validation (``appliance.config``), the plan (``appliance.placement``)
+nor the store: it only reads the store, read-only, for the model the run was started with.
 
 Invariant: while an appliance runs on a data directory it holds an exclusive ``flock`` on
 ``<data_dir>/appliance.lock``, which holds its pid. The kernel drops the lock when the process
@@ -20,17 +21,24 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from appliance.config import ENGINES, ApplianceConfig
 from appliance.errors import PreflightFailed
 
-__all__ = ["LOCK_NAME", "bind_error", "check", "data_dir_lock", "recorded_model"]
+if TYPE_CHECKING:
+    from appliance.placement import Machine, Plan
+
+__all__ = ["LOCK_NAME", "bind_error", "check", "check_placement", "data_dir_lock", "recorded_model"]
+
+log = logging.getLogger(__name__)
 
 #: The lock file in the data directory.
 LOCK_NAME = "appliance.lock"
@@ -77,12 +85,31 @@ def _holder(fd: int) -> str:
     return "pid unknown"  # it has locked but not yet written its pid
 
 
-def check(config: ApplianceConfig) -> None:
-    """Everything but the lock (which the caller holds): engine, port, disk, model."""
+def check(config: ApplianceConfig) -> Plan | None:
+    """Everything but the lock (which the caller holds): engine, port, disk, model, placement.
+    Returns the placement plan (None: a model not known yet, which loading it then reports)."""
     check_engine(config.engine)
     check_port(config.host, config.port)
     check_disk(config.data_dir, config.min_free_disk_gib)
     check_model(config)
+    return check_placement(config)
+
+
+def check_placement(config: ApplianceConfig, machine: Machine | None = None) -> Plan | None:
+    """The placement plan of ``config`` on ``machine`` (None: this one); refused in one line
+    when it does not fit. None: the model is neither registered nor a directory with a
+    config.json (``resolve_model`` then says so)."""
+    from appliance.machine import plan_for_config
+
+    plan = plan_for_config(config, machine)
+    if plan is not None and not plan.fits:
+        if config.engine == "vllm" and config.vllm_url:  # its memory is taken already: not ours to plan
+            log.warning(
+                "placement: %s (not enforced: vLLM runs outside, at %s)", plan.reason, config.vllm_url
+            )
+        else:
+            raise PreflightFailed(f"placement: {plan.reason}")
+    return plan
 
 
 def check_writable(data_dir: Path) -> None:

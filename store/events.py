@@ -69,6 +69,10 @@ class ApplianceStarted(Event):
     config: JsonObject = field(default_factory=dict)
     #: Training worker processes this start trains with (1 in logs written before it existed).
     trainer_ranks: int = 1
+    #: The GPU placement this start runs with (``appliance.placement.Plan.to_json``: the GPUs of
+    #: each engine replica and of the trainer ranks, the memory figures, fits and why); empty in
+    #: logs written before it existed, or when the model was not known before loading.
+    placement: JsonObject = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -152,7 +152,7 @@ def test_trainer_options_are_make_trainers_arguments() -> None:
     from trainer.policy import PolicyTrainer
 
     torch_options = load_config(
-        env={"APPLIANCE_LR": "0.001", "APPLIANCE_TEMPERATURE": "none"}
+        env={"APPLIANCE_LR": "0.001", "APPLIANCE_TEMPERATURE": "none", "APPLIANCE_DEVICE": "cpu"}
     ).trainer_options()
     assert torch_options == {
         "device": "cpu",
@@ -190,3 +190,63 @@ def test_trainer_ranks_default_to_the_gpus_only_for_verl_on_cuda(monkeypatch: py
         ).resolved_trainer_ranks()
         == 2
     )
+
+
+def test_device_auto_resolves_once_to_what_torch_sees(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import torch
+
+    from appliance.app import Appliance
+    from appliance.config import ApplianceConfig
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    assert ApplianceConfig().device == "auto"
+    assert load_config(env={}).device == here  # "cpu" on a machine without a GPU (CI)
+    assert load_config(env={"APPLIANCE_DEVICE": "auto"}).to_json()["device"] == here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert load_config(env={}).device == "cuda"
+    assert load_config(env={"APPLIANCE_DEVICE": "cpu"}).device == "cpu"  # an explicit device stays
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert load_config(env={}).device == "cpu"
+    assert load_config(env={"APPLIANCE_DEVICE": "cuda:1"}).device == "cuda:1"
+    # A config built directly says "auto"; the composition root resolves it before anything
+    # reads it (the trainer's options, ApplianceStarted's config).
+    appliance = Appliance(ApplianceConfig(data_dir=tmp_path))
+    assert appliance.config.device == "cpu"
+    assert appliance.config.trainer_options()["device"] == "cpu"
+    assert appliance.config.to_json()["device"] == "cpu"
+
+
+def test_placement_fields_are_checked_like_the_others() -> None:
+    config = load_config(
+        overrides={"placement": "split", "gpus": 4, "engine_replicas": 2, "tensor_parallel_size": 2}, env={}
+    )
+    assert (config.placement, config.gpus, config.engine_replicas) == ("split", 4, 2)
+    assert load_config(env={}).placement == "collocated" and load_config(env={}).gpus is None
+    assert load_config(env={"APPLIANCE_GPUS": "2", "APPLIANCE_ENGINE_REPLICAS": "3"}).engine_replicas == 3
+    for env, message in (
+        ({"APPLIANCE_PLACEMENT": "sideways"}, "placement must be one of collocated, split"),
+        ({"APPLIANCE_GPUS": "0"}, "gpus must be at least 1"),
+        ({"APPLIANCE_ENGINE_REPLICAS": "0"}, "engine_replicas must be at least 1"),
+        ({"APPLIANCE_TENSOR_PARALLEL_SIZE": "0"}, "tensor_parallel_size must be at least 1"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(env=env)
+
+
+def test_up_takes_the_placement_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.cli import _config_from, _parser
+
+    for key in [k for k in os.environ if k.startswith("APPLIANCE_")]:
+        monkeypatch.delenv(key)
+    args = ["--placement", "split", "--gpus", "6", "--engine-replicas", "2", "--tensor-parallel-size", "2"]
+    args += ["--max-model-len", "8192", "--sleep-level", "2"]
+    config = _config_from(_parser().parse_args(["up", *args]))
+    assert (config.placement, config.gpus, config.engine_replicas, config.tensor_parallel_size) == (
+        "split",
+        6,
+        2,
+        2,
+    )
+    assert (config.vllm_max_model_len, config.sleep_level) == (8192, 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -16,11 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from appliance import preflight
 from appliance.app import Appliance
 from appliance.config import ApplianceConfig
 from appliance.errors import PreflightFailed
+from appliance.placement import Machine
 from store.events import ApplianceStarted, ApplianceStopped
 from store.eventstore import EventStore, read_events_sync
 from tests.appliance.appliance_process import cli as run_cli
@@ -251,3 +254,66 @@ async def test_the_runs_model_directory_by_another_path_is_accepted(
         preflight.check_model(dataclasses.replace(config(tmp_path), model=model))
     with pytest.raises(PreflightFailed, match=f"trained with model '{tiny_model_dir}'"):
         preflight.check_model(config(tmp_path))  # the registered "tiny" is another model
+
+
+# --- the placement plan ---------------------------------------------------------------------
+
+#: Llama-2-70B's shape: a model directory holding its config.json alone is all the plan reads.
+LLAMA_70B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def model_dir(tmp_path: Path, config: dict[str, object]) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_model_this_machine_cannot_train_is_refused_in_one_line(tmp_path: Path) -> None:
+    data_dir = tmp_path / "run"
+    big = model_dir(tmp_path, LLAMA_70B)
+    done, seconds = up(data_dir, "--port", "0", "--device", "cpu", "--model", str(big))
+    assert_refused(done, "placement: the engine and 1 trainer rank(s) (full fine-tune) need", "of host RAM")
+    assert seconds < FAST_S
+    assert not (data_dir / "models").exists()
+    assert not (data_dir / "events.sqlite").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_is_refused_in_one_line(tmp_path: Path) -> None:
+    done, seconds = up(tmp_path / "run", "--port", "0", "--device", "cuda")
+    assert_refused(done, "placement: device = cuda but no GPU was found", "--device cpu")
+    assert seconds < FAST_S
+
+
+def test_a_plan_that_does_not_fit_the_gpus_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    qwen_7b = {**LLAMA_70B, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+               "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064}  # fmt: skip
+    cfg = dataclasses.replace(config(tmp_path), model=str(model_dir(tmp_path, qwen_7b)), device="cuda")
+    one_24_gib = Machine.described(1, 24 * 1024**3, 64 * 1024**3)
+    with pytest.raises(PreflightFailed) as refused:
+        preflight.check_placement(cfg, one_24_gib)
+    line = refused.value.message
+    assert line.startswith("placement: the trainer needs ") and "\n" not in line
+    assert "GPU 0 has 22.5 GiB for it" in line and "a smaller model" in line
+    # What the line suggests fits: the model on three such GPUs, with LoRA and recomputation.
+    fixed = dataclasses.replace(cfg, trainer="verl", lora_rank=16, gradient_checkpointing=True)
+    plan = preflight.check_placement(fixed, Machine.described(3, 24 * 1024**3, 256 * 1024**3))
+    assert plan is not None and plan.fits and plan.trainer_gpus == (0, 1, 2)
+    # A vLLM server of its own already holds its memory: the plan is logged, not enforced.
+    attached = dataclasses.replace(cfg, engine="vllm", vllm_url="http://127.0.0.1:8000")
+    plan = preflight.check_placement(attached, one_24_gib)
+    assert plan is not None and not plan.fits
+
+
+def test_the_default_models_pass_the_placement_check_on_cpu(tmp_path: Path) -> None:
+    for model in ("tiny", "smollm2-135m"):
+        plan = preflight.check_placement(dataclasses.replace(config(tmp_path), model=model, device="cpu"))
+        assert plan is not None and plan.fits and plan.device == "cpu"
+    unknown = dataclasses.replace(config(tmp_path), model=str(tmp_path / "nothing-here"))
+    assert preflight.check_placement(unknown) is None  # loading the model says why
