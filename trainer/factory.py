@@ -19,6 +19,7 @@ on CPU), which is how the appliance runs it; the torch backend trains in one pro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -48,13 +49,15 @@ def make_trainer(
     *,
     ranks: int | None = None,
     threads: int | None = None,
+    gpus: Sequence[int] | None = None,
     **options: Any,
 ) -> Trainer:
     """A trainer of ``backend`` ("torch" or "verl") for the model in ``model_dir``.
 
-    Raises ``ValueError`` for an unknown backend, for verl-only options given to "torch"
-    (rather than silently training without, say, the KL term that was asked for), or for more
-    than one rank with "torch". ``threads``: torch threads of each rank process.
+        Raises ``ValueError`` for an unknown backend, for verl-only options given to "torch"
+        (rather than silently training without, say, the KL term that was asked for), or for more
+        than one rank with "torch". ``threads``: torch threads of each rank process; ``gpus``: the GPU
+    of each rank (the placement's training GPUs; None: rank r on GPU r).
     """
     if ranks is not None and ranks < 1:
         raise ValueError(f"a trainer needs at least one rank, got {ranks}")
@@ -73,7 +76,7 @@ def make_trainer(
         if ranks is not None:
             from trainer.ranks import RankedTrainer
 
-            return RankedTrainer(model_dir, ranks=ranks, threads=threads, **options)
+            return RankedTrainer(model_dir, ranks=ranks, threads=threads, gpus=gpus, **options)
         from trainer.verl_backend import VerlFSDPTrainer
 
         return VerlFSDPTrainer(model_dir, **options)

@@ -72,6 +72,14 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05
 
 
+def rank_options(options: dict[str, Any], gpus: Sequence[int] | None, rank: int) -> dict[str, Any]:
+    """The trainer options of rank ``rank``: on the GPU the placement gave it, if it gave any
+    (``device`` ``cuda:<gpu>``), else as given (verl's runtime puts rank r on GPU r)."""
+    if gpus is None:
+        return dict(options)
+    return {**options, "device": f"cuda:{gpus[rank]}"}
+
+
 class RankGroup:
     """``world_size`` trainer processes; :meth:`call` sends one command to each."""
 
@@ -82,11 +90,16 @@ class RankGroup:
         options: dict[str, Any],
         *,
         threads: int | None = None,
+        gpus: Sequence[int] | None = None,
         start_timeout_s: float = 900.0,
         reply_timeout_s: float | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"a trainer needs at least one rank, got {world_size}")
+        if gpus is not None and (len(gpus) != world_size or len(set(gpus)) != world_size):
+            raise ValueError(f"{world_size} trainer ranks need {world_size} distinct GPUs, got {list(gpus)}")
+        #: The GPU of each rank (the placement's training GPUs), None: rank r on GPU r.
+        self.gpus = tuple(gpus) if gpus is not None else None
         self.model_dir = str(model_dir)
         self.world_size = world_size
         self.options = dict(options)
@@ -124,7 +137,7 @@ class RankGroup:
                     "world_size": self.world_size,
                     "init_method": init_method,
                     "model_dir": self.model_dir,
-                    "options": self.options,
+                    "options": rank_options(self.options, self.gpus, rank),
                     "threads": self.threads,
                 },
                 name=f"trainer-rank-{rank}",
@@ -282,6 +295,7 @@ class RankedTrainer:
         *,
         ranks: int,
         threads: int | None = None,
+        gpus: Sequence[int] | None = None,
         reply_timeout_s: float | None = None,
         **options: Any,
     ) -> None:
@@ -295,7 +309,9 @@ class RankedTrainer:
         self._overflow = options.get("overflow", "cut")
         if self._mini_batches < 1:
             raise ValueError(f"mini_batches must be >= 1, got {self._mini_batches}")
-        self.group = RankGroup(model_dir, ranks, options, threads=threads, reply_timeout_s=reply_timeout_s)
+        self.group = RankGroup(
+            model_dir, ranks, options, threads=threads, gpus=gpus, reply_timeout_s=reply_timeout_s
+        )
         self.group.start()
 
     # --- lifecycle -----------------------------------------------------------------------------

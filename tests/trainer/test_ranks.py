@@ -26,7 +26,7 @@ from tests.trainer.helpers import sample
 from trainer.checkpoints import CheckpointStore, buckets_to_hf, export_hf_model
 from trainer.items import TrainItem
 from trainer.rank_rpc import TrainerRankFailed
-from trainer.ranks import RankedTrainer
+from trainer.ranks import RankedTrainer, RankGroup, rank_options
 from trainer.sharded import ShardedStore
 from trainer.verl_backend import VerlFSDPTrainer
 
@@ -233,3 +233,14 @@ def test_export_from_ranks_is_written_bucket_by_bucket(
     loaded = exported.state_dict()
     for name, tensor in two_ranks.state_dict_for_engine().items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_ranks_are_placed_on_the_gpus_given() -> None:
+    """The placement's training GPUs reach each rank as its device (checked before spawning)."""
+    options = {"lr": LR}
+    assert rank_options(options, None, 1) == options
+    assert rank_options(options, (4, 5, 6, 7), 2) == {"lr": LR, "device": "cuda:6"}
+    with pytest.raises(ValueError, match="2 trainer ranks need 2 distinct GPUs"):
+        RankGroup("unused", 2, options, gpus=(3,))
+    with pytest.raises(ValueError, match="distinct"):
+        RankGroup("unused", 2, options, gpus=(3, 3))
