@@ -1,17 +1,13 @@
 """``lightning-appliance doctor``: what this machine offers a run, told before one starts.
 
-Owns gathering what a run depends on into one :class:`Facts` (the trainer venv's torch and its
-build, the GPUs and their free memory, vLLM's venv and its build, ``/dev/shm``, disk, RAM,
-CPUs, verl, Python, and the config's settings they are measured against) and the checks over
-it: small pure functions ``Facts -> Check``, each "ok", "warn" or "fail" with, for a problem,
-the fix a person can apply. Only :func:`gather` touches the machine: it imports torch and verl,
-asks ``nvidia-smi``, and probes vLLM's interpreter in a subprocess with a timeout (the slow
-part, ~5 s here; ``probe_vllm=False`` skips it). The checks are tested with made-up facts.
+Owns the checks over the facts (``appliance.doctor_facts``): small pure functions
+``Facts -> Check``, each "ok", "warn" or "fail" with, for a problem, the fix a person can
+apply; the report ``doctor --json`` prints; and :func:`run`, which gathers, checks and prints.
+The checks are tested with made-up facts.
 
-It does not own the start-up checks that refuse a run (``appliance.preflight``: lock, port,
-disk, model), nor the config (``appliance.config``), nor how the venvs are built (the
-Makefile: ``make bootstrap`` records the torch build it installed in ``.venv/.torch-build``,
-``make vllm-cpu`` / ``make vllm-gpu`` leave ``.vllm-cpu`` / ``.vllm-gpu`` in ``.venv-vllm``).
+It does not own gathering the facts (``appliance.doctor_facts``: the only part that touches
+the machine), the start-up checks that refuse a run (``appliance.preflight``: lock, port,
+disk, model), nor the config (``appliance.config``).
 
 What fails and what only warns: a fail is what makes the run this config describes fail or
 silently waste the machine (torch missing, GPUs visible to a CPU build of torch, device =
@@ -22,116 +18,33 @@ needs it, and ``doctor --engine vllm`` makes it a failure.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from appliance.config import ApplianceConfig
+from appliance.doctor_facts import TORCH_STAMP, Facts, gather
+from appliance.machine import GpuInfo
+from appliance.memory_model import GIB, gib
 
-__all__ = ["CHECKS", "Check", "Facts", "Gpu", "VllmFacts", "gather", "report", "run", "run_checks"]
+__all__ = ["CHECKS", "Check", "report", "run", "run_checks"]
 
 Status = Literal["ok", "warn", "fail"]
 
-#: Seconds the vLLM probe (``import vllm, torch`` in vLLM's interpreter) may take.
-VLLM_PROBE_TIMEOUT_S = 60.0
 #: Available RAM below which a run of a real model (not "tiny") is warned about: SmolLM2-135M
 #: peaks at ~3.5 GB while generating and 4-8 GB while training (measured, FINDINGS).
-RAM_WARN_BYTES = 4 << 30
+RAM_WARN_BYTES = 4 * GIB
 #: /dev/shm below which NCCL between several GPUs is warned about (Docker's default is 64 MiB).
-SHM_NCCL_BYTES = 1 << 30
-#: The stamps the Makefile leaves in the venvs.
-TORCH_STAMP = ".torch-build"
-VLLM_STAMPS = {".vllm-cpu": "cpu", ".vllm-gpu": "cuda"}
-
-_PROBE = (
-    "import json, torch, vllm; "
-    "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, 'cuda': torch.version.cuda}))"
-)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Gpu:
-    index: int
-    name: str
-    free_bytes: int
-    total_bytes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VllmFacts:
-    """vLLM's own virtualenv (config ``vllm_python``)."""
-
-    python: str
-    exists: bool
-    #: Which of the Makefile's stamps the venv has (".vllm-cpu", ".vllm-gpu").
-    stamps: tuple[str, ...] = ()
-    #: Whether its interpreter was asked (False: ``--no-vllm``, or no interpreter there).
-    probed: bool = False
-    version: str | None = None
-    torch_version: str | None = None
-    #: "cuda" or "cpu": from the probe, else from the stamp; None: unknown.
-    torch_build: str | None = None
-    torch_cuda: str | None = None
-    #: Why the probe failed (the import's last error line, or the timeout).
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Facts:
-    """Everything the checks look at; :func:`gather` measures it, tests make it up."""
-
-    python_version: str
-    python_executable: str
-    cpu_count: int
-    #: torch in this (the trainer's) interpreter; None when it does not import (``torch_error``).
-    torch_version: str | None
-    #: "cuda" or "cpu" (``torch.version.cuda`` set or not).
-    torch_build: str | None
-    torch_cuda: str | None = None
-    torch_error: str | None = None
-    #: What ``make bootstrap`` recorded in ``<venv>/.torch-build`` (None: no stamp).
-    torch_stamp: str | None = None
-    cuda_available: bool = False
-    #: Whether ``nvidia-smi`` answered, the driver it reports, and the GPUs (from ``nvidia-smi``,
-    #: else from torch when it sees GPUs without it).
-    nvidia_smi: bool = False
-    driver_version: str | None = None
-    gpus: tuple[Gpu, ...] = ()
-    ram_total_bytes: int | None = None
-    ram_available_bytes: int | None = None
-    #: /dev/shm (None: there is none).
-    shm_total_bytes: int | None = None
-    shm_free_bytes: int | None = None
-    #: The data directory and the disk it is on (its nearest existing parent when it is not there yet).
-    data_dir: str = "appliance-data"
-    disk_free_bytes: int | None = None
-    disk_total_bytes: int | None = None
-    verl_version: str | None = None
-    verl_error: str | None = None
-    vllm: VllmFacts
-    # The config's settings the facts are measured against.
-    engine: str = "torch"
-    trainer: str = "torch"
-    device: str = "cpu"
-    model: str = "smollm2-135m"
-    push_bucket_mb: int = 256
-    min_free_disk_gib: float = 1.0
-    gpu_memory_utilization: float = 0.9
-    vllm_url: str | None = None
+SHM_NCCL_BYTES = GIB
 
 
 @dataclass(frozen=True, slots=True)
 class Check:
+    """One line of the report: what was checked, its verdict, and what to do about it."""
+
     name: str
     status: Status
     summary: str
@@ -283,7 +196,7 @@ def check_ram(f: Facts) -> Check:
         return Check(
             "ram", "warn", "unknown (no /proc/meminfo)", "check it by hand: a real model needs 4-8 GB"
         )
-    summary = f"{_gib(f.ram_available_bytes)} available of {_gib(f.ram_total_bytes)}"
+    summary = f"{gib(f.ram_available_bytes)} available of {gib(f.ram_total_bytes)}"
     if f.model != "tiny" and f.ram_available_bytes < RAM_WARN_BYTES:
         return Check(
             "ram",
@@ -330,8 +243,8 @@ def check_shm(f: Facts) -> Check:
 def check_disk(f: Facts) -> Check:
     if f.disk_free_bytes is None or f.disk_total_bytes is None:
         return Check("disk", "warn", f"cannot tell the free space at {f.data_dir}", "check it by hand: df -h")
-    summary = f"{_gib(f.disk_free_bytes)} free of {_gib(f.disk_total_bytes)} at {f.data_dir}"
-    if f.disk_free_bytes < f.min_free_disk_gib * (1 << 30):
+    summary = f"{gib(f.disk_free_bytes)} free of {gib(f.disk_total_bytes)} at {f.data_dir}"
+    if f.disk_free_bytes < f.min_free_disk_gib * GIB:
         return Check(
             "disk",
             "fail",
@@ -386,234 +299,6 @@ def run(
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 
-# --- gathering: the only part that touches the machine -------------------------------------
-
-
-def gather(config: ApplianceConfig, *, probe_vllm: bool = True) -> Facts:
-    """Measure this machine (and this interpreter, the trainer's venv) for ``config``."""
-    python = _vllm_python(config.vllm_python)
-    # vLLM's import takes seconds: it runs in its own process while this one looks at the rest.
-    probe = _start_probe(python) if probe_vllm and python.is_file() else None
-    torch_facts = _torch_facts()
-    smi = _nvidia_smi()
-    gpus = smi[1] if smi is not None else _torch_gpus(torch_facts["cuda_available"])
-    ram = _meminfo()
-    shm = _statvfs(Path("/dev/shm"))
-    disk = _disk(config.data_dir)
-    verl_version, verl_error = _verl()
-    return Facts(
-        python_version=sys.version.split()[0],
-        python_executable=_short(Path(sys.executable)),
-        cpu_count=os.cpu_count() or 1,
-        **torch_facts,
-        torch_stamp=_read_stamp(Path(sys.prefix) / TORCH_STAMP) if sys.prefix != sys.base_prefix else None,
-        nvidia_smi=smi is not None,
-        driver_version=smi[0] if smi is not None else None,
-        gpus=gpus,
-        ram_total_bytes=ram[0],
-        ram_available_bytes=ram[1],
-        shm_total_bytes=shm[0],
-        shm_free_bytes=shm[1],
-        data_dir=str(config.data_dir),
-        disk_free_bytes=disk[0],
-        disk_total_bytes=disk[1],
-        verl_version=verl_version,
-        verl_error=verl_error,
-        vllm=_vllm_facts(python, probe),
-        engine=config.engine,
-        trainer=config.trainer,
-        device=config.device,
-        model=config.model,
-        push_bucket_mb=config.push_bucket_mb,
-        min_free_disk_gib=config.min_free_disk_gib,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        vllm_url=config.vllm_url,
-    )
-
-
-def _torch_facts() -> dict[str, Any]:
-    try:
-        import torch
-    except Exception as exc:  # a broken install raises more than ImportError
-        return {
-            "torch_version": None,
-            "torch_build": None,
-            "torch_error": _one_line(exc),
-            "cuda_available": False,
-        }
-    cuda = torch.version.cuda
-    return {
-        "torch_version": torch.__version__,
-        "torch_build": "cuda" if cuda else "cpu",
-        "torch_cuda": cuda,
-        "cuda_available": bool(torch.cuda.is_available()),
-    }
-
-
-def _nvidia_smi() -> tuple[str | None, tuple[Gpu, ...]] | None:
-    """(driver version, GPUs) from ``nvidia-smi``; None when it is absent or does not answer.
-    It creates no CUDA context, unlike asking torch for free memory."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    query = "--query-gpu=index,name,memory.free,memory.total,driver_version"
-    try:
-        result = subprocess.run(
-            [smi, query, "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=15,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    gpus: list[Gpu] = []
-    driver: str | None = None
-    for row in result.stdout.strip().splitlines():
-        fields = [field.strip() for field in row.split(",")]
-        if len(fields) < 5:
-            continue
-        driver = fields[-1]
-        with contextlib.suppress(ValueError):  # "[N/A]" where a MIG device has no figure
-            gpus.append(
-                Gpu(
-                    index=int(fields[0]),
-                    name=", ".join(fields[1:-3]),  # a name may hold a comma
-                    free_bytes=int(fields[-3]) << 20,
-                    total_bytes=int(fields[-2]) << 20,
-                )
-            )
-    return driver, tuple(gpus)
-
-
-def _torch_gpus(cuda_available: bool) -> tuple[Gpu, ...]:
-    """The GPUs torch sees, where ``nvidia-smi`` is not there to ask (this creates CUDA contexts)."""
-    if not cuda_available:
-        return ()
-    import torch
-
-    gpus = []
-    for index in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(index)
-        gpus.append(
-            Gpu(index=index, name=torch.cuda.get_device_name(index), free_bytes=free, total_bytes=total)
-        )
-    return tuple(gpus)
-
-
-def _meminfo() -> tuple[int | None, int | None]:
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        return int(fields["MemTotal"].split()[0]) << 10, int(fields["MemAvailable"].split()[0]) << 10
-    except (OSError, KeyError, ValueError):
-        return None, None
-
-
-def _statvfs(path: Path) -> tuple[int | None, int | None]:
-    """(total, free to an unprivileged user) of the file system at ``path``."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None, None
-    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-
-
-def _disk(data_dir: Path) -> tuple[int | None, int | None]:
-    """(free, total) of the disk ``data_dir`` is (or will be) on."""
-    where = data_dir.absolute()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        usage = shutil.disk_usage(where)
-    except OSError:
-        return None, None
-    return usage.free, usage.total
-
-
-def _verl() -> tuple[str | None, str | None]:
-    try:
-        import verl
-    except Exception as exc:  # verl imports ray, tensordict, ...: anything may be missing
-        return None, _one_line(exc)
-    return str(getattr(verl, "__version__", "?")), None
-
-
-def _vllm_python(path: Path) -> Path:
-    """``vllm_python`` looked up as the engine looks it up; as given when the engine's module
-    does not import (a broken torch, which the torch line reports)."""
-    try:
-        from appliance.engines.vllm_process import vllm_python
-    except Exception:
-        return path
-    return vllm_python(path)
-
-
-def _read_stamp(path: Path) -> str | None:
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _start_probe(python: Path) -> tuple[subprocess.Popen[str], float]:
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-    process = subprocess.Popen(
-        [str(python), "-c", _PROBE],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,  # its own process group: a timeout kills whatever it started
-    )
-    return process, time.monotonic() + VLLM_PROBE_TIMEOUT_S
-
-
-def _vllm_facts(python: Path, probe: tuple[subprocess.Popen[str], float] | None) -> VllmFacts:
-    venv = python.parent.parent
-    stamps = tuple(name for name in VLLM_STAMPS if (venv / name).exists())
-    base = VllmFacts(
-        python=_short(python),
-        exists=python.is_file(),
-        stamps=stamps,
-        torch_build=VLLM_STAMPS[stamps[0]] if len(stamps) == 1 else None,
-    )
-    if probe is None:
-        return base
-    process, deadline = probe
-    # The deadline counts from the probe's start; one that ended meanwhile is read in full.
-    timeout = None if process.poll() is not None else max(0.1, deadline - time.monotonic())
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        return dataclasses.replace(
-            base, probed=True, error=f"import vllm did not finish in {VLLM_PROBE_TIMEOUT_S:g} s"
-        )
-    answer: dict[str, Any] | None = None
-    for line in reversed(stdout.splitlines()):  # vLLM may log to stdout before the answer
-        with contextlib.suppress(ValueError):
-            parsed = json.loads(line)
-            if isinstance(parsed, dict) and "vllm" in parsed:
-                answer = parsed
-                break
-    if process.returncode != 0 or answer is None:
-        lines = [line for line in stderr.splitlines() if line.strip()]
-        why = lines[-1].strip() if lines else f"exit status {process.returncode}"
-        return dataclasses.replace(base, probed=True, error=why[:300])
-    cuda = answer.get("cuda")
-    return dataclasses.replace(
-        base,
-        probed=True,
-        version=str(answer["vllm"]),
-        torch_version=str(answer.get("torch")),
-        torch_build="cuda" if cuda else "cpu",
-        torch_cuda=str(cuda) if cuda else None,
-    )
-
-
 # --- formatting -----------------------------------------------------------------------------
 
 
@@ -627,32 +312,17 @@ def _gpu_count(n: int) -> str:
     return f"{n} GPU{'s' if n != 1 else ''}"
 
 
-def _gpu_listing(gpus: Sequence[Gpu]) -> str:
+def _gpu_listing(gpus: Sequence[GpuInfo]) -> str:
     names = {g.name for g in gpus}
-    memory = ", ".join(f"{g.index}: {_gib(g.free_bytes)} free of {_gib(g.total_bytes)}" for g in gpus)
+    memory = ", ".join(f"{g.index}: {gib(g.free_bytes)} free of {gib(g.total_bytes)}" for g in gpus)
     kind = f"{len(gpus)} x {names.pop()}" if len(names) == 1 else _gpu_count(len(gpus))
     return f"{kind} ({memory})"
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
-
-
 def _size(n: int) -> str:
-    return _gib(n) if n >= 1 << 30 else f"{n >> 20} MiB"
+    return gib(n) if n >= GIB else f"{n >> 20} MiB"
 
 
 def _power_of_two_at_most(n: int) -> int:
     """The largest power of two <= n (0 for n < 1)."""
     return 1 << (n.bit_length() - 1) if n >= 1 else 0
-
-
-def _short(path: Path) -> str:
-    """``path`` relative to the working directory when it lies under it."""
-    with contextlib.suppress(ValueError):
-        return str(path.absolute().relative_to(Path.cwd()))
-    return str(path)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]

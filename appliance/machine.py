@@ -1,11 +1,13 @@
 """What this machine has and what a model on disk is: the facts a placement plan is made of.
 
-Owns probing: this machine's GPUs with their total and free memory (``nvidia-smi`` first, which
-creates no CUDA context in this process; else ``torch.cuda``; else none), its host RAM
-(``/proc/meminfo`` within the cgroup's limit, else ``os.sysconf``), and a model's size and shape
-read from its Hugging Face directory (``config.json``, plus the safetensors headers for the
-exact parameter count: shapes without loading a tensor). ``plan_for_config`` puts them together
-with a config into the plan ``up`` runs with.
+Owns probing: this machine's GPUs with their total and free memory, their names and the
+driver (``nvidia-smi`` first, which creates no CUDA context in this process; else
+``torch.cuda``; else none), its host RAM (``/proc/meminfo`` within the cgroup's limit, else
+``os.sysconf``), and a model's size and shape read from its Hugging Face directory
+(``config.json``, plus the safetensors headers for the exact parameter count: shapes without
+loading a tensor). ``plan_for_config`` puts them together with a config into the plan ``up``
+runs with. ``doctor`` reads the GPUs and RAM here too (``appliance.doctor_facts``): one reading
+of ``nvidia-smi``, ``torch.cuda`` and ``/proc/meminfo`` for every command.
 
 It does not own the plan nor the memory model (``appliance.placement``,
 ``appliance.memory_model``, both pure), nor materialising registered models
@@ -23,19 +25,21 @@ import os
 import struct
 import subprocess
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.config import ApplianceConfig
 from appliance.errors import ConfigError
 from appliance.memory_model import ModelSpec
-from appliance.placement import Gpu, Machine, Plan, plan, settings_from_config
+from appliance.placement import Gpu, Machine, plan, settings_from_config
+from appliance.placement_planner import Plan
 
 log = logging.getLogger(__name__)
 
 NVIDIA_SMI = (
     "nvidia-smi",
-    "--query-gpu=index,uuid,memory.total,memory.free",
+    "--query-gpu=index,uuid,memory.total,memory.free,driver_version,name",
     "--format=csv,noheader,nounits",
 )
 _MIB = 1024**2
@@ -67,6 +71,31 @@ REGISTERED: dict[str, ModelSpec] = {
 # --- the machine ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuInfo:
+    """One GPU as CUDA numbers it for this process: what placement needs of it
+    (:meth:`for_placement`) and its name, for a person (``doctor``)."""
+
+    index: int
+    name: str
+    free_bytes: int
+    total_bytes: int
+
+    def for_placement(self) -> Gpu:
+        return Gpu(index=self.index, total_bytes=self.total_bytes, free_bytes=self.free_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuProbe:
+    """What asking this machine for its GPUs found."""
+
+    gpus: tuple[GpuInfo, ...] = ()
+    #: Whether ``nvidia-smi`` answered (its GPUs are torch's when its answer was not understood).
+    nvidia_smi: bool = False
+    #: The driver ``nvidia-smi`` reports (None: it did not answer).
+    driver_version: str | None = None
+
+
 def probe_machine(
     *,
     gpus: bool = True,
@@ -82,29 +111,45 @@ def probe_machine(
 def probe_gpus(
     *, run: Callable[[tuple[str, ...]], str | None] | None = None, environ: Mapping[str, str] | None = None
 ) -> tuple[Gpu, ...]:
+    """The GPUs as placement sees them (:func:`inspect_gpus`)."""
+    return tuple(gpu.for_placement() for gpu in inspect_gpus(run=run, environ=environ).gpus)
+
+
+def inspect_gpus(
+    *,
+    run: Callable[[tuple[str, ...]], str | None] | None = None,
+    environ: Mapping[str, str] | None = None,
+    ask_torch: bool = True,
+) -> GpuProbe:
     """The GPUs CUDA would show this process, numbered as it numbers them (CUDA_VISIBLE_DEVICES
     applied). ``nvidia-smi`` first: ``torch.cuda`` would create a CUDA context (hundreds of MiB)
-    on every GPU in this process for the rest of its life."""
+    on every GPU in this process for the rest of its life. ``ask_torch`` False: never torch (a
+    caller that knows it sees no GPU)."""
     environ = os.environ if environ is None else environ
     output = (run or _run)(NVIDIA_SMI)
+    driver = _driver_version(output) if output is not None else None
     if output is not None:
         try:
-            return gpus_from_nvidia_smi(output, environ.get("CUDA_VISIBLE_DEVICES"))
+            found = gpus_from_nvidia_smi(output, environ.get("CUDA_VISIBLE_DEVICES"))
+            return GpuProbe(gpus=found, nvidia_smi=True, driver_version=driver)
         except ValueError as exc:
             log.debug("nvidia-smi's answer not understood (%s); asking torch", exc)
-    return _torch_gpus()
+    found = _torch_gpus() if ask_torch else ()
+    return GpuProbe(gpus=found, nvidia_smi=output is not None, driver_version=driver)
 
 
-def gpus_from_nvidia_smi(text: str, visible: str | None = None) -> tuple[Gpu, ...]:
-    """``nvidia-smi --query-gpu=index,uuid,memory.total,memory.free`` (MiB), restricted and
-    renumbered as ``CUDA_VISIBLE_DEVICES`` (indices or GPU UUIDs) says. ValueError: a line or a
-    visible device it cannot read (MIG devices, say)."""
-    rows: list[tuple[int, str, int, int]] = []
+def gpus_from_nvidia_smi(text: str, visible: str | None = None) -> tuple[GpuInfo, ...]:
+    """``nvidia-smi --query-gpu=index,uuid,memory.total,memory.free,driver_version,name`` (MiB),
+    restricted and renumbered as ``CUDA_VISIBLE_DEVICES`` (indices or GPU UUIDs) says.
+    ValueError: a line or a visible device it cannot read (MIG devices, say)."""
+    rows: list[tuple[int, str, int, int, str]] = []
     for line in text.strip().splitlines():
         fields = [field.strip() for field in line.split(",")]
-        if len(fields) != 4:
+        if len(fields) < 6:
             raise ValueError(f"unexpected line {line!r}")
-        rows.append((int(fields[0]), fields[1], int(float(fields[2]) * _MIB), int(float(fields[3]) * _MIB)))
+        index, uuid, total, free = fields[:4]
+        name = ", ".join(fields[5:])  # the last field: a name may hold a comma
+        rows.append((int(index), uuid, int(float(total) * _MIB), int(float(free) * _MIB), name))
     if visible is not None:
         chosen = []
         for token in (t.strip() for t in visible.split(",") if t.strip()):
@@ -116,8 +161,19 @@ def gpus_from_nvidia_smi(text: str, visible: str | None = None) -> tuple[Gpu, ..
             chosen.append(match[0])
         rows = chosen
     return tuple(
-        Gpu(index=n, total_bytes=total, free_bytes=free) for n, (_, _, total, free) in enumerate(rows)
+        GpuInfo(index=n, name=name, total_bytes=total, free_bytes=free)
+        for n, (_, _, total, free, name) in enumerate(rows)
     )
+
+
+def _driver_version(text: str) -> str | None:
+    """The driver ``nvidia-smi`` reports (each of its lines repeats it), even on lines whose
+    memory it does not report (MIG devices: ``[N/A]``)."""
+    for line in text.strip().splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) >= 6:
+            return fields[4]
+    return None
 
 
 def _run(command: tuple[str, ...]) -> str | None:
@@ -128,7 +184,7 @@ def _run(command: tuple[str, ...]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def _torch_gpus() -> tuple[Gpu, ...]:
+def _torch_gpus() -> tuple[GpuInfo, ...]:
     try:
         import torch
     except ImportError:
@@ -138,7 +194,8 @@ def _torch_gpus() -> tuple[Gpu, ...]:
     found = []
     for index in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(index)
-        found.append(Gpu(index=index, total_bytes=int(total), free_bytes=int(free)))
+        name = torch.cuda.get_device_name(index)
+        found.append(GpuInfo(index=index, name=name, total_bytes=int(total), free_bytes=int(free)))
     return tuple(found)
 
 

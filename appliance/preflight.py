@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING
 
 from appliance.config import ENGINES, ApplianceConfig
 from appliance.errors import PreflightFailed
+from appliance.memory_model import GIB, gib
 
 if TYPE_CHECKING:
-    from appliance.placement import Machine, Plan
+    from appliance.placement import Machine
+    from appliance.placement_planner import Plan
 
 __all__ = ["LOCK_NAME", "bind_error", "check", "check_placement", "data_dir_lock", "recorded_model"]
 
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 
 #: The lock file in the data directory.
 LOCK_NAME = "appliance.lock"
-_GIB = 1024**3
 
 
 @contextlib.contextmanager
@@ -188,9 +189,9 @@ def check_disk(data_dir: Path, min_free_gib: float) -> None:
     if min_free_gib <= 0:
         return
     free = shutil.disk_usage(data_dir).free
-    if free < min_free_gib * _GIB:
+    if free < min_free_gib * GIB:
         raise PreflightFailed(
-            f"only {free / _GIB:.1f} GiB free on the disk of {data_dir}, the appliance needs"
+            f"only {gib(free)} free on the disk of {data_dir}, the appliance needs"
             f" {min_free_gib:g} GiB (min_free_disk_gib); free space or use another --data-dir"
         )
 

@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 
-from appliance import doctor
+from appliance import doctor, doctor_facts
 from appliance.config import load_config
-from appliance.doctor import Check, Facts, Gpu, VllmFacts
+from appliance.doctor import Check
+from appliance.doctor_facts import Facts, VllmFacts
+from appliance.machine import GpuInfo
 from tests.appliance.appliance_process import ROOT, cli
 
 GIB = 1 << 30
@@ -47,7 +49,7 @@ CPU_BOX = Facts(
         torch_build="cpu",
     ),
 )
-H200 = Gpu(index=0, name="NVIDIA H200", free_bytes=139 * GIB, total_bytes=140 * GIB)
+H200 = GpuInfo(index=0, name="NVIDIA H200", free_bytes=139 * GIB, total_bytes=140 * GIB)
 #: A healthy GPU machine (two GPUs, CUDA builds everywhere).
 GPU_BOX = dataclasses.replace(
     CPU_BOX,
@@ -332,12 +334,12 @@ def fake_interpreter(tmp_path: Path, script: str, stamp: str | None = ".vllm-gpu
 def test_the_vllm_probe_reads_its_interpreter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, expected: dict[str, Any]
 ) -> None:
-    monkeypatch.setattr(doctor, "VLLM_PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(doctor_facts, "VLLM_PROBE_TIMEOUT_S", 0.5)
     python = fake_interpreter(tmp_path, script)
-    facts = doctor.gather(load_config(overrides={"vllm_python": python, "data_dir": tmp_path}, env={}))
+    facts = doctor_facts.gather(load_config(overrides={"vllm_python": python, "data_dir": tmp_path}, env={}))
     assert facts.vllm.exists and facts.vllm.stamps == (".vllm-gpu",)
     assert {key: getattr(facts.vllm, key) for key in expected} == expected
-    skipped = doctor.gather(
+    skipped = doctor_facts.gather(
         load_config(overrides={"vllm_python": python, "data_dir": tmp_path}, env={}), probe_vllm=False
     )
     assert not skipped.vllm.probed and skipped.vllm.torch_build == "cuda"  # by its stamp
@@ -350,16 +352,17 @@ def test_gpus_are_read_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.Monke
     smi.parent.mkdir()
     smi.write_text(
         "#!/bin/sh\n"
-        "echo '0, NVIDIA H200, 143000, 143771, 580.65.06'\n"
-        "echo '1, NVIDIA H200, 1000, 143771, 580.65.06'\n"
+        "echo '0, GPU-aaaa, 143771, 143000, 580.65.06, NVIDIA H200'\n"
+        "echo '1, GPU-bbbb, 143771, 1000, 580.65.06, NVIDIA H200'\n"
     )
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
-    facts = doctor.gather(load_config(overrides={"data_dir": tmp_path}, env={}), probe_vllm=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # every GPU nvidia-smi lists
+    facts = doctor_facts.gather(load_config(overrides={"data_dir": tmp_path}, env={}), probe_vllm=False)
     assert facts.nvidia_smi and facts.driver_version == "580.65.06"
     assert facts.gpus == (
-        Gpu(index=0, name="NVIDIA H200", free_bytes=143000 * MIB, total_bytes=143771 * MIB),
-        Gpu(index=1, name="NVIDIA H200", free_bytes=1000 * MIB, total_bytes=143771 * MIB),
+        GpuInfo(index=0, name="NVIDIA H200", free_bytes=143000 * MIB, total_bytes=143771 * MIB),
+        GpuInfo(index=1, name="NVIDIA H200", free_bytes=1000 * MIB, total_bytes=143771 * MIB),
     )
     if not torch.version.cuda:  # this machine's torch: GPUs it cannot use
         assert only(facts, "gpu").status == "fail"
@@ -370,7 +373,7 @@ def test_a_venv_without_torch_is_reported_not_a_crash(
 ) -> None:
     config = load_config(overrides={"data_dir": tmp_path}, env={})
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
-    facts = doctor.gather(config, probe_vllm=False)
+    facts = doctor_facts.gather(config, probe_vllm=False)
     assert (facts.torch_version, facts.torch_build, facts.cuda_available) == (None, None, False)
     assert facts.torch_error is not None and "torch" in facts.torch_error
     assert only(facts, "torch").status == "fail"

@@ -22,8 +22,10 @@ from appliance.engines.models import MODELS
 from appliance.errors import ConfigError
 from appliance.machine import (
     REGISTERED,
+    GpuProbe,
     gpus_from_nvidia_smi,
     host_ram,
+    inspect_gpus,
     model_spec,
     parse_meminfo,
     probe_gpus,
@@ -38,7 +40,9 @@ from appliance.memory_model import (
     parse_param_count,
     trainer_memory,
 )
-from appliance.placement import Gpu, Machine, PlacementSettings, Plan, describe, plan
+from appliance.placement import Gpu, Machine, PlacementSettings, plan
+from appliance.placement_planner import Plan
+from appliance.placement_text import describe
 from store.events import ApplianceStarted
 from tests.appliance.appliance_process import ROOT
 from tests.support import make_config
@@ -353,7 +357,11 @@ def test_an_unreadable_config_is_one_readable_error(tmp_path: Path) -> None:
 
 # --- this machine ---------------------------------------------------------------------------
 
-NVIDIA_SMI = "0, GPU-aaaa, 81559, 80000\n1, GPU-bbbb, 81559, 1000\n2, GPU-cccc, 81559, 81000\n"
+NVIDIA_SMI = (
+    "0, GPU-aaaa, 81559, 80000, 580.65.06, NVIDIA A100-SXM4-80GB\n"
+    "1, GPU-bbbb, 81559, 1000, 580.65.06, NVIDIA A100-SXM4-80GB\n"
+    "2, GPU-cccc, 81559, 81000, 580.65.06, NVIDIA A100-SXM4-80GB\n"
+)
 
 
 def test_nvidia_smi_is_read_as_cuda_numbers_the_visible_gpus() -> None:
@@ -376,6 +384,17 @@ def test_without_nvidia_smi_torch_is_asked() -> None:
     assert probe_gpus(run=lambda command: NVIDIA_SMI, environ={"CUDA_VISIBLE_DEVICES": "1"})[
         0
     ].free_bytes == (1000 * 1024**2)
+
+
+def test_nvidia_smi_names_the_gpus_and_the_driver() -> None:
+    found = inspect_gpus(run=lambda command: NVIDIA_SMI, environ={"CUDA_VISIBLE_DEVICES": "2"})
+    assert found.nvidia_smi and found.driver_version == "580.65.06"
+    assert [(g.index, g.name) for g in found.gpus] == [(0, "NVIDIA A100-SXM4-80GB")]
+    (named,) = gpus_from_nvidia_smi("0, GPU-aaaa, 81559, 80000, 580.65.06, NVIDIA Foo, Bar\n")
+    assert named.name == "NVIDIA Foo, Bar"  # a name may hold a comma
+    mig = "0, GPU-aaaa, [N/A], [N/A], 580.65.06, NVIDIA H100 80GB HBM3\n"
+    unread = inspect_gpus(run=lambda command: mig, environ={}, ask_torch=False)
+    assert unread == GpuProbe(gpus=(), nvidia_smi=True, driver_version="580.65.06")
 
 
 def test_host_ram_from_meminfo_within_the_cgroup_limit(tmp_path: Path) -> None:
