@@ -168,17 +168,16 @@ class Planner:
         micro-batches seldom fill the token budget."""
         s = self.settings
         if s.placement == "split":
-            return self.refused(
-                "split placement needs GPUs and this machine has none; use --placement collocated"
+            self.notes.append(
+                "split on CPU: generation and training run at the same time on the same cores "
+                "(there are no GPUs to divide; this tries the mode, it is not faster)"
             )
-        if (s.engine_replicas or 1) > 1:
-            return self.refused(
-                f"on CPU the engine runs as one replica, not {s.engine_replicas}; use --engine-replicas 1"
-            )
+        replicas = s.engine_replicas or 1
         ranks = s.trainer_ranks or 1
         engine, trainer = self.engine(1), self.trainer(ranks)
         kv = s.cpu_kv_cache_bytes if s.engine == "vllm" else engine.kv_one_sequence_bytes
-        engine_bytes = HOST_BASE + engine.weights_bytes + kv + engine.overhead_bytes
+        # Each replica holds its own weights and cache in host RAM.
+        engine_bytes = HOST_BASE + replicas * (engine.weights_bytes + kv + engine.overhead_bytes)
 
         def resident(memory: TrainerMemory) -> int:
             return engine_bytes + ranks * (memory.peak_bytes - memory.activation_bytes)
@@ -194,7 +193,7 @@ class Planner:
         if (s.tensor_parallel_size or 1) > 1:
             self.notes.append("tensor_parallel_size applies to GPUs only: the CPU engine is not sharded")
         return self.result(
-            replicas=((),),
+            replicas=((),) * replicas,
             tensor_parallel_size=1,
             trainer_gpus=(),
             trainer_ranks=ranks,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +45,18 @@ DEFAULT_ROLLOUT = "default"
 
 
 class RolloutRegistry:
-    def __init__(self, tokenizer: Tokenizer, fmt: ChatFormat = CHATML, max_rollouts: int = 4096) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        fmt: ChatFormat = CHATML,
+        max_rollouts: int = 4096,
+        on_unregister: Callable[[str], None] | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self.fmt = fmt
+        #: Called with a rollout's id when it leaves the registry (an engine fleet forgets which
+        #: replica served it).
+        self._on_unregister = on_unregister
         #: Live rollouts at most (the rollout-less default one not counted).
         self.max_rollouts = max_rollouts
         self._active: dict[str, ActiveRollout] = {}
@@ -76,7 +86,8 @@ class RolloutRegistry:
         return active
 
     def unregister(self, rollout: str) -> None:
-        self._active.pop(rollout, None)
+        if self._active.pop(rollout, None) is not None and self._on_unregister is not None:
+            self._on_unregister(rollout)
 
     def __len__(self) -> int:
         return sum(1 for name in self._active if name != DEFAULT_ROLLOUT)

@@ -1,13 +1,16 @@
-"""Predict sync vs async scheduling on this machine: seconds per step, GPU busy, speedup.
+"""Predict sync vs async vs split scheduling on a machine: seconds per step, GPU busy, speedup.
 
 Drives the scheduler's own ``decide`` in the discrete-event simulator
 (``appliance/scheduler/simulate.py``) for a SWE-agent-like long-tailed workload and a uniform one,
-in sync mode and async mode at each staleness bound, and prints one table. The cost model
-defaults to a 9B model on one H200; give measured figures with the flags or a JSON file whose
-keys are the fields of ``CostModel`` (``docs/scheduler.md``: what to measure, and where).
+in sync mode and async mode at each staleness bound, and prints one table. With ``--split N``
+it compares the placements instead: every GPU collocated (sync, async) against N GPUs
+generating while the others train (split), side by side. The cost model defaults to a 9B model
+on one H200 (per GPU); give measured figures with the flags or a JSON file whose keys are the
+fields of ``CostModel`` (``docs/scheduler.md``: what to measure, and where).
 
     .venv/bin/python scripts/simulate.py [--steps 20] [--batch-groups 8] [--group-size 8]
         [--switch-s 12] [--train-step-s 30] [--tokens-per-s 8000] [--b-half 48] [--cost-json F]
+    .venv/bin/python scripts/simulate.py --gpus 8 --split 4 [--replicas 4] [--push-s 5]
 """
 
 from __future__ import annotations
@@ -17,7 +20,15 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from appliance.scheduler.simulate import WORKLOADS, CostModel, compare, format_table
+from appliance.scheduler.simulate import (
+    WORKLOADS,
+    CostModel,
+    Layout,
+    compare,
+    compare_placements,
+    format_placements,
+    format_table,
+)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="default: swe and uniform")
@@ -25,7 +36,16 @@ parser.add_argument("--steps", type=int, default=20, help="measured steps (after
 parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
 parser.add_argument("--batch-groups", type=int, default=8, help="groups per training step")
 parser.add_argument("--group-size", type=int, default=8, help="rollouts per group")
-parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2], help="async staleness bounds")
+parser.add_argument(
+    "--etas", type=int, nargs="+", help="staleness bounds (default: 0 1 2; with --split: 1 2)"
+)
+parser.add_argument("--gpus", type=int, default=1, help="GPUs of the machine (the cost model is per GPU)")
+parser.add_argument(
+    "--split", type=int, metavar="N", help="compare collocated with split: N GPUs generate, the rest train"
+)
+parser.add_argument(
+    "--replicas", type=int, help="engine replicas on the generating GPUs (default: one per GPU)"
+)
 parser.add_argument("--min-generate-s", type=float, default=0.0, help="SchedulePolicy.min_generate_s")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--cost-json", type=Path, help="JSON object of CostModel fields (flags override it)")
@@ -37,8 +57,11 @@ parser.add_argument("--train-s-per-token", type=float, help="training seconds pe
 parser.add_argument("--switch-s", type=float, help="seconds of each switch (both directions)")
 parser.add_argument("--switch-to-train-s", type=float, help="seconds of the switch to training")
 parser.add_argument("--switch-to-generate-s", type=float, help="seconds of the switch back")
+parser.add_argument("--push-s", type=float, help="seconds generation pauses per weight push (split)")
+parser.add_argument("--tp-exponent", type=float, help="a replica on t GPUs is t ** this as fast as one")
+parser.add_argument("--train-exponent", type=float, help="g GPUs train g ** this as fast as one")
 parser.add_argument(
-    "--keep-kv", action="store_true", help="running rollouts keep their KV cache over a switch"
+    "--keep-kv", action="store_true", help="running rollouts keep their KV cache over a switch or a push"
 )
 args = parser.parse_args()
 
@@ -56,25 +79,53 @@ flags = {
     if args.switch_to_generate_s is not None
     else args.switch_s,
     "kv_dropped_on_switch": False if args.keep_kv else None,
+    "push_s": args.push_s,
+    "kv_dropped_on_push": False if args.keep_kv else None,
+    "tp_exponent": args.tp_exponent,
+    "train_exponent": args.train_exponent,
 }
 cost = CostModel.from_mapping({name: value for name, value in flags.items() if value is not None}, cost)
 
+layout = Layout(gpus=args.gpus, split=args.split, replicas=args.replicas)
 print("cost model: " + ", ".join(f"{name}={value}" for name, value in asdict(cost).items()))
 print(
     f"{args.batch_groups} groups x {args.group_size} rollouts per step, {args.steps} steps measured after "
-    f"{args.warmup}, seed {args.seed}\n"
+    f"{args.warmup}, seed {args.seed}, {args.gpus} GPU(s)\n"
 )
-results = compare(
-    [WORKLOADS[name] for name in args.workload or ["swe", "uniform"]],
-    cost,
-    etas=args.etas,
-    batch_groups=args.batch_groups,
-    group_size=args.group_size,
-    steps=args.steps,
-    warmup=args.warmup,
-    seed=args.seed,
-    min_generate_s=args.min_generate_s,
-)
+workloads = [WORKLOADS[name] for name in args.workload or ["swe", "uniform"]]
+run_shape = {
+    "batch_groups": args.batch_groups,
+    "group_size": args.group_size,
+    "steps": args.steps,
+    "warmup": args.warmup,
+    "seed": args.seed,
+    "min_generate_s": args.min_generate_s,
+}
+try:
+    if args.split is not None:
+        layout.replica_gpus("split")  # refuse a layout that cannot work before simulating
+        placed = compare_placements(workloads, cost, layout, etas=args.etas or [1, 2], **run_shape)
+    else:
+        results = compare(workloads, cost, etas=args.etas or [0, 1, 2], layout=layout, **run_shape)
+except ValueError as exc:
+    parser.error(str(exc))
+if args.split is not None:
+    print(format_placements(placed))
+    print(
+        """
+gpus     collocated: every GPU generates and trains in turn; split: generating + training GPUs
+engines  engine replicas x GPUs each, on the generating GPUs
+s/step   end-to-end seconds per training step
+busy     share of all GPUs' time decoding (even one sequence), prefilling or training
+gen      share of the generating GPUs' time decoding or prefilling
+train    share of the time a step runs (collocated: on every GPU; split: on the training GPUs)
+pause    share of the time generation stands still: switches (collocated) or pushes (split)
+stale    mean versions behind of trained sampled tokens
+batch    mean sequences decoding at once per replica
+KV drop  cached context tokens a switch or push discarded per step (prefilled again afterwards)
+speedup  collocated sync s/step over this row's"""
+    )
+    raise SystemExit(0)
 print(format_table(results))
 print(
     """

@@ -57,6 +57,10 @@ class GenerateRequest:
     #: Streaming: if set, every token is handed over as soon as it is sampled, in order, before
     #: ``generate`` returns the whole result. It must not block.
     on_token: TokenCallback | None = None
+    #: Which calls belong together (the proxy sets the rollout id): an engine made of replicas
+    #: (``appliance.engines.fleet``) sends every call with the same key to the same replica,
+    #: whose prefix cache holds the earlier turns. None: no affinity. One engine ignores it.
+    affinity: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

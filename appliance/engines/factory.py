@@ -1,15 +1,19 @@
 """Choosing and building the engine a run serves with.
 
-Owns the mapping from ``config.engine`` to an ``Engine`` implementation. The composition root
-calls ``create_engine``; nothing else constructs engines for a real run.
+Owns the mapping from ``config.engine`` to an ``Engine`` implementation, and with
+``engine_replicas`` > 1 an ``EngineFleet`` of that many (each vLLM replica with its own port, log
+file ``logs/vllm-<i>.log`` and, on GPUs, its own devices: ``replica_devices``). The composition
+root calls ``create_engine``; nothing else constructs engines for a real run.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from appliance.config import ENGINES, ApplianceConfig
 from appliance.engines.base import Engine
+from appliance.engines.fleet import EngineFleet
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 
@@ -21,30 +25,68 @@ from appliance.errors import ConfigError
 
 
 def create_engine(config: ApplianceConfig, model_dir: Path) -> Engine:
+    """The engine ``config`` asks for: one, or a fleet of ``engine_replicas`` (``EngineFleet``)."""
     config = config.with_resolved_device()  # a config built without load_config may say "auto"
+    if config.engine not in ENGINES:
+        raise ConfigError(f"unknown engine {config.engine!r}; available: {', '.join(ENGINES)}")
+    replicas = config.engine_replicas
+    if replicas == 1:
+        return _replica(config, model_dir, None)
+    if config.engine == "vllm" and config.vllm_url:
+        raise ConfigError(
+            f"vllm_url attaches to one running server, but engine_replicas is {replicas}: "
+            "drop vllm_url (the appliance launches a server per replica) or use --engine-replicas 1"
+        )
+    return EngineFleet([_replica(config, model_dir, i) for i in range(replicas)])
+
+
+def _replica(config: ApplianceConfig, model_dir: Path, index: int | None) -> Engine:
+    """One engine; ``index`` is its place in a fleet (None: the only engine)."""
     if config.engine == "torch":
+        # A fleet's torch replicas share this process and its device (tests; on CPU, its cores).
         return TorchEngine(
             model_dir, device=config.device, max_batch_size=config.max_batch_size, num_threads=config.threads
         )
-    if config.engine == "vllm":
-        return VLLMEngine(
-            model_dir,
-            python=vllm_python(config.vllm_python),
-            port=config.vllm_port,
-            base_url=config.vllm_url,
-            device=config.device,
-            max_batch_size=config.max_batch_size,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            tensor_parallel_size=config.tensor_parallel_size,
-            max_model_len=config.vllm_max_model_len,
-            cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib,
-            logprobs_mode=vllm_logprobs_mode(config.temperature),
-            log_path=config.data_dir / "logs" / "vllm.log",
-            startup_timeout_s=config.vllm_startup_timeout_s,
-            # A LoRA run pushes adapters alone: the server serves them on the base weights.
-            lora_rank=config.lora_rank,
+    suffix = "" if index is None else f"-{index}"
+    devices = None
+    if index is not None and config.device != "cpu":
+        devices = replica_devices(index, config.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return VLLMEngine(
+        model_dir,
+        python=vllm_python(config.vllm_python),
+        # A fixed port: replica i listens on port + i.
+        port=config.vllm_port + (index or 0) if config.vllm_port else 0,
+        base_url=config.vllm_url,
+        device=config.device,
+        max_batch_size=config.max_batch_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        tensor_parallel_size=config.tensor_parallel_size,
+        max_model_len=config.vllm_max_model_len,
+        cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib,
+        logprobs_mode=vllm_logprobs_mode(config.temperature),
+        log_path=config.data_dir / "logs" / f"vllm{suffix}.log",
+        startup_timeout_s=config.vllm_startup_timeout_s,
+        # A LoRA run pushes adapters alone: the server serves them on the base weights.
+        lora_rank=config.lora_rank,
+        visible_devices=devices,
+    )
+
+
+def replica_devices(index: int, tensor_parallel_size: int, visible: str | None = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of vLLM replica ``index``: GPUs [index * t, (index + 1) * t)
+    of those this process sees (``visible``: its own ``CUDA_VISIBLE_DEVICES``, if set; else
+    every GPU, numbered from 0). ``appliance.placement`` may replace this assignment."""
+    t = tensor_parallel_size
+    wanted = range(index * t, (index + 1) * t)
+    if visible is None or not visible.strip():
+        return ",".join(str(i) for i in wanted)
+    ids = [part.strip() for part in visible.split(",") if part.strip()]
+    if wanted.stop > len(ids):
+        raise ConfigError(
+            f"engine replica {index} needs GPUs {wanted.start}..{wanted.stop - 1} of CUDA_VISIBLE_DEVICES="
+            f"{visible!r}, which lists {len(ids)}; lower --engine-replicas or --tensor-parallel-size"
         )
-    raise ConfigError(f"unknown engine {config.engine!r}; available: {', '.join(ENGINES)}")
+    return ",".join(ids[i] for i in wanted)
 
 
 def vllm_logprobs_mode(temperature: float | None) -> str:

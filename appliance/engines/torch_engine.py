@@ -89,6 +89,10 @@ log = logging.getLogger(__name__)
 #: keeps float32 from rounding it to 0 (which would cut every token, the most likely included).
 _MIN_TOP_P = 1e-30
 
+#: ``from_pretrained`` sets process-wide state while it loads (the default device: meta), so two
+#: engines of one process (an engine fleet's replicas) load one after the other.
+_LOADING = threading.Lock()
+
 
 @dataclass(slots=True, eq=False)
 class _Pending:
@@ -295,7 +299,8 @@ class TorchEngine:
         self._runner = asyncio.create_task(self._serve(), name="torch-engine-steps")
 
     def _load(self) -> Any:
-        model: Any = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=self._dtype or "auto")
+        with _LOADING:
+            model: Any = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=self._dtype or "auto")
         model.to(self._device).eval()
         config = model.config
         self._max_context = int(config.max_position_embeddings)
@@ -356,6 +361,14 @@ class TorchEngine:
     @property
     def needs_weights(self) -> bool:
         return self._needs_weights and not self._released and not self._closed
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the engine cannot serve whatever it is asked (closed, not started); None once
+        started. Sleep and ``needs_weights`` are reported apart."""
+        if self._closed:
+            return "closed"
+        return "not started" if self._runner is None else None
 
     @property
     def is_sleeping(self) -> bool:

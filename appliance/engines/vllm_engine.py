@@ -122,7 +122,8 @@ class VLLMEngine:
     launch, no supervision; weights still travel through ``/dev/shm``, and the server needs the
     worker extension, as ``vllm_process.server_command`` sets it up). ``max_batch_size`` is
     vLLM's ``--max-num-seqs``; ``dtype`` defaults to the checkpoint's own; ``log_path`` receives
-    the server's output; ``policy_version`` is the version of the weights in ``model_dir``.
+    the server's output; ``policy_version`` is the version of the weights in ``model_dir``;
+    ``visible_devices`` (e.g. "2,3") is the server's ``CUDA_VISIBLE_DEVICES`` (None: inherited).
     ``switch_times`` holds the seconds the last start, push, sleep, wake and restart took.
     """
 
@@ -148,6 +149,7 @@ class VLLMEngine:
         policy_version: int = 0,
         served_model_name: str = "policy",
         lora_rank: int = 0,
+        visible_devices: str | None = None,
     ) -> None:
         self._model_dir = Path(model_dir)
         config = json.loads((self._model_dir / "config.json").read_text())
@@ -166,6 +168,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             cpu_kv_cache_gib=cpu_kv_cache_gib,
             lora_rank=lora_rank,
+            visible_devices=visible_devices,
             extra_args=("--logprobs-mode", logprobs_mode),
         )
         self._port = port
@@ -245,6 +248,17 @@ class VLLMEngine:
             and not self._closed
             and not self._released
         )
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the engine cannot serve whatever it is asked (closed, not started, its server
+        restarting, restarts given up); None while its server is up. Sleep and
+        ``needs_weights`` are reported apart."""
+        if self._closed:
+            return "closed"
+        if self._failed is not None:
+            return f"the vLLM server is gone: {self._failed}"
+        return self._down
 
     @property
     def is_sleeping(self) -> bool:

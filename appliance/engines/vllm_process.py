@@ -76,6 +76,9 @@ class ServerSettings:
     #: The LoRA rank served (0: none). The server then serves adapters loaded at runtime
     #: (``--enable-lora``, ``/v1/load_lora_adapter``) on top of ``model_dir``'s weights.
     lora_rank: int = 0
+    #: The GPUs the server sees (``CUDA_VISIBLE_DEVICES``, e.g. "2,3": one replica's of an
+    #: engine fleet); None: inherited from the appliance's environment.
+    visible_devices: str | None = None
     #: Extra command-line arguments appended as they are.
     extra_args: tuple[str, ...] = ()
 
@@ -142,6 +145,8 @@ def server_env(settings: ServerSettings, extension_dir: Path) -> dict[str, str]:
     env.setdefault("DO_NOT_TRACK", "1")
     if settings.lora_rank > 0:  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if settings.visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = settings.visible_devices
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     # The appliance's own venv must not leak into vLLM's interpreter: its path holds only the

@@ -28,7 +28,7 @@ from appliance.chat.tools import parse_assistant
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from appliance.errors import ApplianceError, ContextTooLong, EngineUnavailable
 from appliance.proxy.gate import ServingGate
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts import DEFAULT_ROLLOUT, ActiveRollout
 from store.events import LLMCallCompleted
 from store.eventstore import EventStore
 
@@ -273,6 +273,9 @@ class CallService:
                 prompt_ids=[*call.rendered.prompt_ids, *(t for t, _, _ in sampled)],
                 params=replace(call.params, max_tokens=call.params.max_tokens - len(sampled)),
                 on_token=collect,
+                # A rollout's calls go to one engine replica (its prefix cache holds the earlier
+                # turns); the shared rollout-less conversation goes wherever there is room.
+                affinity=None if call.rollout.rollout == DEFAULT_ROLLOUT else call.rollout.rollout,
             )
             generation = asyncio.ensure_future(self.engine.generate(request))
             self.gate.track(generation)

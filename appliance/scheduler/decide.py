@@ -4,7 +4,7 @@ Owns ``decide(policy, observation) -> actions``: no clock, no I/O, no randomness
 function drives the live runner and the simulator (``appliance.scheduler.simulate``) and can be
 table-tested exhaustively.
 
-Two modes share it:
+Three modes share it:
 
 * ``sync``: admit one batch of rollout groups, wait until every admitted rollout has ended, train,
   repeat. Training always sees rollouts sampled entirely by the policy it updates.
@@ -14,6 +14,17 @@ Two modes share it:
   resume under the new weights (partial rollouts); the harnesses only see a slower call.
   Groups are trained in admission order: a group that finishes early waits for older ones, so
   no group is trained later than the step the staleness bound planned for it.
+* ``split`` (placement ``split``: some GPUs generate while the others train): generation never
+  stops for training. A step starts as soon as the ``batch_groups`` oldest untrained groups are
+  ready and no step is running (the async rule, without ``min_generate_s``: there is no switch
+  to amortise), and while it runs the decisions go on: groups are admitted within the same
+  staleness bound and in-flight limit as async. The runner pushes the step's weights into the
+  serving engine at its end (generation pauses for the push alone; the calls under way continue
+  under the new weights, partial rollouts as across an async switch). A step is under way from
+  ``Train`` until that push has ended (``Observation.phase == "train"``); meanwhile nothing but
+  admissions and the circuit breaker is decided: a stop, a checkpoint, a validation round and a
+  failed engine's restart wait for the step. With ``eta = 0`` it is sync without the switches:
+  the next batch is admitted only once the step's weights serve.
 
 Operator control and validation are part of the observation too: while ``paused`` no group
 is admitted, no step trained and no validation round started (rollouts under way finish, calls
@@ -40,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Mode = Literal["sync", "async"]
+Mode = Literal["sync", "async", "split"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +63,13 @@ class SchedulePolicy:
     #: Stop once the run reaches this step (None: run until told to stop).
     max_steps: int | None = None
     mode: Mode = "sync"
-    #: Staleness bound in policy versions (async mode; sync is always 0).
+    #: Staleness bound in policy versions (async and split modes; sync is always 0).
     eta: int = 1
-    #: Most rollouts running at once (async mode); None: ``batch_groups * group_size * (eta + 1)``.
+    #: Most rollouts running at once (async and split modes); None:
+    #: ``batch_groups * group_size * (eta + 1)``.
     max_inflight_rollouts: int | None = None
     #: Seconds generation runs at least before a switch to training (async mode), so a switch
-    #: never starves the rollouts that were just admitted.
+    #: never starves the rollouts that were just admitted. Split mode has no switch: unused.
     min_generate_s: float = 0.0
     #: Steps between validation rounds (a round runs at step 0 too); 0: no validation.
     validate_every: int = 0
@@ -99,7 +111,8 @@ class Observation:
     admitted_groups: int = 0
     #: Rollouts running now.
     running_rollouts: int = 0
-    #: "generate" (the engine serves) or "train" (a step is under way).
+    #: "generate" (the engine serves) or "train" (a step is under way; in split mode the engine
+    #: still serves, until the step's weights are pushed).
     phase: str = "generate"
     #: Seconds since the machine last switched to generating.
     generating_for_s: float = 0.0
@@ -210,10 +223,25 @@ def breaker_trips(policy: SchedulePolicy, obs: Observation) -> bool:
     )
 
 
+def admit_beside_step(policy: SchedulePolicy, obs: Observation) -> list[Action]:
+    """Split mode while a step runs on the training GPUs: the generation GPUs keep serving, so
+    admissions go on within the bound (and the circuit breaker still trips). Everything else
+    waits for the step: a stop, a checkpoint, a validation round, an operator's pause, a
+    failed engine's restart."""
+    if obs.stopping or obs.paused or obs.engine_failed or obs.validation_open:
+        return []
+    if breaker_trips(policy, obs):
+        return [PauseAdmissions(obs.consecutive_failures)]
+    more = 0 if obs.admissions_paused else admissible_groups(policy, obs)
+    return [StartGroups(more)] if more > 0 else []
+
+
 def decide(policy: SchedulePolicy, obs: Observation) -> list[Action]:
     """What to do now. An empty list means: wait for the next observation."""
     if obs.phase == "train":
-        return []  # a step is under way; it ends on its own (a stop waits for it)
+        # A step is under way; it ends on its own (a stop waits for it). In split mode the
+        # generation GPUs are not part of it: they keep generating.
+        return admit_beside_step(policy, obs) if policy.mode == "split" else []
     if obs.validation_open and not obs.validation_running:
         return [FinishValidation()]
     if obs.checkpoint_requested:
@@ -238,10 +266,9 @@ def decide(policy: SchedulePolicy, obs: Observation) -> list[Action]:
         if policy.mode == "sync" and obs.running_groups == 0:
             return [Train(obs.ready_groups[: policy.batch_groups])]
         in_order = ready if obs.ready_in_order is None else obs.ready_in_order
-        if (
-            policy.mode == "async"
-            and in_order >= policy.batch_groups
-            and obs.generating_for_s >= policy.min_generate_s
+        if in_order >= policy.batch_groups and (
+            policy.mode == "split"
+            or (policy.mode == "async" and obs.generating_for_s >= policy.min_generate_s)
         ):
             return [Train(obs.ready_groups[: policy.batch_groups])]
     more = 0 if obs.admissions_paused else admissible_groups(policy, obs)

@@ -7,6 +7,14 @@ engine and the training service, and the switch between generating and training:
     trainer onload -> train (durable) -> trainer offload -> wake weights -> push -> wake KV cache
     -> open the gate
 
+In split mode (placement ``split``: the engine's GPUs and the trainer's are apart) a step is no
+switch: it runs in a task of its own beside the loop, which goes on admitting and serving,
+
+    train (durable) -> drain (close the gate, preempt the generations under way) -> push -> open
+
+so generation pauses for the push alone (the preempted calls continue under the new weights);
+the engine never sleeps and the trainer never offloads.
+
 Each phase is recorded as a ``SwitchPhaseCompleted`` event with its duration. Every wait is
 bounded: the drain waits at most ``drain_timeout_s`` for the generations in flight, then
 preempts them (they continue after the step) and records ``PhaseOverran``; any other phase
@@ -106,10 +114,13 @@ def observe(
     generating_for_s: float = 0.0,
     engine_failed: bool = False,
     admissions_paused: bool = False,
+    served_version: int | None = None,
 ) -> Observation:
     """What ``decide`` sees. A group none of whose rollouts can be trained on (all failed, e.g.
     interrupted by a restart) counts neither as ready nor as admitted: its failures stay
-    recorded, and another group takes its place."""
+    recorded, and another group takes its place. ``served_version``: the version the engine
+    serves when it is not yet the published one (a split step between its events and the end
+    of its push), so that no group is admitted against weights that do not sample yet."""
     groups = _groups(state)
     running = [view for view in state.running() if view.purpose == "train"]
     validating = open_validation(state)
@@ -130,7 +141,7 @@ def observe(
         ready_groups=tuple(ready),
         step=state.step,
         stopping=stopping or state.stop_requested,
-        policy_version=state.policy_version,
+        policy_version=state.policy_version if served_version is None else served_version,
         admitted_groups=sum(1 for views in groups.values() if not _dead(views)),
         running_rollouts=len(running),
         phase=phase,
@@ -197,6 +208,10 @@ class SchedulerRunner:
         self.on_notice = on_notice
         self._stop = asyncio.Event()
         self._phase = "generate"
+        #: Split mode: the step running beside the loop (None: none), and the version served
+        #: while it runs (its own is published before its push ends).
+        self._step_task: asyncio.Task[None] | None = None
+        self._served_version: int | None = None
         self._generating_since = time.monotonic()
         self._engine_failed = False
         self._train_failures = 0
@@ -221,6 +236,7 @@ class SchedulerRunner:
             # An engine that lost weights only a bucketed push had gets them pushed again.
             engine_failed=self._engine_failed or bool(getattr(self.engine, "needs_weights", False)),
             admissions_paused=self._admissions_paused(),
+            served_version=self._served_version,
         )
 
     async def _record(self, *events: Any) -> None:
@@ -233,15 +249,17 @@ class SchedulerRunner:
         )
 
     async def _wait(self) -> None:
-        """Until the state changes, a stop is requested, the minimum generation slice ends, or
-        the circuit breaker's back-off ends."""
-        waits = [
+        """Until the state changes, a stop is requested, the minimum generation slice ends, the
+        circuit breaker's back-off ends, or a split step ends."""
+        waits: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(self.live.wait_change(self.live.position)),
             asyncio.ensure_future(self._stop.wait()),
         ]
         remaining = self.policy.min_generate_s - (time.monotonic() - self._generating_since)
         if self.policy.mode == "async" and remaining > 0:
             waits.append(asyncio.ensure_future(asyncio.sleep(remaining)))
+        if self._step_task is not None:
+            waits.append(asyncio.ensure_future(asyncio.wait({self._step_task})))
         if (trip := self.live.state.admissions_paused_at(time.time())) is not None:
             waits.append(asyncio.ensure_future(asyncio.sleep(trip.ts + trip.backoff_s - time.time())))
         try:
@@ -253,8 +271,15 @@ class SchedulerRunner:
     async def run(self) -> str:
         """Run until ``decide`` says stop; returns the reason."""
         await self._phase_changed("generate")
+        try:
+            return await self._loop()
+        finally:
+            await self._abandon_step()
+
+    async def _loop(self) -> str:
         while True:
             await self.live.wait_for(self.live.store.last_position)
+            self._reap_step()
             actions = decide(self.policy, self.observation())
             if not actions:
                 await self._wait()
@@ -267,6 +292,8 @@ class SchedulerRunner:
                     case StartGroups(count=count):
                         for _ in range(count):
                             await self.controller.start_group(self.policy.group_size)
+                    case Train(groups=groups) if self.policy.mode == "split":
+                        self._begin_split_step(groups)
                     case Train(groups=groups):
                         await self._switch(groups)
                     case RestartEngine():
@@ -423,6 +450,76 @@ class SchedulerRunner:
         if validating:
             return f"{validating} validation rollouts to end"
         return "the scheduler's current decision"
+
+    def _begin_split_step(self, groups: tuple[str, ...]) -> None:
+        """Split mode: start one step beside the loop; until its push has ended the phase is
+        "train" (``decide`` then only admits). The engine keeps serving."""
+        assert self._step_task is None, "decide never trains beside a step"
+        self._phase = "train"
+        self._served_version = self.live.state.policy_version
+        self._step_task = asyncio.create_task(self._split_step(groups), name="training step")
+
+    def _reap_step(self) -> None:
+        """Forget a split step that has ended; its error (the run stops) goes on to ``run``."""
+        task = self._step_task
+        if task is not None and task.done():
+            self._step_task = None
+            task.result()
+
+    async def _abandon_step(self) -> None:
+        """The run ends (a stop waits for the step, so only an error or a forced stop gets
+        here with one running): cancel a split step still under way, before its events."""
+        task, self._step_task = self._step_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _split_step(self, groups: tuple[str, ...]) -> None:
+        """One step on the training GPUs while the engine serves, then the push: the gate closes
+        and preempts the generations under way (they continue under the new weights), the new
+        version is pushed, the gate opens."""
+        state = self.live.state
+        step = state.step + 1
+        try:
+            try:
+                trained = await self._timed(
+                    step,
+                    "train",
+                    lambda: self.training.train(
+                        state, groups, eta=self.policy.eta, drop_stale=self.drop_stale
+                    ),
+                )
+                self._train_failures = 0
+            except Exception as exc:  # nothing of the step is durable: its groups stay ready
+                trained = None
+                await self._train_failed(step, groups, exc)
+            if trained is not None and trained.version is not None:
+                await self._push_beside(step, trained.version)
+            await self.live.wait_for(self.live.store.last_position)
+            if self.on_step is not None and trained is not None:
+                self.on_step(trained.completed, self.live.state)
+        finally:
+            # The last thing the task does: the loop reaps it before it decides again.
+            self._phase, self._served_version = "generate", None
+
+    async def _push_beside(self, step: int, version: int) -> None:
+        """Split mode: pause generation for the push alone. A failed push leaves the engine
+        to ``RestartEngine`` (which pushes the published version), as after a switch."""
+        self.gate.close(preempt=True)
+        try:
+            await self._drain(step)
+            await self._timed(step, "push", lambda: self.training.push(version))
+            self._engine_failed = False
+        except Exception:
+            log.exception("the engine failed while taking the weights of step %d", step)
+            self._engine_failed = True
+        finally:
+            self.gate.open()
+            # Generation goes on (it never stopped but for the push): recorded so that the
+            # timeline closes the push. ``_phase`` stays "train" until the step task ends.
+            await self._record(
+                PhaseChanged(ts=time.time(), phase="generate", policy_version=self.live.state.policy_version)
+            )
 
     async def _switch(self, groups: tuple[str, ...]) -> None:
         """Hand the machine to the trainer for one step and back to the engine."""

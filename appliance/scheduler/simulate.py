@@ -4,28 +4,40 @@ Owns the cost model (:class:`CostModel`), the rollout workloads (:class:`Workloa
 ``UNIFORM``), the event loop (:class:`Simulator`) and the comparison table that
 ``scripts/simulate.py`` prints. Nothing here touches an engine, a store or the wall clock: it
 predicts seconds per training step, GPU busy fraction and the staleness of trained tokens, for
-``sync`` and ``async`` scheduling, from a handful of measured figures. ``docs/scheduler.md``
-documents the model and how to calibrate it.
+``sync``, ``async`` and ``split`` scheduling on a machine of one or more GPUs (:class:`Layout`),
+from a handful of measured figures. ``docs/scheduler.md`` documents the model and how to
+calibrate it.
 
 The machine, as simulated:
 
-* Generation: sequences that decode share the engine by processor sharing. With ``b`` sequences
-  decoding, each samples ``peak_tokens_per_s / (b + b_half)`` tokens/s (the aggregate
-  ``peak * b / (b + b_half)`` saturates). Prompt tokens go through one FIFO prefill server at
-  ``prefill_tokens_per_s``, which runs alongside decoding (chunked prefill, interference
-  neglected). Tokens that a rollout's KV / prefix cache holds are not prefilled again.
+* GPUs: ``Layout.gpus`` in all. Collocated (sync, async) every GPU generates and trains in
+  turn; split, ``Layout.split`` GPUs only generate and the others only train. The generating
+  GPUs hold ``replicas`` engine replicas of equal size; a rollout stays on the replica it was
+  admitted to (its KV cache is there), the least loaded one at admission.
+* Generation: sequences that decode share their replica by processor sharing. With ``b``
+  sequences decoding on a replica of one GPU, each samples ``peak_tokens_per_s / (b + b_half)``
+  tokens/s (the aggregate ``peak * b / (b + b_half)`` saturates); a replica on ``t`` GPUs is
+  ``t ** tp_exponent`` times as fast. Prompt tokens go through one FIFO prefill server per
+  replica at ``prefill_tokens_per_s`` (times the same factor), which runs alongside decoding
+  (chunked prefill, interference neglected). Tokens that a rollout's KV / prefix cache holds are
+  not prefilled again.
 * Tool time (the harness running commands) elapses off the GPU, in every phase.
-* ``Train``: generation stops (sequences mid-call are preempted and resume later: partial
-  rollouts), the switch to training takes ``switch_to_train_s``, the step ``train_step_s +
-  train_s_per_token * tokens``, the switch back ``switch_to_generate_s``; then the policy version
-  is the step number. If ``kv_dropped_on_switch``, every running rollout's cache is lost and its
-  next prefill recomputes its whole context.
+* ``Train``, collocated: generation stops (sequences mid-call are preempted and resume later:
+  partial rollouts), the switch to training takes ``switch_to_train_s``, the step ``(train_step_s
+  + train_s_per_token * tokens) / gpus ** train_exponent``, the switch back
+  ``switch_to_generate_s``; then the policy version is the step number. If
+  ``kv_dropped_on_switch``, every running rollout's cache is lost and its next prefill recomputes
+  its whole context.
+* ``Train``, split: the step runs on the training GPUs while generation goes on; at its end
+  generation pauses ``push_s`` for the weight push (sequences mid-call are preempted and continue
+  under the new weights; ``kv_dropped_on_push``: the engines' caches are reset). No switch.
 * Staleness: each sampled token keeps the version that sampled it; a step masks (as the training
   service does in async mode) tokens more than ``eta`` versions older than the weights it updates.
 
-``decide`` is consulted after every event that changes what it observes, while the machine
-generates (during a step it answers nothing anyway, as in the live runner). A state from which
-no event can follow and where ``decide`` answers nothing raises :class:`SimulationStalled`.
+``decide`` is consulted after every event that changes what it observes: while the machine
+generates (during a collocated step it answers nothing anyway, as in the live runner), and in
+split mode also while a step runs (it admits beside it). A state from which no event can follow
+and where ``decide`` answers nothing raises :class:`SimulationStalled`.
 """
 
 from __future__ import annotations
@@ -67,15 +79,32 @@ class CostModel:
     switch_to_generate_s: float = 15.0
     #: A switch frees the KV cache: running rollouts recompute their context on their next call.
     kv_dropped_on_switch: bool = True
+    #: Split mode: seconds generation pauses for each step's weight push (trainer GPUs to engine
+    #: GPUs, and the engine loading them). Collocated, the push is in ``switch_to_generate_s``.
+    push_s: float = 5.0
+    #: A push resets the engines' prefix cache (vLLM's holds the old weights' keys and values):
+    #: running rollouts recompute their context on their next call.
+    kv_dropped_on_push: bool = True
+    #: An engine replica on ``t`` GPUs (tensor parallel) is ``t ** tp_exponent`` times as fast as
+    #: on one, decoding and prefilling (1: linear; all-reduces per layer make it less).
+    tp_exponent: float = 0.8
+    #: ``g`` GPUs take a training step ``g ** train_exponent`` times as fast as one (data
+    #: parallel with sharded optimizer state; 1: linear).
+    train_exponent: float = 0.9
 
     def decode_rate(self, decoding: int) -> float:
-        """Tokens/s each of ``decoding`` concurrently decoding sequences samples."""
+        """Tokens/s each of ``decoding`` concurrently decoding sequences samples (one GPU)."""
         # total(b) = peak * b / (b + b_half), shared equally: total(b) / b = peak / (b + b_half).
         return self.peak_tokens_per_s / (decoding + self.b_half)
 
-    def train_s(self, tokens: float) -> float:
-        """Seconds one step over ``tokens`` trained tokens takes (switches excluded)."""
-        return self.train_step_s + self.train_s_per_token * tokens
+    def replica_speed(self, gpus: int) -> float:
+        """How many times as fast as one GPU's an engine replica on ``gpus`` GPUs is."""
+        return math.pow(gpus, self.tp_exponent)
+
+    def train_s(self, tokens: float, gpus: int = 1) -> float:
+        """Seconds one step over ``tokens`` trained tokens takes on ``gpus`` GPUs (switches
+        excluded)."""
+        return (self.train_step_s + self.train_s_per_token * tokens) / math.pow(gpus, self.train_exponent)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], base: CostModel | None = None) -> CostModel:
@@ -90,6 +119,45 @@ class CostModel:
             for name, value in values.items()
         }
         return replace(base or cls(), **converted)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The simulated machine's GPUs and what each does."""
+
+    #: GPUs in all (the cost model's figures are one GPU's).
+    gpus: int = 1
+    #: Split mode: the GPUs that generate; the others train. None: half of them, as
+    #: ``appliance.placement`` plans it.
+    split: int | None = None
+    #: Engine replicas on the generating GPUs, each on an equal share of them (tensor parallel
+    #: within a replica). None: one per generating GPU.
+    replicas: int | None = None
+
+    def pools(self, mode: Mode) -> tuple[int, int]:
+        """GPUs that generate and GPUs that train; collocated, both are all of them."""
+        if mode != "split":
+            return self.gpus, self.gpus
+        generating = self.gpus // 2 if self.split is None else self.split
+        return generating, self.gpus - generating
+
+    def replica_gpus(self, mode: Mode) -> tuple[int, ...]:
+        """The GPUs of each engine replica, after checking that the layout works for ``mode``."""
+        generating, training = self.pools(mode)
+        if generating < 1 or training < 1:
+            raise ValueError(
+                f"split mode needs GPUs that generate and GPUs that train: {self.gpus} GPUs, "
+                f"{generating} generating (split must be between 1 and gpus - 1)"
+            )
+        count = generating if self.replicas is None else self.replicas
+        if count < 1 or generating % count:
+            raise ValueError(f"{generating} generating GPUs do not make {count} equal engine replicas")
+        return (generating // count,) * count
+
+    def label(self, mode: Mode) -> str:
+        """``8`` (collocated) or ``4+4`` (split: generating + training)."""
+        generating, training = self.pools(mode)
+        return f"{generating}+{training}" if mode == "split" else str(self.gpus)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,11 +285,14 @@ class SimResult:
     steps: int
     #: End-to-end simulated seconds per training step.
     seconds_per_step: float
-    #: Fraction of the time the GPU decodes, prefills or trains (switches excluded).
+    #: Fraction of the GPU time (all GPUs) spent decoding, prefilling or training (switches and
+    #: pushes excluded). A replica counts as busy while it decodes even one sequence.
     busy_fraction: float
-    #: Fraction of the time spent switching (both directions).
+    #: Fraction of the time generation is stopped by switches (both directions) or, in split
+    #: mode, by weight pushes.
     switch_fraction: float
-    #: Fraction of the time spent in training steps.
+    #: Fraction of the time spent in training steps: of the whole machine's time collocated, of
+    #: the training GPUs' in split mode.
     train_fraction: float
     #: Token-weighted mean of (step - 1 - version the token was sampled under) over trained
     #: sampled tokens; the step trains the weights of version ``step - 1``.
@@ -238,9 +309,17 @@ class SimResult:
     trained_tokens_per_s: float
     #: Mean number of sequences decoding at once, while any decodes.
     mean_decode_batch: float
-    #: Cached context tokens a switch dropped (recomputed by prefill later), per step.
+    #: Cached context tokens a switch or a push dropped (recomputed by prefill later), per step.
     dropped_kv_tokens_per_step: float
     stop_reason: str
+    #: The layout: GPUs in all, generating, training (collocated: all three the same), and the
+    #: engine replicas on the generating ones.
+    gpus: int = 1
+    gen_gpus: int = 1
+    train_gpus: int = 1
+    replicas: int = 1
+    #: Fraction of the generating GPUs' time spent decoding or prefilling.
+    gen_busy_fraction: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -253,9 +332,23 @@ class _Group:
 
 
 @dataclass(slots=True, eq=False)
+class _Replica:
+    """One engine replica: its decode clock, its decoding sequences and its prefill server."""
+
+    gpus: int
+    speed: float  # times one GPU's engine
+    vclock: float = 0.0  # tokens each decoding sequence has sampled since t=0 (virtual clock)
+    decoding: list[tuple[float, int, _Rollout]] = field(default_factory=list)  # (vclock at end, seq, r)
+    prefill_queue: deque[_Rollout] = field(default_factory=deque)
+    prefill_job: tuple[int, _Rollout, float, float] | None = None  # (event seq, rollout, t0, tokens)
+    assigned: int = 0  # running rollouts on it
+
+
+@dataclass(slots=True, eq=False)
 class _Rollout:
     group: _Group
     calls: tuple[Call, ...]
+    replica: _Replica
     call: int = 0  # index of the current (or next) call
     context: float = 0.0  # tokens of its context so far (prompts + sampled)
     cached: float = 0.0  # of those, how many the engine's cache holds
@@ -269,10 +362,10 @@ class _Meter:
     """Cumulative counters; a snapshot at each step end delimits the measured window."""
 
     now: float = 0.0
-    busy: float = 0.0
-    switch: float = 0.0
-    train: float = 0.0
-    decoding: float = 0.0  # seconds with at least one sequence decoding
+    gen_busy: float = 0.0  # GPU-seconds of replicas decoding or prefilling
+    switch: float = 0.0  # seconds generation stood still for a switch or a push
+    train: float = 0.0  # seconds a step ran
+    decoding: float = 0.0  # replica-seconds with at least one sequence decoding
     decode_seq_s: float = 0.0  # integral of the number of decoding sequences over time
     dropped_kv: float = 0.0
     stale_tokens: float = 0.0  # sum of staleness * tokens, over trained tokens
@@ -283,13 +376,31 @@ class _Meter:
 
 
 class Simulator:
-    """One run of ``policy`` over ``workload`` under ``cost``. Group ``g`` always draws the same
-    rollouts for a seed, so runs of different modes see the same tasks in the same order."""
+    """One run of ``policy`` over ``workload`` under ``cost`` on ``layout``. Group ``g`` always
+    draws the same rollouts for a seed, so runs of different modes see the same tasks in the
+    same order."""
 
-    def __init__(self, policy: SchedulePolicy, cost: CostModel, workload: Workload, seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy: SchedulePolicy,
+        cost: CostModel,
+        workload: Workload,
+        seed: int = 0,
+        layout: Layout | None = None,
+    ) -> None:
         self.policy, self.cost, self.workload, self.seed = policy, cost, workload, seed
+        self.layout = layout or Layout()
+        self.split = policy.mode == "split"
+        self.gen_gpus, self.train_gpus = self.layout.pools(policy.mode)
+        self.replicas = [
+            _Replica(gpus, cost.replica_speed(gpus)) for gpus in self.layout.replica_gpus(policy.mode)
+        ]
         self.now = 0.0
-        self.phase = "generate"  # generate | to_train | train | to_generate
+        # What the generating GPUs do: generate | to_train | train | to_generate (collocated
+        # switches) or generate | push (split).
+        self.phase = "generate"
+        self.stepping = False  # split: a step runs, from Train until its push has ended
+        self.trainer_busy = False  # split: the training GPUs run a step
         self.generate_since = 0.0
         self.step = self.version = 0
         self.groups: list[_Group] = []
@@ -300,10 +411,6 @@ class Simulator:
         self.running: dict[int, _Rollout] = {}  # by id(), in admission order
         self.training: list[_Group] = []
         self.stop_reason: str | None = None
-        self.vclock = 0.0  # tokens each decoding sequence has sampled since t=0 (virtual clock)
-        self.decoding: list[tuple[float, int, _Rollout]] = []  # (vclock at finish, seq, rollout)
-        self.prefill_queue: deque[_Rollout] = deque()
-        self.prefill_job: tuple[int, _Rollout, float, float] | None = None  # (id, rollout, t0, tokens)
         self.events: list[tuple[float, int, str, _Rollout | None]] = []
         self.seq = 0
         self.meter = _Meter()
@@ -312,7 +419,7 @@ class Simulator:
     # --- observation and decisions ---------------------------------------------------------------
 
     def observe(self) -> Observation:
-        serving = self.phase == "generate"
+        serving = self.phase == "generate" and not self.stepping
         # Ready groups ahead of the oldest untrained group still running, in admission order.
         in_order = 0
         for group in self.groups:
@@ -336,8 +443,11 @@ class Simulator:
     def _consult(self) -> None:
         # Only an admission, a rollout's end, a phase change or the min_generate_s wake-up
         # change what decide sees (tool and prefill events do not), so only these consult it.
+        # Collocated, a step leaves it nothing to decide; split, it admits beside the step.
         for _ in range(10_000):
-            if not self.dirty or self.phase != "generate" or self.stop_reason is not None:
+            if not self.dirty or self.stop_reason is not None:
+                return
+            if self.phase != "generate" and not self.split:
                 return
             self.dirty = False
             actions = decide(self.policy, self.observe())
@@ -366,16 +476,20 @@ class Simulator:
             self._consult()
             if self.stop_reason is not None:
                 return
-            t_decode = math.inf
-            if self.phase == "generate" and self.decoding:
-                rate = self.cost.decode_rate(len(self.decoding))
-                t_decode = self.now + max(0.0, self.decoding[0][0] - self.vclock) / rate
+            t_decode, first = math.inf, None
+            if self.phase == "generate":
+                for replica in self.replicas:
+                    if replica.decoding:
+                        rate = self.cost.decode_rate(len(replica.decoding)) * replica.speed
+                        t = self.now + max(0.0, replica.decoding[0][0] - replica.vclock) / rate
+                        if t < t_decode:
+                            t_decode, first = t, replica
             t_event = self.events[0][0] if self.events else math.inf
-            if math.isinf(t_decode) and math.isinf(t_event):
+            if first is None and math.isinf(t_event):
                 raise SimulationStalled(self.now, self.observe())
-            if t_decode <= t_event:
+            if first is not None and t_decode <= t_event:
                 self._advance(t_decode)
-                self._finish_decodes()
+                self._finish_decodes(first)
             else:
                 t, seq, kind, rollout = heapq.heappop(self.events)
                 self._advance(t)
@@ -389,38 +503,43 @@ class Simulator:
     def _advance(self, t: float) -> None:
         dt, m = t - self.now, self.meter
         if self.phase == "generate":
-            b = len(self.decoding)
-            if b or self.prefill_job is not None:
-                m.busy += dt
-            if b:
-                m.decoding += dt
-                m.decode_seq_s += b * dt
-                self.vclock += self.cost.decode_rate(b) * dt
+            for replica in self.replicas:
+                b = len(replica.decoding)
+                if b or replica.prefill_job is not None:
+                    m.gen_busy += replica.gpus * dt
+                if b:
+                    m.decoding += dt
+                    m.decode_seq_s += b * dt
+                    replica.vclock += self.cost.decode_rate(b) * replica.speed * dt
         elif self.phase == "train":
-            m.busy += dt
             m.train += dt
         else:
             m.switch += dt
+        if self.trainer_busy:
+            m.train += dt
         self.now = m.now = t
 
     def _handle(self, kind: str, seq: int, rollout: _Rollout | None) -> None:
         if kind == "tool" and rollout is not None:
             rollout.call += 1
             self._begin_call(rollout)
-        elif kind == "prefill" and rollout is not None and self.prefill_job is not None:
-            if self.prefill_job[0] != seq:
-                return  # a job that a switch preempted
-            self.prefill_job = None
+        elif kind == "prefill" and rollout is not None:
+            replica = rollout.replica
+            if replica.prefill_job is None or replica.prefill_job[0] != seq:
+                return  # a job that a switch or a push preempted
+            replica.prefill_job = None
             rollout.cached = rollout.context
             self._start_decode(rollout)
-            self._serve_prefill()
+            self._serve_prefill(replica)
         elif kind == "to_train":
             self.phase = "train"
             tokens = sum(r.context for g in self.training for r in g.rollouts)
-            self._schedule(self.now + self.cost.train_s(tokens), "trained")
+            self._schedule(self.now + self.cost.train_s(tokens, self.train_gpus), "trained")
         elif kind == "trained":
             self._finish_train()
-        elif kind == "to_generate":
+        elif kind in ("to_generate", "pushed"):
+            self.stepping = False
+            self.version = self.step
             self._enter_generate()
         elif kind == "wake":
             self.dirty = True  # min_generate_s has passed: decide may now train
@@ -431,7 +550,9 @@ class Simulator:
         group = _Group(len(self.groups), self.version)
         rng = random.Random(f"{self.seed}/{group.index}")
         for calls in self.workload.draw_group(rng, self.policy.group_size):
-            rollout = _Rollout(group, calls)
+            replica = min(self.replicas, key=lambda r: r.assigned)  # the least loaded, first on ties
+            replica.assigned += 1
+            rollout = _Rollout(group, calls, replica)
             group.rollouts.append(rollout)
             self.running[id(rollout)] = rollout
             self._begin_call(rollout)
@@ -443,36 +564,39 @@ class Simulator:
         call = rollout.calls[rollout.call]
         rollout.context += call.prompt_tokens
         rollout.to_decode = call.gen_tokens
-        self.prefill_queue.append(rollout)
-        self._serve_prefill()
+        rollout.replica.prefill_queue.append(rollout)
+        self._serve_prefill(rollout.replica)
 
-    def _serve_prefill(self) -> None:
-        """Start the next prefill job if the engine serves and the server is free."""
-        while self.phase == "generate" and self.prefill_job is None and self.prefill_queue:
-            rollout = self.prefill_queue.popleft()
+    def _serve_prefill(self, replica: _Replica) -> None:
+        """Start the replica's next prefill job if it serves and its server is free."""
+        while self.phase == "generate" and replica.prefill_job is None and replica.prefill_queue:
+            rollout = replica.prefill_queue.popleft()
             tokens = rollout.context - rollout.cached
             if tokens <= _EPS:
                 self._start_decode(rollout)
                 continue
-            job = self._schedule(self.now + tokens / self.cost.prefill_tokens_per_s, "prefill", rollout)
-            self.prefill_job = (job, rollout, self.now, tokens)
+            rate = self.cost.prefill_tokens_per_s * replica.speed
+            job = self._schedule(self.now + tokens / rate, "prefill", rollout)
+            replica.prefill_job = (job, rollout, self.now, tokens)
 
     def _start_decode(self, rollout: _Rollout) -> None:
-        rollout.seg_start = self.vclock
+        replica = rollout.replica
+        rollout.seg_start = replica.vclock
         self.seq += 1
-        heapq.heappush(self.decoding, (self.vclock + rollout.to_decode, self.seq, rollout))
+        heapq.heappush(replica.decoding, (replica.vclock + rollout.to_decode, self.seq, rollout))
 
     def _credit(self, rollout: _Rollout, tokens: float) -> None:
         """``tokens`` sampled under the version now served join the rollout's context."""
         rollout.sampled[self.version] = rollout.sampled.get(self.version, 0.0) + tokens
         rollout.context += tokens
 
-    def _finish_decodes(self) -> None:
-        # Every sequence gains the same tokens per unit of virtual clock, so the heap's head is
-        # the next to finish; land the clock on it exactly to shed the float error of dt * rate.
-        self.vclock = max(self.vclock, self.decoding[0][0])
-        while self.decoding and self.decoding[0][0] <= self.vclock + _EPS:
-            finish, _, rollout = heapq.heappop(self.decoding)
+    def _finish_decodes(self, replica: _Replica) -> None:
+        # Every sequence of a replica gains the same tokens per unit of its virtual clock, so the
+        # heap's head is the next to finish; land the clock on it exactly to shed the float error
+        # of dt * rate.
+        replica.vclock = max(replica.vclock, replica.decoding[0][0])
+        while replica.decoding and replica.decoding[0][0] <= replica.vclock + _EPS:
+            finish, _, rollout = heapq.heappop(replica.decoding)
             self._credit(rollout, finish - rollout.seg_start)
             rollout.cached, rollout.to_decode = rollout.context, 0.0
             call = rollout.calls[rollout.call]
@@ -480,6 +604,7 @@ class Simulator:
                 self._schedule(self.now + call.tool_s, "tool", rollout)
             else:
                 del self.running[id(rollout)]
+                replica.assigned -= 1
                 rollout.group.running -= 1
                 if rollout.group.running == 0:
                     self.running_groups -= 1
@@ -487,43 +612,61 @@ class Simulator:
                     self.ready_names = tuple(f"g{i}" for i in self.ready)
                 self.dirty = True
 
-    # --- switching and training ------------------------------------------------------------------
+    # --- switching, training and pushing ---------------------------------------------------------
 
     def _start_train(self, groups: Sequence[_Group]) -> None:
-        """Preempt generation (partial rollouts) and start the switch to training."""
+        """Collocated: preempt generation (partial rollouts) and start the switch to training.
+        Split: start the step on the training GPUs; generation goes on."""
         chosen = {g.index for g in groups}
         if not chosen <= set(self.ready):
             raise RuntimeError(f"decide trains groups that are not ready: {sorted(chosen)}")
         self.ready = [i for i in self.ready if i not in chosen]
         self.ready_names = tuple(f"g{i}" for i in self.ready)
         self.training = list(groups)
-        preempted: list[_Rollout] = []
-        for _, _, rollout in sorted(self.decoding, key=lambda entry: entry[1]):
-            done = self.vclock - rollout.seg_start
-            self._credit(rollout, done)
-            rollout.cached += done
-            rollout.to_decode -= done
-            preempted.append(rollout)
-        self.decoding = []
-        if self.prefill_job is not None:
-            _, rollout, t0, tokens = self.prefill_job
-            rollout.cached += min(tokens, (self.now - t0) * self.cost.prefill_tokens_per_s)
-            preempted.insert(0, rollout)
-            self.prefill_job = None
-        self.prefill_queue.extendleft(reversed(preempted))
-        if self.cost.kv_dropped_on_switch:
-            for rollout in self.running.values():
-                self.meter.dropped_kv += rollout.cached
-                rollout.cached = 0.0
+        if self.split:
+            self.stepping = self.trainer_busy = True
+            self.dirty = True  # decide sees the step, and admits beside it
+            tokens = sum(r.context for g in self.training for r in g.rollouts)
+            self._schedule(self.now + self.cost.train_s(tokens, self.train_gpus), "trained")
+            return
+        self._stop_generating(self.cost.kv_dropped_on_switch)
         self.phase = "to_train"
         self._schedule(self.now + self.cost.switch_to_train_s, "to_train")
 
+    def _stop_generating(self, drop_kv: bool) -> None:
+        """Preempt every replica's decoding and prefill: what each sequence sampled so far stays,
+        under the version served now; the rest waits for generation to go on."""
+        for replica in self.replicas:
+            preempted: list[_Rollout] = []
+            for _, _, rollout in sorted(replica.decoding, key=lambda entry: entry[1]):
+                done = replica.vclock - rollout.seg_start
+                self._credit(rollout, done)
+                rollout.cached += done
+                rollout.to_decode -= done
+                preempted.append(rollout)
+            replica.decoding = []
+            if replica.prefill_job is not None:
+                _, rollout, t0, tokens = replica.prefill_job
+                rate = self.cost.prefill_tokens_per_s * replica.speed
+                rollout.cached += min(tokens, (self.now - t0) * rate)
+                preempted.insert(0, rollout)
+                replica.prefill_job = None
+            replica.prefill_queue.extendleft(reversed(preempted))
+        if drop_kv:
+            for rollout in self.running.values():
+                self.meter.dropped_kv += rollout.cached
+                rollout.cached = 0.0
+
     def _finish_train(self) -> None:
+        if self.split:
+            # The push: generation pauses (what it sampled so far is the old version's).
+            self.trainer_busy = False
+            self._stop_generating(self.cost.kv_dropped_on_push)
         self.step += 1
         m = self.meter
-        # As the training service does: in async mode, tokens more than eta versions older than
-        # the weights being updated (version step - 1) are masked out of the loss.
-        bound = self.policy.eta if self.policy.mode == "async" else None
+        # As the training service does: in async and split modes, tokens more than eta versions
+        # older than the weights being updated (version step - 1) are masked out of the loss.
+        bound = None if self.policy.mode == "sync" else self.policy.eta
         for group in self.training:
             group.trained_step = self.step
             for rollout in group.rollouts:
@@ -537,28 +680,35 @@ class Simulator:
                     m.tokens += tokens
                     m.max_staleness = max(m.max_staleness, staleness)
         self.training = []
-        self.version = self.step
         self.snapshots.append(replace(m))
         # Maxima are per step: the window's is taken over its snapshots.
         m.max_staleness = m.max_sampled_staleness = 0
-        self.phase = "to_generate"
-        self._schedule(self.now + self.cost.switch_to_generate_s, "to_generate")
+        if self.split:
+            # The new version serves once pushed: until then decide sees (and admits against)
+            # the old one, as the live runner's observation does.
+            self.phase = "push"
+            self._schedule(self.now + self.cost.push_s, "pushed")
+        else:
+            self.version = self.step
+            self.phase = "to_generate"
+            self._schedule(self.now + self.cost.switch_to_generate_s, "to_generate")
 
     def _enter_generate(self) -> None:
         self.phase = "generate"
         self.dirty = True
         self.generate_since = self.now
-        if self.policy.min_generate_s > 0:
+        if self.policy.min_generate_s > 0 and not self.split:
             # The first float t with t - generate_since >= min_generate_s, so decide sees it.
             t = self.now + self.policy.min_generate_s
             while t - self.generate_since < self.policy.min_generate_s:
                 t = math.nextafter(t, math.inf)
             self._schedule(t, "wake")
-        # Preempted sequences whose cache survived the switch resume at once; the rest queue.
-        for rollout in [r for r in self.prefill_queue if r.context - r.cached <= _EPS]:
-            self.prefill_queue.remove(rollout)
-            self._start_decode(rollout)
-        self._serve_prefill()
+        for replica in self.replicas:
+            # Preempted sequences whose cache survived resume at once; the rest queue.
+            for rollout in [r for r in replica.prefill_queue if r.context - r.cached <= _EPS]:
+                replica.prefill_queue.remove(rollout)
+                self._start_decode(rollout)
+            self._serve_prefill(replica)
 
     def result(self, warmup: int) -> SimResult:
         """Measured from the end of step ``warmup`` to the end of the last step."""
@@ -569,15 +719,16 @@ class Simulator:
         span, steps = b.now - a.now, len(window)
         tokens, masked = b.tokens - a.tokens, b.masked - a.masked
         decoding = b.decoding - a.decoding
+        gen_busy, train = b.gen_busy - a.gen_busy, b.train - a.train
         return SimResult(
             workload=self.workload.name,
             mode=self.policy.mode,
             eta=0 if self.policy.mode == "sync" else self.policy.eta,
             steps=steps,
             seconds_per_step=span / steps,
-            busy_fraction=(b.busy - a.busy) / span,
+            busy_fraction=(gen_busy + self.train_gpus * train) / (self.layout.gpus * span),
             switch_fraction=(b.switch - a.switch) / span,
-            train_fraction=(b.train - a.train) / span,
+            train_fraction=train / span,
             mean_staleness=(b.stale_tokens - a.stale_tokens) / tokens if tokens else 0.0,
             max_staleness=max(s.max_staleness for s in window),
             max_sampled_staleness=max(s.max_sampled_staleness for s in window),
@@ -586,6 +737,11 @@ class Simulator:
             mean_decode_batch=(b.decode_seq_s - a.decode_seq_s) / decoding if decoding else 0.0,
             dropped_kv_tokens_per_step=(b.dropped_kv - a.dropped_kv) / steps,
             stop_reason=self.stop_reason or "",
+            gpus=self.layout.gpus,
+            gen_gpus=self.gen_gpus,
+            train_gpus=self.train_gpus,
+            replicas=len(self.replicas),
+            gen_busy_fraction=gen_busy / (self.gen_gpus * span),
         )
 
 
@@ -601,6 +757,7 @@ def simulate(
     warmup: int = 3,
     seed: int = 0,
     min_generate_s: float = 0.0,
+    layout: Layout | None = None,
 ) -> SimResult:
     """Run ``warmup + steps`` steps and measure the last ``steps``."""
     policy = SchedulePolicy(
@@ -611,7 +768,7 @@ def simulate(
         eta=eta,
         min_generate_s=min_generate_s,
     )
-    simulator = Simulator(policy, cost, workload, seed)
+    simulator = Simulator(policy, cost, workload, seed, layout)
     simulator.run()
     return simulator.result(warmup)
 
@@ -624,6 +781,26 @@ def compare(
     for workload in workloads:
         results.append(simulate(workload, cost, mode="sync", **kwargs))
         results.extend(simulate(workload, cost, mode="async", eta=eta, **kwargs) for eta in etas)
+    return results
+
+
+def compare_placements(
+    workloads: Iterable[Workload],
+    cost: CostModel,
+    layout: Layout,
+    *,
+    etas: Sequence[int] = (1, 2),
+    **kwargs: Any,
+) -> list[SimResult]:
+    """For each workload on ``layout``'s GPUs: collocated sync, collocated async at each ``eta``,
+    then split at each ``eta`` (``kwargs`` go to :func:`simulate`)."""
+    results: list[SimResult] = []
+    for workload in workloads:
+        results.append(simulate(workload, cost, mode="sync", layout=layout, **kwargs))
+        for mode in ("async", "split"):
+            results.extend(
+                simulate(workload, cost, mode=mode, eta=eta, layout=layout, **kwargs) for eta in etas
+            )
     return results
 
 
@@ -653,5 +830,29 @@ def format_table(results: Sequence[SimResult]) -> str:
             f"{r.switch_fraction:>6.1%} {r.train_fraction:>6.1%} {r.mean_staleness:>5.2f} "
             f"{r.max_sampled_staleness:>3d} {r.masked_fraction:>6.1%} {r.mean_decode_batch:>5.1f} "
             f"{r.dropped_kv_tokens_per_step:>12,.0f} {steps:>6.2f}x {tokens:>5.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def format_placements(results: Sequence[SimResult]) -> str:
+    """A fixed-width table of collocated and split runs side by side: the GPUs (``8``
+    collocated, ``4+4`` split: generating + training), the engine replicas (count x GPUs each),
+    the busy share of each pool, and the speedup over collocated sync."""
+    header = (
+        f"{'workload':<9} {'gpus':>5} {'engines':>7} {'mode':<6} {'eta':>3} {'s/step':>8} {'busy':>6} "
+        f"{'gen':>6} {'train':>6} {'pause':>6} {'stale':>5} {'batch':>5} {'KV drop/step':>12} "
+        f"{'speedup':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        gpus = f"{r.gen_gpus}+{r.train_gpus}" if r.mode == "split" else str(r.gpus)
+        engines = f"{r.replicas}x{r.gen_gpus // r.replicas}"
+        eta = "-" if r.mode == "sync" else str(r.eta)
+        steps, _ = speedup(results, r)
+        lines.append(
+            f"{r.workload:<9} {gpus:>5} {engines:>7} {r.mode:<6} {eta:>3} {r.seconds_per_step:>8.1f} "
+            f"{r.busy_fraction:>6.1%} {r.gen_busy_fraction:>6.1%} {r.train_fraction:>6.1%} "
+            f"{r.switch_fraction:>6.1%} {r.mean_staleness:>5.2f} {r.mean_decode_batch:>5.1f} "
+            f"{r.dropped_kv_tokens_per_step:>12,.0f} {steps:>6.2f}x"
         )
     return "\n".join(lines)

@@ -183,13 +183,17 @@ CASES = {
         Machine(ram_bytes=2 * GiB), REGISTERED["smollm2-135m"], fits=False,
         reason=("use a smaller model or more RAM",),
     ),
-    "CPU only: no split": Case(
-        Machine(ram_bytes=8 * GiB), REGISTERED["tiny"], PlacementSettings(placement="split"), fits=False,
-        reason=("needs GPUs",),
+    "CPU only: split shares the cores": Case(
+        Machine(ram_bytes=8 * GiB), REGISTERED["tiny"], PlacementSettings(placement="split"),
+        replicas=((),), trainer_gpus=(), notes=("same cores",),
     ),
-    "CPU only: one engine": Case(
-        Machine(ram_bytes=8 * GiB), REGISTERED["tiny"], PlacementSettings(engine_replicas=2), fits=False,
-        reason=("--engine-replicas 1",),
+    "CPU only: two engine replicas in RAM": Case(
+        Machine(ram_bytes=8 * GiB), REGISTERED["tiny"], PlacementSettings(engine_replicas=2),
+        replicas=((), ()), trainer_gpus=(),
+    ),
+    "CPU only: replicas that do not fit in RAM": Case(
+        Machine(ram_bytes=2 * GiB), REGISTERED["smollm2-135m"], PlacementSettings(engine_replicas=4),
+        fits=False, reason=("RAM",),
     ),
 }  # fmt: skip
 

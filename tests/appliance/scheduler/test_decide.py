@@ -22,6 +22,7 @@ from appliance.scheduler.decide import (
 
 SYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=3, mode="sync")
 ASYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=10, mode="async", eta=1)
+SPLIT = SchedulePolicy(batch_groups=2, group_size=4, max_steps=10, mode="split", eta=1)
 
 
 def obs(**fields: object) -> Observation:
@@ -78,6 +79,85 @@ def obs(**fields: object) -> Observation:
 )  # fmt: skip
 def test_decide_table(policy: SchedulePolicy, observation: Observation, expected: list[Action]) -> None:
     assert decide(policy, observation) == expected
+
+
+@pytest.mark.parametrize(
+    ("policy", "observation", "expected"),
+    [
+        # --- split: the step does not stop generation ------------------------------------------
+        # Nothing admitted: the bound allows two batches ahead (eta 1), as async.
+        (SPLIT, obs(), [StartGroups(4)]),
+        # The two oldest groups are ready, younger ones still run: train them now, as async.
+        (SPLIT, obs(running_groups=2, ready_groups=("g0", "g1"), admitted_groups=4, running_rollouts=8,
+                    ready_in_order=2), [Train(("g0", "g1"))]),
+        # A younger group finished first, the oldest still runs: admission order holds.
+        (SPLIT, obs(running_groups=1, ready_groups=("g1", "g2"), admitted_groups=3, running_rollouts=4,
+                    ready_in_order=0), [StartGroups(1)]),
+        # min_generate_s is for switches; split has none: it trains at once.
+        (SchedulePolicy(batch_groups=1, group_size=2, mode="split", min_generate_s=5.0),
+         obs(running_groups=1, ready_groups=("g0",), admitted_groups=2, running_rollouts=2,
+             generating_for_s=1.0),
+         [Train(("g0",))]),
+        # A step under way (collocated async: nothing until it ends) ...
+        (ASYNC, obs(phase="train", running_groups=1, admitted_groups=3, running_rollouts=4), []),
+        # ... split keeps admitting beside it, within the staleness bound ...
+        (SPLIT, obs(phase="train", running_groups=1, admitted_groups=3, running_rollouts=4),
+         [StartGroups(1)]),
+        # ... and the in-flight limit.
+        (SchedulePolicy(batch_groups=2, group_size=4, mode="split", eta=3, max_inflight_rollouts=8),
+         obs(phase="train", running_groups=1, admitted_groups=3, running_rollouts=4), [StartGroups(1)]),
+        # The bound is reached during the step: wait (the push opens it).
+        (SPLIT, obs(phase="train", running_groups=2, admitted_groups=4, running_rollouts=8), []),
+        # ... and one version later it is open again.
+        (SPLIT, obs(phase="train", running_groups=2, admitted_groups=4, running_rollouts=8, policy_version=1,
+                    step=1), [StartGroups(2)]),
+        # Never a second step beside the first, whatever is ready.
+        (SPLIT, obs(phase="train", ready_groups=("g2", "g3"), admitted_groups=4, ready_in_order=2), []),
+        # eta 0: sync without the switches: nothing beside the step, the next batch after the push.
+        (SchedulePolicy(batch_groups=2, group_size=4, mode="split", eta=0),
+         obs(phase="train", admitted_groups=2), []),
+        (SchedulePolicy(batch_groups=2, group_size=4, mode="split", eta=0),
+         obs(admitted_groups=2, policy_version=1, step=1), [StartGroups(2)]),
+        # A stop, a pause, a checkpoint and a failed engine wait for the step, as does the trip's
+        # back-off; the breaker itself still trips beside it.
+        (SPLIT, obs(phase="train", stopping=True, admitted_groups=2), []),
+        (SPLIT, obs(phase="train", paused=True, admitted_groups=2), []),
+        (SPLIT, obs(phase="train", checkpoint_requested=True, admitted_groups=4), []),
+        (SPLIT, obs(phase="train", engine_failed=True, admitted_groups=2), []),
+        (SPLIT, obs(phase="train", admissions_paused=True, admitted_groups=2), []),
+        (SchedulePolicy(batch_groups=2, group_size=4, mode="split", breaker_failures=8),
+         obs(phase="train", consecutive_failures=8, admitted_groups=2), [PauseAdmissions(8)]),
+        # After the step: the stop and the checkpoint it held back.
+        (SPLIT, obs(stopping=True, admitted_groups=4, step=1, policy_version=1), [Stop("stop requested")]),
+        (SPLIT, obs(checkpoint_requested=True, admitted_groups=4, step=1), [SaveCheckpoint("requested")]),
+        # The step target reached: stop.
+        (SPLIT, obs(ready_groups=("g0", "g1"), admitted_groups=22, step=10, ready_in_order=2),
+         [Stop("reached step 10")]),
+    ],
+)  # fmt: skip
+def test_decide_split(policy: SchedulePolicy, observation: Observation, expected: list[Action]) -> None:
+    assert decide(policy, observation) == expected
+
+
+def test_split_admits_like_async_and_never_trains_beside_a_step() -> None:
+    """Split's admissions are async's (same bound, same limit), in both phases; and whatever the
+    observation during a step, no second step, stop, checkpoint or validation round starts."""
+    for phase in ("generate", "train"):
+        for version in range(3):
+            for admitted in range(0, 10):
+                for running in (0, 4, 8, 12):
+                    observation = obs(phase=phase, policy_version=version, step=version,
+                                      admitted_groups=admitted, running_rollouts=running,
+                                      running_groups=running // 4)  # fmt: skip
+                    assert admissible_groups(SPLIT, observation) == admissible_groups(ASYNC, observation)
+    validating = SchedulePolicy(batch_groups=2, group_size=4, mode="split", validate_every=1)
+    for policy in (SPLIT, validating):
+        for ready in ((), ("g0", "g1"), ("g0", "g1", "g2", "g3")):
+            for flags in ({}, {"stopping": True}, {"checkpoint_requested": True}, {"engine_failed": True}):
+                observation = obs(phase="train", ready_groups=ready, admitted_groups=len(ready),
+                                  ready_in_order=len(ready), **flags)  # fmt: skip
+                actions = decide(policy, observation)
+                assert all(isinstance(a, StartGroups) for a in actions), (observation, actions)
 
 
 def test_no_step_limit_never_stops_by_itself() -> None:

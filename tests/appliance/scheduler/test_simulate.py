@@ -1,11 +1,13 @@
 """The scheduling simulator: it finishes, conserves tokens, is deterministic, and predicts what
-the scheduling modes promise (async no slower, faster on long tails, staleness within eta)."""
+the scheduling modes promise (async no slower, faster on long tails, staleness within eta; split
+free of switches, paying a push per step, and ahead of collocated when switches are dear)."""
 
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -14,17 +16,20 @@ from appliance.scheduler.simulate import (
     SWE,
     UNIFORM,
     CostModel,
+    Layout,
     SimResult,
     Simulator,
     Workload,
     compare,
+    compare_placements,
+    format_placements,
     format_table,
     simulate,
 )
 
 COST = CostModel()
 FREE_SWITCH = replace(COST, switch_to_train_s=0.0, switch_to_generate_s=0.0)
-SMALL = {"batch_groups": 2, "group_size": 4, "steps": 6, "warmup": 1}
+SMALL: dict[str, Any] = {"batch_groups": 2, "group_size": 4, "steps": 6, "warmup": 1}
 
 
 def run(
@@ -34,6 +39,8 @@ def run(
     steps: int = 7,
     min_generate_s: float = 0.0,
     max_inflight_rollouts: int | None = None,
+    layout: Layout | None = None,
+    cost: CostModel = COST,
 ) -> Simulator:
     """Two groups of four per step, seed 3, to the end."""
     policy = SchedulePolicy(
@@ -45,12 +52,7 @@ def run(
         min_generate_s=min_generate_s,
         max_inflight_rollouts=max_inflight_rollouts,
     )
-    simulator = Simulator(
-        policy,
-        COST,
-        workload,
-        seed=3,
-    )
+    simulator = Simulator(policy, cost, workload, seed=3, layout=layout)
     simulator.run()
     return simulator
 
@@ -194,3 +196,149 @@ def test_table_lists_every_run_with_its_speedup() -> None:
     assert [r.mode for r in results] == ["sync", "async", "async"]
     assert table.count("uniform") == 3
     assert "1.00x" in table
+
+
+# --- split placement and several GPUs ------------------------------------------------------------
+
+EIGHT = Layout(gpus=8, split=4)
+#: The same machine, split with the engine as two replicas of two GPUs each.
+EIGHT_TP2 = Layout(gpus=8, split=4, replicas=2)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+@pytest.mark.parametrize("workload", [SWE, UNIFORM])
+def test_split_reaches_its_steps_within_the_staleness_bound(workload: Workload, eta: int) -> None:
+    simulator = run(workload, "split", eta, steps=8, layout=EIGHT)
+    assert simulator.step == 8 and simulator.stop_reason == "reached step 8"
+    assert max(staleness(simulator)) <= eta
+    result = simulator.result(warmup=1)
+    assert result.max_sampled_staleness <= eta and result.masked_fraction == 0.0
+    for group in simulator.groups:
+        assert group.index // 2 - group.admitted_version <= eta
+
+
+@pytest.mark.parametrize(
+    ("layout", "mode", "replicas", "gpus_each"),
+    [(EIGHT, "split", 4, 1), (EIGHT_TP2, "split", 2, 2), (Layout(gpus=8, replicas=2), "async", 2, 4)],
+)
+def test_replicas_conserve_tokens(layout: Layout, mode: Mode, replicas: int, gpus_each: int) -> None:
+    """Preemption at pushes (split) or switches, on several replicas, loses or adds no token."""
+    simulator = run(SWE, mode, eta=2, layout=layout)
+    assert [r.gpus for r in simulator.replicas] == [gpus_each] * replicas
+    finished = [r for g in simulator.groups for r in g.rollouts if id(r) not in simulator.running]
+    assert len({id(r.replica) for r in finished}) == replicas  # every replica served some
+    for rollout in finished:
+        assert math.isclose(sum(rollout.sampled.values()), sum(c.gen_tokens for c in rollout.calls))
+        assert math.isclose(rollout.context, sum(c.prompt_tokens + c.gen_tokens for c in rollout.calls))
+
+
+class _Watched(Simulator):
+    """Counts what happens beside a step: seconds decoding while a step trains, and groups
+    admitted while one runs."""
+
+    decoding_beside_s = 0.0
+    admitted_beside = 0
+
+    def _advance(self, t: float) -> None:
+        stepping = self.trainer_busy or self.phase in ("to_train", "train")
+        if stepping and self.phase == "generate" and any(r.decoding for r in self.replicas):
+            self.decoding_beside_s += t - self.now
+        super()._advance(t)
+
+    def _admit_group(self) -> None:
+        if self.stepping or self.phase != "generate":
+            self.admitted_beside += 1
+        super()._admit_group()
+
+
+@pytest.mark.parametrize(("mode", "beside"), [("split", True), ("async", False)])
+def test_split_generates_and_admits_beside_the_step(mode: Mode, beside: bool) -> None:
+    """Split decodes while the training GPUs train and admits groups meanwhile (decide is
+    consulted beside the step); collocated async does neither."""
+    policy = SchedulePolicy(batch_groups=2, group_size=4, max_steps=8, mode=mode, eta=2)
+    simulator = _Watched(policy, COST, SWE, seed=3, layout=EIGHT)
+    simulator.run()
+    assert simulator.step == 8
+    assert (simulator.decoding_beside_s > 0) is beside
+    assert (simulator.admitted_beside > 0) is beside
+
+
+def test_split_pays_pushes_not_switches() -> None:
+    """Switch costs do not touch split; each step pauses generation push_s instead."""
+    dear = replace(COST, switch_to_train_s=300.0, switch_to_generate_s=300.0)
+    cheap = simulate(UNIFORM, COST, mode="split", eta=1, layout=EIGHT, **SMALL)
+    assert simulate(UNIFORM, dear, mode="split", eta=1, layout=EIGHT, **SMALL) == cheap
+    assert math.isclose(cheap.switch_fraction * cheap.seconds_per_step, COST.push_s)
+    free = simulate(UNIFORM, replace(COST, push_s=0.0), mode="split", eta=1, layout=EIGHT, **SMALL)
+    assert free.switch_fraction == 0.0 and free.seconds_per_step < cheap.seconds_per_step
+
+
+#: Eight groups of eight per step: enough rollouts for eight GPUs.
+WIDE: dict[str, Any] = {"batch_groups": 8, "group_size": 8, "steps": 6, "warmup": 1}
+
+
+def test_split_beats_collocated_when_switches_are_dear() -> None:
+    dear = replace(COST, switch_to_train_s=60.0, switch_to_generate_s=60.0)
+    for workload in (SWE, UNIFORM):
+        collocated = simulate(workload, dear, mode="async", eta=1, layout=EIGHT, **WIDE)
+        split = simulate(workload, dear, mode="split", eta=1, layout=EIGHT, **WIDE)
+        assert split.seconds_per_step < 0.9 * collocated.seconds_per_step
+
+
+def test_collocated_beats_split_when_training_dominates_a_small_training_pool() -> None:
+    """Six GPUs generate, two train a heavy step: split waits on its training GPUs, which are
+    busy nearly all the time, while collocated trains on all eight."""
+    heavy = replace(COST, train_s_per_token=6e-4)
+    layout = Layout(gpus=8, split=6)
+    collocated = simulate(UNIFORM, heavy, mode="async", eta=1, layout=layout, **WIDE)
+    split = simulate(UNIFORM, heavy, mode="split", eta=1, layout=layout, **WIDE)
+    assert collocated.seconds_per_step < 0.8 * split.seconds_per_step
+    assert split.train_fraction > 0.9
+
+
+def test_more_gpus_and_wider_replicas_are_faster() -> None:
+    one = simulate(UNIFORM, COST, mode="sync", **SMALL)
+    eight = simulate(UNIFORM, COST, mode="sync", layout=Layout(gpus=8), **SMALL)
+    assert eight.seconds_per_step < one.seconds_per_step
+    assert (eight.gpus, eight.gen_gpus, eight.train_gpus, eight.replicas) == (8, 8, 8, 8)
+    # One GPU alone against one replica on two GPUs (tensor parallel): 2 ** tp_exponent faster.
+    narrow = simulate(UNIFORM, FREE_SWITCH, mode="sync", **SMALL)
+    wide = simulate(UNIFORM, FREE_SWITCH, mode="sync", layout=Layout(gpus=2, replicas=1), **SMALL)
+    assert wide.seconds_per_step < narrow.seconds_per_step
+    assert wide.replicas == 1
+
+
+def test_cost_model_scales_with_gpus() -> None:
+    cost = replace(COST, tp_exponent=0.5, train_exponent=1.0)
+    assert cost.replica_speed(1) == 1.0 and cost.replica_speed(4) == 2.0
+    assert cost.train_s(1000, gpus=4) == cost.train_s(1000) / 4
+    assert CostModel.from_mapping({"kv_dropped_on_push": 0, "push_s": 2}).kv_dropped_on_push is False
+
+
+@pytest.mark.parametrize(
+    ("layout", "mode", "message"),
+    [
+        (Layout(gpus=1), "split", "split mode needs GPUs that generate and GPUs that train"),
+        (Layout(gpus=8, split=8), "split", "split mode needs"),
+        (Layout(gpus=8, split=0), "split", "split mode needs"),
+        (Layout(gpus=8, split=4, replicas=3), "split", "4 generating GPUs do not make 3 equal"),
+        (Layout(gpus=6, replicas=4), "async", "6 generating GPUs do not make 4 equal"),
+    ],
+)
+def test_layouts_that_cannot_work_are_refused(layout: Layout, mode: Mode, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        run(UNIFORM, mode, eta=1, layout=layout)
+
+
+def test_placement_table_lists_collocated_and_split_side_by_side() -> None:
+    results = compare_placements([UNIFORM], COST, EIGHT_TP2, etas=(1,), **SMALL)
+    assert [(r.mode, r.gen_gpus, r.train_gpus, r.replicas) for r in results] == [
+        ("sync", 8, 8, 2),
+        ("async", 8, 8, 2),
+        ("split", 4, 4, 2),
+    ]
+    table = format_placements(results)
+    assert "4+4" in table and "2x2" in table and "2x4" in table and "1.00x" in table
+    assert simulate(SWE, COST, mode="split", eta=1, layout=EIGHT, **SMALL) == simulate(
+        SWE, COST, mode="split", eta=1, layout=EIGHT, **SMALL
+    )
