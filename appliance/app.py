@@ -182,11 +182,17 @@ class Appliance:
         await self._recover(state)
 
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        self.engine = create_engine(config, model_dir)
+        on_gpus = plan is not None and plan.device == "cuda"
+        # On GPUs the plan says where each vLLM replica and each trainer rank goes.
+        self.engine = create_engine(config, model_dir, plan.replicas if on_gpus and plan else None)
         await self.engine.start()
         self._stack.push_async_callback(self.engine.close)
 
         trainer_ranks = config.resolved_trainer_ranks()
+        trainer_gpus = None
+        if on_gpus and plan is not None and config.trainer == "verl":
+            # The plan's training GPUs (in split placement, those the engine does not use).
+            trainer_ranks, trainer_gpus = plan.trainer_ranks, plan.trainer_gpus
         trainer = await asyncio.to_thread(
             make_trainer,
             "verl" if config.trainer == "verl" else "torch",
@@ -194,6 +200,7 @@ class Appliance:
             # verl trains in worker processes (one per GPU, or processes on gloo on CPU).
             ranks=trainer_ranks if config.trainer == "verl" else None,
             threads=config.threads,
+            gpus=trainer_gpus,
             **config.trainer_options(),
         )
         # verl's ranks write sharded checkpoints in parallel (and bf16 per-version weights when

@@ -84,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--push-bucket-mb", type=int, help="bucket size of the weight push, in MiB")
     _placement_flags(up)
     up.add_argument("--sleep-level", type=int, help="vLLM's sleep while training: 1 offloads, 2 discards")
+    up.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        help="vLLM without CUDA graphs (default: eager on CPU, CUDA graphs on GPU)",
+    )
     up.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
 
     status = sub.add_parser("status", help="print the state of a run from its store")

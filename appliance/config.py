@@ -189,6 +189,9 @@ class ApplianceConfig:
     gpu_memory_utilization: float = 0.9
     #: vLLM engine: GPUs the served model is sharded over (tensor parallelism).
     tensor_parallel_size: int = 1
+    #: vLLM engine: run without CUDA graphs (None: eager on CPU, where compiling costs minutes and
+    #: buys nothing; CUDA graphs on GPU, which decode several times faster for small batches).
+    enforce_eager: bool | None = None
     #: vLLM engine: longest prompt + completion in tokens (None: the model's own context).
     vllm_max_model_len: int | None = None
     #: vLLM engine: GiB of host memory for the KV cache when serving on CPU.

@@ -9,6 +9,7 @@ root calls ``create_engine``; nothing else constructs engines for a real run.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from appliance.config import ENGINES, ApplianceConfig
@@ -24,23 +25,34 @@ from appliance.engines.vllm_process import vllm_python as vllm_python
 from appliance.errors import ConfigError
 
 
-def create_engine(config: ApplianceConfig, model_dir: Path) -> Engine:
-    """The engine ``config`` asks for: one, or a fleet of ``engine_replicas`` (``EngineFleet``)."""
+def create_engine(
+    config: ApplianceConfig, model_dir: Path, replica_gpus: Sequence[Sequence[int]] | None = None
+) -> Engine:
+    """The engine ``config`` asks for: one, or a fleet of ``engine_replicas`` (``EngineFleet``).
+    ``replica_gpus``: the GPUs of each replica as the placement plan gives them (CUDA's numbering
+    in this process); None: replica i on GPUs [i * t, (i + 1) * t)."""
     config = config.with_resolved_device()  # a config built without load_config may say "auto"
     if config.engine not in ENGINES:
         raise ConfigError(f"unknown engine {config.engine!r}; available: {', '.join(ENGINES)}")
     replicas = config.engine_replicas
+    if replica_gpus is not None and len(replica_gpus) != replicas:
+        raise ConfigError(f"the placement gives GPUs for {len(replica_gpus)} replicas, not {replicas}")
     if replicas == 1:
-        return _replica(config, model_dir, None)
+        return _replica(config, model_dir, None, replica_gpus)
     if config.engine == "vllm" and config.vllm_url:
         raise ConfigError(
             f"vllm_url attaches to one running server, but engine_replicas is {replicas}: "
             "drop vllm_url (the appliance launches a server per replica) or use --engine-replicas 1"
         )
-    return EngineFleet([_replica(config, model_dir, i) for i in range(replicas)])
+    return EngineFleet([_replica(config, model_dir, i, replica_gpus) for i in range(replicas)])
 
 
-def _replica(config: ApplianceConfig, model_dir: Path, index: int | None) -> Engine:
+def _replica(
+    config: ApplianceConfig,
+    model_dir: Path,
+    index: int | None,
+    replica_gpus: Sequence[Sequence[int]] | None,
+) -> Engine:
     """One engine; ``index`` is its place in a fleet (None: the only engine)."""
     if config.engine == "torch":
         # A fleet's torch replicas share this process and its device (tests; on CPU, its cores).
@@ -49,8 +61,12 @@ def _replica(config: ApplianceConfig, model_dir: Path, index: int | None) -> Eng
         )
     suffix = "" if index is None else f"-{index}"
     devices = None
-    if index is not None and config.device != "cpu":
-        devices = replica_devices(index, config.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if config.device != "cpu":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if replica_gpus is not None:
+            devices = visible_ids(replica_gpus[index or 0], visible)
+        elif index is not None:
+            devices = replica_devices(index, config.tensor_parallel_size, visible)
     return VLLMEngine(
         model_dir,
         python=vllm_python(config.vllm_python),
@@ -69,24 +85,32 @@ def _replica(config: ApplianceConfig, model_dir: Path, index: int | None) -> Eng
         # A LoRA run pushes adapters alone: the server serves them on the base weights.
         lora_rank=config.lora_rank,
         visible_devices=devices,
+        enforce_eager=config.enforce_eager,
     )
 
 
 def replica_devices(index: int, tensor_parallel_size: int, visible: str | None = None) -> str:
     """The ``CUDA_VISIBLE_DEVICES`` of vLLM replica ``index``: GPUs [index * t, (index + 1) * t)
     of those this process sees (``visible``: its own ``CUDA_VISIBLE_DEVICES``, if set; else
-    every GPU, numbered from 0). ``appliance.placement`` may replace this assignment."""
+    every GPU, numbered from 0)."""
     t = tensor_parallel_size
-    wanted = range(index * t, (index + 1) * t)
+    return visible_ids(range(index * t, (index + 1) * t), visible)
+
+
+def visible_ids(gpus: Sequence[int], visible: str | None = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of a child process that should use ``gpus`` (CUDA's numbering
+    in this process): the entries of ``visible`` (this process's ``CUDA_VISIBLE_DEVICES``: indices
+    or UUIDs) at those positions, or the numbers themselves when it is not set."""
     if visible is None or not visible.strip():
-        return ",".join(str(i) for i in wanted)
+        return ",".join(str(i) for i in gpus)
     ids = [part.strip() for part in visible.split(",") if part.strip()]
-    if wanted.stop > len(ids):
+    missing = [i for i in gpus if i >= len(ids)]
+    if missing:
         raise ConfigError(
-            f"engine replica {index} needs GPUs {wanted.start}..{wanted.stop - 1} of CUDA_VISIBLE_DEVICES="
-            f"{visible!r}, which lists {len(ids)}; lower --engine-replicas or --tensor-parallel-size"
+            f"GPUs {list(gpus)} are wanted but CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)}; "
+            "lower --engine-replicas or --tensor-parallel-size"
         )
-    return ",".join(ids[i] for i in wanted)
+    return ",".join(ids[i] for i in gpus)
 
 
 def vllm_logprobs_mode(temperature: float | None) -> str:

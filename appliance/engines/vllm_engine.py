@@ -123,7 +123,8 @@ class VLLMEngine:
     worker extension, as ``vllm_process.server_command`` sets it up). ``max_batch_size`` is
     vLLM's ``--max-num-seqs``; ``dtype`` defaults to the checkpoint's own; ``log_path`` receives
     the server's output; ``policy_version`` is the version of the weights in ``model_dir``;
-    ``visible_devices`` (e.g. "2,3") is the server's ``CUDA_VISIBLE_DEVICES`` (None: inherited).
+    ``visible_devices`` (e.g. "2,3") is the server's ``CUDA_VISIBLE_DEVICES`` (None: inherited);
+    ``enforce_eager`` turns CUDA graphs off (None: off on CPU only).
     ``switch_times`` holds the seconds the last start, push, sleep, wake and restart took.
     """
 
@@ -150,6 +151,7 @@ class VLLMEngine:
         served_model_name: str = "policy",
         lora_rank: int = 0,
         visible_devices: str | None = None,
+        enforce_eager: bool | None = None,
     ) -> None:
         self._model_dir = Path(model_dir)
         config = json.loads((self._model_dir / "config.json").read_text())
@@ -169,6 +171,7 @@ class VLLMEngine:
             cpu_kv_cache_gib=cpu_kv_cache_gib,
             lora_rank=lora_rank,
             visible_devices=visible_devices,
+            enforce_eager=enforce_eager,
             extra_args=("--logprobs-mode", logprobs_mode),
         )
         self._port = port

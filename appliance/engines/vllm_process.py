@@ -73,6 +73,9 @@ class ServerSettings:
     cpu_kv_cache_gib: int = 1
     #: Seed of the server's global generator (unseeded requests draw from it).
     seed: int = 0
+    #: Run without CUDA graphs (``--enforce-eager``); None: on CPU only (compiling there costs
+    #: minutes and buys nothing), CUDA graphs on GPU.
+    enforce_eager: bool | None = None
     #: The LoRA rank served (0: none). The server then serves adapters loaded at runtime
     #: (``--enable-lora``, ``/v1/load_lora_adapter``) on top of ``model_dir``'s weights.
     lora_rank: int = 0
@@ -111,13 +114,14 @@ def server_command(settings: ServerSettings, port: int) -> list[str]:
         str(settings.max_num_seqs),
         "--seed",
         str(settings.seed),
-        # CUDA graphs / torch.compile cost minutes at start and break weight reloads.
-        "--enforce-eager",
         "--disable-uvicorn-access-log",
         # Weight pushes go through the appliance's worker extension (see vllm_worker.py).
         "--worker-extension-cls",
         f"{WORKER_MODULE}.ApplianceWorkerExtension",
     ]
+    eager = settings.device == "cpu" if settings.enforce_eager is None else settings.enforce_eager
+    if eager:
+        cmd.append("--enforce-eager")
     if settings.max_model_len is not None:
         cmd += ["--max-model-len", str(settings.max_model_len)]
     if settings.lora_rank > 0:

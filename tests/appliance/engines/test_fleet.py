@@ -20,11 +20,11 @@ from appliance.app import Appliance
 from appliance.config import ApplianceConfig
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from appliance.engines.buckets import WeightBucket, close_stream, pack_buckets, stream_buckets
-from appliance.engines.factory import create_engine, replica_devices
+from appliance.engines.factory import create_engine, replica_devices, visible_ids
 from appliance.engines.fleet import EngineFleet
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
-from appliance.engines.vllm_process import server_env
+from appliance.engines.vllm_process import server_command, server_env
 from appliance.errors import ConfigError, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, EngineContract, greedy
 from tests.support import make_config
@@ -458,6 +458,28 @@ def test_replica_devices_follow_the_visible_gpus() -> None:
     assert replica_devices(0, 2, " ") == "0,1"
     with pytest.raises(ConfigError, match="lists 4"):
         replica_devices(2, 2, "0,1,2,3")
+    # The placement's GPUs (CUDA's numbering here) through this process's CUDA_VISIBLE_DEVICES.
+    assert visible_ids((4, 6)) == "4,6"
+    assert visible_ids((4, 6), "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f,GPU-g") == "GPU-e,GPU-g"
+
+
+def test_vllm_servers_get_the_placements_gpus_and_cuda_graphs_on_gpu(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """What each vLLM replica is launched with (nothing launched: the command and environment)."""
+    config = make_config(tmp_path, tiny_model_dir, engine="vllm", engine_replicas=2, device="cuda")
+    fleet = create_engine(config, tiny_model_dir, replica_gpus=[(2, 3), (6, 7)])
+    assert isinstance(fleet, EngineFleet)
+    settings = [replica._settings for replica in fleet.replicas]  # type: ignore[attr-defined]
+    assert [s.visible_devices for s in settings] == ["2,3", "6,7"]
+    commands = [server_command(s, 8000) for s in settings]
+    assert all("--enforce-eager" not in c and "--enable-sleep-mode" in c for c in commands)
+    eager = make_config(tmp_path, tiny_model_dir, engine="vllm", device="cuda", enforce_eager=True)
+    assert "--enforce-eager" in server_command(create_engine(eager, tiny_model_dir)._settings, 8000)  # type: ignore[attr-defined]
+    cpu = make_config(tmp_path, tiny_model_dir, engine="vllm", device="cpu")
+    assert "--enforce-eager" in server_command(create_engine(cpu, tiny_model_dir)._settings, 8000)  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="GPUs for 1 replicas, not 2"):
+        create_engine(config, tiny_model_dir, replica_gpus=[(0,)])
 
 
 # --- a whole appliance step served by a fleet --------------------------------------------------
