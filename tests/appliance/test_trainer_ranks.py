@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
 from appliance.engines.lora import served_adapter
+from harness_adapters.python import PythonAdapter
 from store.events import ApplianceStarted, TrainStepCompleted, TrainStepFailed
 from store.eventstore import EventStore
+from tests.appliance.test_checkpointing import varied_agent
 from tests.support import make_config
 from trainer.ranks import RankedTrainer
 
@@ -112,9 +114,17 @@ async def test_a_lora_run_pushes_adapters_the_engine_serves_on_its_base(
     still holds the model directory's weights, and with its adapters computes the trainer's
     merged weights."""
     config = make_config(
-        tmp_path, tiny_model_dir, trainer="verl", trainer_ranks=2, max_steps=2, lora_rank=4, lora_alpha=8
+        tmp_path,
+        tiny_model_dir,
+        trainer="verl",
+        trainer_ranks=2,
+        max_steps=2,
+        lora_rank=4,
+        lora_alpha=8,
+        lr=1e-2,
     )
-    async with Appliance(config) as app:
+    # Rewards that differ within each group: every step has advantages, so the adapters move.
+    async with Appliance(config, adapter=PythonAdapter(varied_agent)) as app:
         assert await app.run() == "reached step 2"
         engine: Any = app.engine
         served = engine._model.state_dict()
