@@ -17,6 +17,7 @@ from appliance.errors import ApplianceError
 from trainer.checkpoints import CheckpointStore
 from trainer.sharded import ShardedStore
 from trainer.step_plan import RankStep
+from trainer.weight_group import GroupSpec
 
 if TYPE_CHECKING:
     from appliance.engines.buckets import WeightBucket
@@ -74,6 +75,16 @@ class PushWeights:
     directory: str | None
     #: LoRA merged into whole weights (an export) instead of the adapters alone.
     merged: bool = False
+    #: Broadcast over the weight group rank 0 hosts (``HostWeightGroup``) instead of a file.
+    via_group: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HostWeightGroup:
+    """Rank 0: host the weight group and join it, once every member joins (reply: whether this
+    rank joined)."""
+
+    spec: GroupSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +110,7 @@ class Shutdown:
     """Leave the process group and exit (reply: None)."""
 
 
-Command = RunStep | Save | Load | Offload | Onload | PushWeights | StateDict | Shutdown
+Command = RunStep | Save | Load | Offload | Onload | PushWeights | HostWeightGroup | StateDict | Shutdown
 
 
 @dataclass(frozen=True, slots=True)

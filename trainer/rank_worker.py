@@ -25,6 +25,7 @@ from trainer.rank_rpc import (
     Command,
     Continue,
     Failed,
+    HostWeightGroup,
     Load,
     Offload,
     Ok,
@@ -102,7 +103,11 @@ def _run(trainer: Any, command: Command, conn: Connection) -> Any:
         directory = Path(command.directory) if command.directory else None
         count = 0
         buckets = trainer.weight_buckets(
-            command.bucket_bytes, dtype=dtype, directory=directory, merged=command.merged
+            command.bucket_bytes,
+            dtype=dtype,
+            directory=directory,
+            merged=command.merged,
+            via_group=command.via_group,
         )
         for bucket in buckets:
             conn.send(BucketReady(bucket))
@@ -111,6 +116,8 @@ def _run(trainer: Any, command: Command, conn: Connection) -> Any:
                 raise RuntimeError(f"expected Continue during a weight push, got {type(reply).__name__}")
             count += 1
         return count
+    if isinstance(command, HostWeightGroup):
+        return trainer.host_weight_group(command.spec)
     if isinstance(command, StateDict):
         state = trainer.state_dict_for_engine()
         return state if trainer.rank == 0 else None

@@ -48,6 +48,7 @@ from trainer.rank_rpc import (
     Command,
     Continue,
     Failed,
+    HostWeightGroup,
     Load,
     Offload,
     Ok,
@@ -62,6 +63,7 @@ from trainer.rank_rpc import (
 from trainer.rank_worker import serve
 from trainer.sharded import ShardedStore
 from trainer.step_plan import RankResult, finish, plan_step, shard
+from trainer.weight_group import GroupSpec
 
 if TYPE_CHECKING:
     from appliance.engines.buckets import WeightBucket
@@ -371,12 +373,20 @@ class RankedTrainer:
         directory: Path | None = None,
         *,
         merged: bool = False,
+        via_group: bool = False,
     ) -> Iterator[WeightBucket]:
         """The engine's weights (with LoRA: the adapters, unless ``merged``) in buckets, written
-        by the ranks and handed on by rank 0 (``VerlFSDPTrainer.weight_buckets``)."""
+        by the ranks and handed on by rank 0 (``VerlFSDPTrainer.weight_buckets``); ``via_group``:
+        broadcast over the weight group (:meth:`host_weight_group`)."""
         name = str(dtype).removeprefix("torch.") if dtype is not None else None
         where = str(directory) if directory else None
-        yield from self.group.push(PushWeights(bucket_bytes, name, where, merged=merged))
+        command = PushWeights(bucket_bytes, name, where, merged=merged, via_group=via_group)
+        yield from self.group.push(command)
+
+    def host_weight_group(self, spec: GroupSpec) -> None:
+        """Rank 0 hosts the weight group ``spec`` and joins it; returns once every member has
+        joined (the engine's workers join at the same time: ``join_weight_group``)."""
+        self.group.broadcast(HostWeightGroup(spec), timeout_s=spec.timeout_s + 30)
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = self.group.broadcast(StateDict())[0]

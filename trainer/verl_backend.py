@@ -67,6 +67,7 @@ from trainer.step_plan import RankResult, RankStats, RankStep, Row, StepPlan, fi
 from trainer.verl_batch import build_batch, response_values, step_loss
 from trainer.verl_lora import adapter_name, merge_lora_stream
 from trainer.verl_runtime import ensure_runtime
+from trainer.weight_group import GroupSpec, WeightGroup, group_buckets
 
 if TYPE_CHECKING:
     from appliance.engines.buckets import WeightBucket
@@ -185,6 +186,8 @@ class VerlFSDPTrainer:
         self.normalization = check_normalization(normalization)
         self.kl_coef, self.kl_type = kl_coef, kl_type
         self.lora_rank = lora_rank
+        #: Rank 0's membership of the weight group (``host_weight_group``), if any.
+        self._weight_group: WeightGroup | None = None
         self.lora_alpha = lora_alpha if lora_alpha is not None else 2 * lora_rank
         self.mini_batches = mini_batches
         self.gradient_checkpointing = gradient_checkpointing
@@ -416,6 +419,7 @@ class VerlFSDPTrainer:
         directory: Path | None = None,
         *,
         merged: bool = False,
+        via_group: bool = False,
     ) -> Iterator[WeightBucket]:
         """What the engine needs of this version, packed into buckets of about ``bucket_bytes``
         (``appliance.engines.buckets``), never the whole model at once: with LoRA the adapters
@@ -423,10 +427,16 @@ class VerlFSDPTrainer:
         unless ``merged``; otherwise (or ``merged``) the weights as :meth:`state_dict_for_engine`
         names them, a tied LM head left out. A collective at world size > 1: every rank iterates
         it; only rank 0 yields buckets. Whole weights are written by each rank from its own
-        shards (``trainer.shard_buckets``); adapters, and merged weights, are gathered for rank 0."""
+        shards (``trainer.shard_buckets``); adapters, and merged weights, are gathered for rank 0.
+        ``via_group``: whole weights broadcast over the weight group rank 0 hosts
+        (:meth:`host_weight_group`, ``trainer.weight_group``) from a buffer on the training
+        device, gathered for rank 0; adapters (small) still go through a file."""
         from appliance.engines.buckets import LoraAdapter, pack_buckets
 
         adapters = self.lora_rank > 0 and not merged
+        if via_group and not adapters:
+            yield from self._group_buckets(bucket_bytes, dtype)
+            return
         if self.world_size > 1 and self.lora_rank == 0:
             # Each rank writes its own rows of every parameter into the file: nothing gathered.
             from trainer.shard_buckets import sharded_buckets
@@ -446,6 +456,30 @@ class VerlFSDPTrainer:
         adapter = LoraAdapter(self.lora_rank, float(self.lora_alpha)) if adapters else None
         yield from pack_buckets(
             source, bucket_bytes=bucket_bytes, directory=directory, dtype=dtype, adapter=adapter
+        )
+
+    def host_weight_group(self, spec: GroupSpec) -> bool:
+        """Rank 0: host the weight group ``spec`` describes and join it (blocks until every
+        member has joined), replacing an earlier one; other ranks: nothing. Returns whether this
+        rank joined."""
+        if self.rank != 0:
+            return False
+        if self._weight_group is not None:
+            self._weight_group.close()
+            self._weight_group = None
+        self._weight_group = WeightGroup(spec)
+        return True
+
+    def _group_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[WeightBucket]:
+        tensors = self._engine_tensors()
+        if self.rank != 0:  # gathered for rank 0 to broadcast
+            for _ in tensors:
+                pass
+            return
+        if self._weight_group is None:
+            raise RuntimeError("no weight group to push through: host_weight_group first")
+        yield from group_buckets(
+            tensors, group=self._weight_group, bucket_bytes=bucket_bytes, device=self.device, dtype=dtype
         )
 
     def _trainer_state(self) -> dict[str, Any]:

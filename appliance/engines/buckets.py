@@ -101,6 +101,14 @@ class WeightBucket:
     last: bool
     #: Set on every bucket of a push that carries a LoRA adapter (None: whole weights).
     adapter: LoraAdapter | None = None
+    #: The bytes come by broadcast over the trainer's weight group (``trainer.weight_group``),
+    #: not in a file (``path`` is empty): only a consumer in that group can take the bucket.
+    via_group: bool = False
+
+    @property
+    def end(self) -> int:
+        """The bucket's bytes: up to its last entry's end."""
+        return max((entry.offset + entry.nbytes for entry in self.entries), default=0)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -242,7 +250,9 @@ def bucket_tensors(bucket: WeightBucket) -> Iterator[tuple[str, torch.Tensor]]:
     bucket written in this process is read through its writer's mapping instead (the same pages
     are not mapped twice); consumers only read.
     """
-    end = max((entry.offset + entry.nbytes for entry in bucket.entries), default=0)
+    if bucket.via_group:
+        raise ValueError("this bucket's bytes are broadcast over a weight group, not in a file")
+    end = bucket.end
     if end == 0:
         for entry in bucket.entries:  # only empty tensors
             yield entry.name, torch.empty(entry.shape, dtype=dtype_of(entry.dtype))

@@ -533,6 +533,10 @@ class TorchEngine:
         copied = False
         try:
             async for bucket in buckets:
+                if bucket.via_group:
+                    raise BadRequest(
+                        "the torch engine takes weight buckets in files, not over a weight group"
+                    )
                 self._check_bucket(bucket, seen)
                 if not copied:
                     lora.detach(self._model)

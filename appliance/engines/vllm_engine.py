@@ -208,6 +208,8 @@ class VLLMEngine:
         self._adapter_name: str | None = None
         self._adapter_pending = False
         self._adapter_loads = 0
+        #: Whether the workers joined a weight group (``join_weight_group``; lost on restart).
+        self._in_group = False
         self.restarts = 0
         #: Seconds the last start / push / sleep / wake / restart took, for callers to log.
         self.switch_times: dict[str, float] = {}
@@ -644,8 +646,14 @@ class VLLMEngine:
                     "first": not sent,
                     "last": bucket.last,
                 }
+                if bucket.via_group:
+                    if not self._in_group:
+                        raise EngineUnavailable("a bucket came over a weight group this server is not in")
+                    # The trainer broadcasts exactly this many bytes (trainer.weight_group).
+                    spec["nbytes"] = max(bucket.end, 1)
                 sent, self._push_pending = True, True
-                body = {"method": "appliance_load_bucket", "args": [json.dumps(spec)]}
+                method = "appliance_receive_bucket" if bucket.via_group else "appliance_load_bucket"
+                body = {"method": method, "args": [json.dumps(spec)]}
                 await self._client.call("POST", "/collective_rpc", body)
                 if bucket.last:
                     break
@@ -674,6 +682,27 @@ class VLLMEngine:
             )
         seen.update(names)
         return [e for e in bucket.entries if not (self._tied and e.name == "lm_head.weight")]
+
+    @property
+    def in_weight_group(self) -> bool:
+        """Whether this server's workers are in a weight group now (a restart leaves it)."""
+        return self._in_group
+
+    @property
+    def weight_group_members(self) -> int:
+        """How many members (workers) this server brings to a weight group."""
+        return self._settings.tensor_parallel_size
+
+    async def join_weight_group(self, spec: str) -> None:
+        """Have every worker join the weight group ``spec`` (``GroupSpec.for_workers`` JSON) that
+        a trainer hosts at the same time; returns once the group has formed. Buckets with
+        ``via_group`` are received over it from then on."""
+        self._ensure_open()
+        if self._down is not None:
+            raise EngineUnavailable(f"the vLLM server is not serving ({self._down}); retry shortly")
+        self._in_group = False
+        await self._client.call("POST", "/collective_rpc", {"method": "appliance_join_group", "args": [spec]})
+        self._in_group = True
 
     async def _undo_buckets(self) -> None:
         """After a bucketed push failed half-way: end it in the server, and put the previous
@@ -764,6 +793,7 @@ class VLLMEngine:
                 self._push_pending = self._push_pending or self._weights_dir is not None or self._weights_gone
                 # A new server knows no adapter.
                 self._adapter_name, self._adapter_pending = None, self._adapter_dir is not None
+                self._in_group = False  # nor the weight group
                 if self._released:  # it died asleep: the accelerator is still the trainer's
                     await self._client.call("POST", f"/sleep?level={self._sleep_level}&mode=wait")
                     self._push_pending = self._push_pending or self._sleep_level == 2

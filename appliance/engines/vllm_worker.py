@@ -38,6 +38,8 @@ from typing import Any
 
 #: The worker attribute that is True while a bucketed push is half-way.
 _PUSHING = "_appliance_bucket_push"
+#: The worker attribute holding the weight group it joined: (process group, store, backend).
+_GROUP = "_appliance_weight_group"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 
 
@@ -64,12 +66,63 @@ class ApplianceWorkerExtension:
         ends it. Returns the number of tensors loaded and of tied LM heads reprocessed. If
         loading fails the push is abandoned (the model then holds a mix of old and new
         weights: the caller must push whole weights before serving)."""
+        spec = json.loads(bucket)
+        return self._appliance_load(spec, lambda: bucket_views(spec["path"], spec["entries"]))
+
+    def appliance_join_group(self, spec: str) -> int:
+        """Join the weight group a trainer hosts (``trainer.weight_group``), replacing any
+        earlier one. ``spec`` is JSON: ``{"host", "port", "world_size", "rank_offset", "backend"
+        ("gloo" or "nccl"), "prefix", "timeout_s"}``; this worker's rank is ``rank_offset`` plus its
+        own rank in the server (tensor parallelism). Blocks until every member has joined;
+        returns the rank."""
+        from datetime import timedelta
+
+        import torch.distributed
+
+        dist: Any = torch.distributed  # (its store classes are not in the type stubs' exports)
+        worker: Any = self
+        info = json.loads(spec)
+        rank = int(info["rank_offset"]) + int(getattr(worker, "rank", 0))
+        timeout = timedelta(seconds=float(info["timeout_s"]))
+        store = dist.TCPStore(info["host"], int(info["port"]), is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore(info["prefix"], store)
+        size = int(info["world_size"])
+        if info["backend"] == "nccl":
+            group: Any = dist.ProcessGroupNCCL(prefixed, rank, size, dist.ProcessGroupNCCL.Options())
+        else:
+            group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        setattr(worker, _GROUP, (group, store, info["backend"]))
+        return rank
+
+    def appliance_receive_bucket(self, bucket: str) -> dict[str, int]:
+        """``appliance_load_bucket`` for a bucket whose bytes come by broadcast from the trainer
+        (rank 0 of the weight group) rather than in a file: ``{"entries", "nbytes", "first",
+        "last"}``. The bytes land in a buffer on this worker's device."""
+        import torch
+
+        worker: Any = self
+        joined = getattr(worker, _GROUP, None)
+        if joined is None:
+            raise RuntimeError("no weight group: appliance_join_group first")
+        group, _, backend = joined
+        spec = json.loads(bucket)
+
+        def received() -> tuple[Any, Iterator[tuple[str, Any]]]:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+            raw = torch.empty(max(int(spec["nbytes"]), 1), dtype=torch.uint8, device=device)
+            group.broadcast(raw, 0).wait()
+            return raw, tensor_views(raw, spec["entries"])
+
+        return self._appliance_load(spec, received)
+
+    def _appliance_load(self, spec: dict[str, Any], tensors: Any) -> dict[str, int]:
+        """One bucket (``tensors()``: its bytes and views of them) into the model, inside the
+        layerwise reload that the first bucket starts and the last one finishes."""
         import torch
 
         set_current_vllm_config = _vllm("vllm.config").set_current_vllm_config
         layerwise = _vllm(_LAYERWISE)
         worker: Any = self
-        spec = json.loads(bucket)
         model = worker.model_runner.get_model()
         heads = 0
         with set_current_vllm_config(worker.vllm_config), torch.no_grad():
@@ -80,11 +133,11 @@ class ApplianceWorkerExtension:
             elif not getattr(worker, _PUSHING, False):
                 raise RuntimeError("a weight bucket came without the first bucket of its push")
             try:
-                raw, tensors = bucket_views(spec["path"], spec["entries"])
-                model.load_weights(tensors)
+                raw, views = tensors()
+                model.load_weights(views)
                 if raw is not None:
                     keep_buffered_weights(model, raw)
-                del raw, tensors
+                del raw, views
                 if spec["last"]:
                     setattr(worker, _PUSHING, False)
                     layerwise.finalize_layerwise_reload(model, worker.model_config)
@@ -118,22 +171,27 @@ class ApplianceWorkerExtension:
             return weight_digests(worker.model_runner.get_model(), worker.model_config.dtype)
 
 
-def bucket_views(path: str, entries: list[list[Any]]) -> tuple[Any, Iterator[tuple[str, Any]]]:
-    """The file mapped copy-on-write (None if no entry has bytes) and an iterator over zero-copy
-    views of its entries, as ``appliance.engines.buckets.bucket_tensors`` makes them."""
+def tensor_views(raw: Any, entries: list[list[Any]]) -> Iterator[tuple[str, Any]]:
+    """Zero-copy views of ``entries`` in the bytes ``raw`` (as
+    ``appliance.engines.buckets.bucket_tensors`` makes them)."""
     import torch
 
-    def views(raw: Any) -> Iterator[tuple[str, Any]]:
-        for name, dtype, shape, offset, nbytes in entries:
-            kind = getattr(torch, dtype)
-            if nbytes == 0:
-                yield name, torch.empty(tuple(shape), dtype=kind)
-            else:
-                yield name, raw[offset : offset + nbytes].view(kind).view(tuple(shape))
+    for name, dtype, shape, offset, nbytes in entries:
+        kind = getattr(torch, dtype)
+        if nbytes == 0:
+            yield name, torch.empty(tuple(shape), dtype=kind, device=raw.device if raw is not None else "cpu")
+        else:
+            yield name, raw[offset : offset + nbytes].view(kind).view(tuple(shape))
+
+
+def bucket_views(path: str, entries: list[list[Any]]) -> tuple[Any, Iterator[tuple[str, Any]]]:
+    """The file mapped copy-on-write (None if no entry has bytes) and an iterator over zero-copy
+    views of its entries."""
+    import torch
 
     end = max((int(offset) + int(nbytes) for _, _, _, offset, nbytes in entries), default=0)
     raw = torch.from_file(path, shared=False, size=end, dtype=torch.uint8) if end else None
-    return raw, views(raw)
+    return raw, tensor_views(raw, entries)
 
 
 def keep_buffered_weights(model: Any, raw: Any) -> int:

