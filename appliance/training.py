@@ -38,12 +38,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from appliance.engines.base import Engine
+from appliance.engines.base import Engine, WeightGroupMember
 from appliance.engines.buckets import WeightBucket, stream_buckets
+from appliance.engines.vllm_process import free_port
 from store.events import (
     CheckpointSaved,
     Event,
@@ -59,6 +60,7 @@ from trainer.items import Trainer, TrainItem
 from trainer.rank_rpc import TrainerRankFailed
 from trainer.samples import Sample, build_samples
 from trainer.sharded import ShardedStore, ShardedWeightsStore
+from trainer.weight_group import GroupSpec
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -79,6 +81,8 @@ class TrainingService:
         push_bucket_bytes: int = 256 << 20,
         weights_dtype: torch.dtype | None = None,
         push_dtype: torch.dtype | None = None,
+        weight_group: str | None = None,
+        weight_group_timeout_s: float = 120.0,
     ) -> None:
         if push_bucket_bytes < 1:
             raise ValueError(f"push_bucket_bytes must be >= 1, got {push_bucket_bytes}")
@@ -88,6 +92,12 @@ class TrainingService:
         self.push_dtype = push_dtype
         #: The run state the trainer's ranks are restarted from (set by restore/train).
         self._published: RunState | None = None
+        #: Push over a weight group on this backend ("nccl", "gloo"; None: through files), and
+        #: whether the trainer's side of the current group stands (ranks restarted: it does not).
+        self.weight_group = weight_group
+        self.weight_group_timeout_s = weight_group_timeout_s
+        self._group_formed = False
+        self._groups = 0
         self.advantage = advantage
         self.checkpoints = checkpoints
         self.weights: WeightsStore | ShardedWeightsStore
@@ -166,6 +176,7 @@ class TrainingService:
         if restart is None:
             return
         log.warning("restarting the trainer ranks at policy version %d", state.policy_version)
+        self._group_formed = False  # rank 0 hosted it
         await asyncio.to_thread(restart)
         await self._load_trainer(state)
 
@@ -322,17 +333,54 @@ class TrainingService:
         A trainer rank that fails during the push: the ranks are restarted from the published
         version (which is ``version``) and the push is tried once more."""
         try:
-            await self.engine.load_weight_buckets(self._buckets(), version)
+            await self.engine.load_weight_buckets(await self._buckets(), version)
         except TrainerRankFailed:
             if getattr(self.trainer, "restart", None) is None:
                 raise
             log.warning("a trainer rank failed during the push of version %d; pushing again", version)
             await self.recover(self._published or RunState())
-            await self.engine.load_weight_buckets(self._buckets(), version)
+            await self.engine.load_weight_buckets(await self._buckets(), version)
 
-    def _buckets(self) -> AsyncIterator[WeightBucket]:
-        """The trainer's buckets, each packed in a worker thread (the event loop runs on)."""
+    async def _buckets(self) -> AsyncIterator[WeightBucket]:
+        """The trainer's buckets, each packed in a worker thread (the event loop runs on): over
+        the weight group where there is one (formed first if need be), else through files."""
+        if await self._in_group():
+            hosted: Any = self.trainer
+            buckets = hosted.weight_buckets(self.push_bucket_bytes, self.push_dtype, via_group=True)
+            return stream_buckets(buckets)
         return stream_buckets(self.trainer.weight_buckets(self.push_bucket_bytes, self.push_dtype))
+
+    async def _in_group(self) -> bool:
+        """Whether the push can go over the weight group: asked for, both sides able, and the
+        group standing (formed now if the trainer's ranks or the engine's server restarted). A
+        group that cannot form leaves this push to the files (logged), the next one tries again."""
+        engine, host = self.engine, getattr(self.trainer, "host_weight_group", None)
+        if self.weight_group is None or host is None or not isinstance(engine, WeightGroupMember):
+            return False
+        if self._group_formed and engine.in_weight_group:
+            return True
+        self._groups += 1
+        spec = GroupSpec(
+            "127.0.0.1",
+            free_port(),
+            1 + engine.weight_group_members,
+            self.weight_group,
+            f"push-{self._groups}",
+            timeout_s=self.weight_group_timeout_s,
+        )
+        self._group_formed = False
+        results = await asyncio.gather(
+            self._guarded(None, lambda: asyncio.to_thread(host, spec)),
+            engine.join_weight_group(spec.as_dict()),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            log.warning("the weight group did not form (%r); this push goes through files", failures[0])
+            return False
+        self._group_formed = True
+        log.info("weight group formed (%s, %d members)", self.weight_group, spec.world_size)
+        return True
 
     async def step(
         self, state: RunState, groups: Sequence[str], *, eta: int | None = None

@@ -20,7 +20,6 @@ broadcast nobody receives fails after ``timeout_s`` instead of hanging.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -55,9 +54,9 @@ class GroupSpec:
                 f"a weight group needs world_size >= 2, backend gloo or nccl, timeout > 0: {self}"
             )
 
-    def for_workers(self, rank_offset: int) -> str:
-        """The JSON ``appliance_join_group`` takes, for workers whose ranks start at ``rank_offset``."""
-        return json.dumps({**asdict(self), "rank_offset": rank_offset})
+    def as_dict(self) -> dict[str, Any]:
+        """What an engine's ``join_weight_group`` takes."""
+        return asdict(self)
 
 
 class WeightGroup:

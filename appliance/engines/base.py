@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -191,4 +191,25 @@ class Engine(Protocol):
     async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Bring back what ``sleep`` released: "weights" first (then push new weights if any),
         then "kv_cache"; serving resumes once both are back."""
+        ...
+
+
+@runtime_checkable
+class WeightGroupMember(Protocol):
+    """An engine that can take a push broadcast over a process group (``trainer.weight_group``):
+    buckets with ``via_group`` instead of files. Only engines in other processes can (vLLM)."""
+
+    @property
+    def in_weight_group(self) -> bool:
+        """Whether every worker is in a weight group now (a restart leaves it)."""
+        ...
+
+    @property
+    def weight_group_members(self) -> int:
+        """How many members the engine brings to a group (its workers)."""
+        ...
+
+    async def join_weight_group(self, spec: Mapping[str, Any], rank_offset: int = 1) -> None:
+        """Join the group ``spec`` describes as ranks ``rank_offset`` and up, while the trainer
+        hosts it; returns once the group has formed."""
         ...

@@ -44,11 +44,11 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from appliance.engines.base import Engine, GenerateRequest, GenerateResult
+from appliance.engines.base import Engine, GenerateRequest, GenerateResult, WeightGroupMember
 from appliance.engines.buckets import WeightBucket, close_stream
 from appliance.errors import EngineUnavailable
 
@@ -377,6 +377,30 @@ class EngineFleet:
         if source_error is not None:
             raise source_error
         self._settle("load_weight_buckets", results, version)
+
+    @property
+    def in_weight_group(self) -> bool:
+        """Every replica's workers are in the weight group (``WeightGroupMember``)."""
+        return all(
+            isinstance(r.engine, WeightGroupMember) and r.engine.in_weight_group for r in self._replicas
+        )
+
+    @property
+    def weight_group_members(self) -> int:
+        return sum(
+            r.engine.weight_group_members for r in self._replicas if isinstance(r.engine, WeightGroupMember)
+        )
+
+    async def join_weight_group(self, spec: Mapping[str, Any], rank_offset: int = 1) -> None:
+        """Every replica joins the group at once, replica i's workers at the ranks after replica
+        i - 1's (the group forms only when all have joined)."""
+        members = [r.engine for r in self._replicas if isinstance(r.engine, WeightGroupMember)]
+        if len(members) != len(self._replicas):
+            raise EngineUnavailable("a replica of this fleet cannot join a weight group (only vLLM's can)")
+        offsets = [rank_offset]
+        for engine in members[:-1]:
+            offsets.append(offsets[-1] + engine.weight_group_members)
+        await asyncio.gather(*(e.join_weight_group(spec, o) for e, o in zip(members, offsets, strict=True)))
 
     async def sleep(self, level: int = 1) -> None:
         """Every replica sleeps (at once); see ``Engine.sleep``."""

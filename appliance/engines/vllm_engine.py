@@ -46,6 +46,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import torch
@@ -693,15 +694,16 @@ class VLLMEngine:
         """How many members (workers) this server brings to a weight group."""
         return self._settings.tensor_parallel_size
 
-    async def join_weight_group(self, spec: str) -> None:
-        """Have every worker join the weight group ``spec`` (``GroupSpec.for_workers`` JSON) that
-        a trainer hosts at the same time; returns once the group has formed. Buckets with
-        ``via_group`` are received over it from then on."""
+    async def join_weight_group(self, spec: Mapping[str, Any], rank_offset: int = 1) -> None:
+        """Have every worker join the weight group ``spec`` (``trainer.weight_group.GroupSpec``
+        as a dict) that a trainer hosts at the same time, as ranks ``rank_offset`` and up;
+        returns once the group has formed. Buckets with ``via_group`` are received over it."""
         self._ensure_open()
         if self._down is not None:
             raise EngineUnavailable(f"the vLLM server is not serving ({self._down}); retry shortly")
         self._in_group = False
-        await self._client.call("POST", "/collective_rpc", {"method": "appliance_join_group", "args": [spec]})
+        args = [json.dumps({**spec, "rank_offset": rank_offset})]
+        await self._client.call("POST", "/collective_rpc", {"method": "appliance_join_group", "args": args})
         self._in_group = True
 
     async def _undo_buckets(self) -> None:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from appliance import app as app_module
 from appliance.app import Appliance
 from appliance.config import ApplianceConfig
-from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams, WeightGroupMember
 from appliance.engines.buckets import WeightBucket, close_stream, pack_buckets, stream_buckets
 from appliance.engines.factory import create_engine, replica_devices, visible_ids
 from appliance.engines.fleet import EngineFleet
@@ -492,7 +492,7 @@ async def test_an_appliance_step_through_a_fleet(
     new weights pushed into both; rollouts that ended are forgotten."""
     built: list[Replica] = []
 
-    def two_replicas(config: ApplianceConfig, model_dir: Path) -> Engine:
+    def two_replicas(config: ApplianceConfig, model_dir: Path, replica_gpus: object = None) -> Engine:
         built.extend(Replica(TorchEngine(model_dir, max_batch_size=8)) for _ in range(2))
         return EngineFleet(built)
 
@@ -513,3 +513,40 @@ async def test_an_appliance_step_through_a_fleet(
             assert rollouts and not rollouts & set(other.calls)
             assert all(replica.calls.count(r) >= 2 for r in rollouts)
         assert all(s.rollouts == 0 for s in fleet.status())  # released as they ended
+
+
+class GroupReplica(Replica):
+    """A replica that can join a weight group (as a vLLM server of ``members`` workers can):
+    records the ranks it was given."""
+
+    def __init__(self, engine: TorchEngine, members: int) -> None:
+        super().__init__(engine)
+        self.members = members
+        self.joined: list[tuple[str, int]] = []
+
+    @property
+    def in_weight_group(self) -> bool:
+        return bool(self.joined)
+
+    @property
+    def weight_group_members(self) -> int:
+        return self.members
+
+    async def join_weight_group(self, spec: Mapping[str, Any], rank_offset: int = 1) -> None:
+        self.joined.append((str(spec["prefix"]), rank_offset))
+
+
+async def test_a_fleet_joins_a_weight_group_at_consecutive_ranks(tiny_model_dir: Path) -> None:
+    """Replica i's workers take the ranks after replica i - 1's (tensor parallel 2, then 1)."""
+    replicas = [GroupReplica(TorchEngine(tiny_model_dir), 2), GroupReplica(TorchEngine(tiny_model_dir), 1)]
+    fleet = EngineFleet(replicas)
+    assert isinstance(fleet, WeightGroupMember)
+    assert fleet.weight_group_members == 3 and not fleet.in_weight_group
+    await fleet.join_weight_group({"prefix": "g"})
+    assert [r.joined for r in replicas] == [[("g", 1)], [("g", 3)]]
+    assert fleet.in_weight_group
+    # A fleet with a replica that cannot join (a torch engine) refuses.
+    mixed = EngineFleet([GroupReplica(TorchEngine(tiny_model_dir), 1), Replica(TorchEngine(tiny_model_dir))])
+    assert not mixed.in_weight_group
+    with pytest.raises(EngineUnavailable, match="cannot join a weight group"):
+        await mixed.join_weight_group({"prefix": "g"})

@@ -21,10 +21,13 @@ from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.engines.vllm_process import free_port
 from appliance.errors import BadRequest
+from appliance.training import TrainingService
+from store.eventstore import EventStore
 from tests.appliance.engines.test_vllm_engine import digests, relaunched, served_digests
 from tests.trainer import helpers
 from trainer.items import TrainItem
 from trainer.ranks import RankedTrainer
+from trainer.sharded import ShardedStore
 from trainer.weight_group import GroupSpec
 
 VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
@@ -72,7 +75,7 @@ async def form(trainer: RankedTrainer, server: VLLMEngine, prefix: str) -> Group
     """The trainer hosts a group, the server's workers join it, both at once."""
     spec = GroupSpec("127.0.0.1", free_port(), 1 + server.weight_group_members, "gloo", prefix, timeout_s=60)
     await asyncio.gather(
-        asyncio.to_thread(trainer.host_weight_group, spec), server.join_weight_group(spec.for_workers(1))
+        asyncio.to_thread(trainer.host_weight_group, spec), server.join_weight_group(spec.as_dict())
     )
     assert server.in_weight_group
     return spec
@@ -132,3 +135,38 @@ async def test_the_torch_engine_refuses_group_buckets(tiny_model_dir: Path) -> N
             await engine.load_weight_buckets(one(), 1)
     finally:
         await engine.close()
+
+
+async def test_the_training_service_forms_the_group_and_forms_it_again_after_a_restart(
+    server: VLLMEngine, trainer: RankedTrainer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``TrainingService(weight_group="gloo")`` pushes over the group, forming it before its
+    first push and again once the server restarted (and left it)."""
+    store = await EventStore.open(tmp_path / "events.sqlite")
+    try:
+        service = TrainingService(
+            trainer=trainer,
+            checkpoints=ShardedStore(tmp_path / "checkpoints"),
+            store=store,
+            engine=server,
+            push_bucket_bytes=1 << 15,
+            weight_group="gloo",
+            weight_group_timeout_s=60,
+        )
+        train_once(trainer, tiny_model_dir)
+        await service.push(6)
+        assert service._groups == 1 and server.in_weight_group and server.policy_version == 6
+        assert await served_digests(server) == digests(trainer.state_dict_for_engine())
+        await service.push(7)
+        assert service._groups == 1  # the group stands: not formed again
+
+        restarts = server.restarts
+        assert server._server is not None
+        server._server.kill()
+        await relaunched(server, restarts)
+        train_once(trainer, tiny_model_dir)
+        await service.push(8)
+        assert service._groups == 2 and server.policy_version == 8
+        assert await served_digests(server) == digests(trainer.state_dict_for_engine())
+    finally:
+        await store.close()
