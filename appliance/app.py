@@ -6,8 +6,11 @@ start that cannot work fails in one line with nothing written; then it opens the
 replays the log into the run's state, recovers what a crash left behind, loads the engine and
 the trainer at the stored policy version, starts the proxy, the live projection, the rollout
 controller and the scheduler, and on exit stops them in reverse order (every background loop
-cancelled and awaited). Nothing else constructs these
-parts for a real run, so tests that build an ``Appliance`` exercise the production wiring.
+cancelled and awaited). Each part is built from its section of the config (``config.engine``,
+``config.trainer``, ``config.scheduler``, ``config.proxy``, ``config.harness``) plus what only
+the run knows (the model's name, the admin token, the placement plan, the held-out tasks).
+Nothing else constructs these parts for a real run, so tests that build an ``Appliance``
+exercise the production wiring.
 
 Recovery rules on start: rollouts that were running when the process died are recorded as
 failed ("interrupted"); finished rollouts that no step consumed stay available for training;
@@ -52,13 +55,12 @@ from appliance.proxy.gate import ServingGate
 from appliance.proxy.http import ProxySettings
 from appliance.proxy.server import ProxyServer, build_app
 from appliance.rollouts import RolloutRegistry
-from appliance.scheduler.decide import Mode, SchedulePolicy
+from appliance.scheduler.decide import SchedulePolicy
 from appliance.scheduler.live import LiveState
 from appliance.scheduler.runner import SchedulerRunner, Validation
 from appliance.training import TrainingService
 from appliance.validation import training_tasks, validation_tasks
 from harness_adapters.base import HarnessAdapter
-from harness_adapters.lifecycle import RetryPolicy
 from harness_adapters.registry import load_adapter
 from store.events import ApplianceStarted, ApplianceStopped, RolloutFinished, TrainStepCompleted
 from store.eventstore import EventStore
@@ -80,15 +82,6 @@ def resolve_model(config: ApplianceConfig) -> tuple[str, Path]:
 
     resolved = resolve(config.model, config.models_dir, seed=config.seed)
     return resolved.name, resolved.path
-
-
-def schedule_mode(config: ApplianceConfig) -> Mode:
-    """The scheduler's mode: ``split`` where the placement is (the engine's GPUs never stop for
-    a step; with ``mode = "sync"`` the bound is eta 0, so it stays on-policy), else the config's
-    mode."""
-    if config.placement == "split":
-        return "split"
-    return "async" if config.mode == "async" else "sync"
 
 
 class Appliance:
@@ -188,53 +181,54 @@ class Appliance:
         await self.engine.start()
         self._stack.push_async_callback(self.engine.close)
 
+        train = config.trainer
+        verl = train.backend == "verl"
         trainer_ranks = config.resolved_trainer_ranks()
         trainer_gpus = None
-        if on_gpus and plan is not None and config.trainer == "verl":
+        if on_gpus and plan is not None and verl:
             # The plan's training GPUs (in split placement, those the engine does not use).
             trainer_ranks, trainer_gpus = plan.trainer_ranks, plan.trainer_gpus
         trainer = await asyncio.to_thread(
             make_trainer,
-            "verl" if config.trainer == "verl" else "torch",
+            "verl" if verl else "torch",
             model_dir,
             # verl trains in worker processes (one per GPU, or processes on gloo on CPU).
-            ranks=trainer_ranks if config.trainer == "verl" else None,
+            ranks=trainer_ranks if verl else None,
             threads=config.threads,
             gpus=trainer_gpus,
-            **config.trainer_options(),
+            **train.options(device=config.device, temperature=config.proxy.temperature),
         )
         # verl's ranks write sharded checkpoints in parallel (and bf16 per-version weights when
         # they compute in bf16); the torch backend one file per version.
         checkpoints: CheckpointStore | ShardedStore = (
-            ShardedStore(config.checkpoint_dir, keep=config.keep_checkpoints)
-            if config.trainer == "verl"
-            else CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints)
+            ShardedStore(config.checkpoint_dir, keep=train.keep_checkpoints)
+            if verl
+            else CheckpointStore(config.checkpoint_dir, keep=train.keep_checkpoints)
         )
-        bf16 = config.param_dtype == "bf16" or (
-            config.param_dtype is None and config.device.startswith("cuda")
-        )
+        bf16 = train.param_dtype == "bf16" or (train.param_dtype is None and config.device.startswith("cuda"))
         self.training = training = TrainingService(
             trainer=trainer,
             checkpoints=checkpoints,
             store=self.store,
             engine=self.engine,
-            advantage=config.advantage,
-            checkpoint_every=config.checkpoint_every,
-            push_bucket_bytes=config.push_bucket_mb << 20,
-            weights_dtype=torch.bfloat16 if config.trainer == "verl" and bf16 else None,
+            advantage=train.advantage,
+            checkpoint_every=train.checkpoint_every,
+            push_bucket_bytes=train.push_bucket_mb << 20,
+            weights_dtype=torch.bfloat16 if verl and bf16 else None,
             # A trainer computing in bf16 hands the engine bf16 weights (half the bytes).
-            push_dtype=torch.bfloat16 if config.trainer == "verl" and bf16 else None,
+            push_dtype=torch.bfloat16 if verl and bf16 else None,
         )
         self._stack.push_async_callback(training.close)
         if state.policy_version > 0:
             await training.restore(state)
 
-        gate = ServingGate(hold_timeout_s=config.hold_timeout_s)
-        self.admin_token = config.admin_token or _admin_token(config.data_dir / "admin_token")
+        proxy = config.proxy
+        gate = ServingGate(hold_timeout_s=proxy.hold_timeout_s)
+        self.admin_token = proxy.admin_token or _admin_token(config.data_dir / "admin_token")
         self.registry = RolloutRegistry(
             tokenizer,
             detect_format(model_dir),
-            max_rollouts=config.max_rollouts,
+            max_rollouts=proxy.max_rollouts,
             # A fleet forgets which replica served a rollout once it ends.
             on_unregister=self.engine.release if isinstance(self.engine, EngineFleet) else None,
         )
@@ -243,30 +237,22 @@ class Appliance:
             store=self.store,
             tokenizer=tokenizer,
             gate=gate,
-            max_tokens_default=config.max_tokens,
+            max_tokens_default=proxy.max_tokens,
         )
-        settings = ProxySettings(
-            model_name=self.model_name,
-            max_tokens_default=config.max_tokens,
-            max_tokens_cap=config.max_tokens_cap,
-            temperature_override=config.temperature,
-            admin_token=self.admin_token,
-            max_body_bytes=config.max_body_bytes,
-            max_queued_calls=config.max_queued_calls,
-        )
+        settings = ProxySettings.from_config(proxy, model_name=self.model_name, admin_token=self.admin_token)
         self.health = Health()
         proxy_app = build_app(calls, self.registry, settings, self.health)
         proxy_app[RUN_STATE] = state  # the object the live projection keeps folding
         self.proxy = ProxyServer(
-            proxy_app, config.host, config.port, shutdown_timeout_s=min(2.0, config.stop_timeout_s / 4)
+            proxy_app, proxy.host, proxy.port, shutdown_timeout_s=min(2.0, config.stop_timeout_s / 4)
         )
         self._stack.push_async_callback(self.proxy.close)
         try:
             await self.proxy.start()
         except OSError as exc:  # the port was taken after preflight checked it
-            raise preflight.bind_error(config.host, config.port, exc) from None
-        if config.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("the proxy listens on %s: any host that can reach it can call the model", config.host)
+            raise preflight.bind_error(proxy.host, proxy.port, exc) from None
+        if proxy.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("the proxy listens on %s: any host that can reach it can call the model", proxy.host)
 
         await self.store.append(
             [
@@ -274,11 +260,11 @@ class Appliance:
                     ts=time.time(),
                     run_id=state.run_id or uuid.uuid4().hex,
                     model=self.model_name,
-                    engine=config.engine,
+                    engine=config.engine.kind,
                     resumed_from_version=state.policy_version,
                     resumed_from_step=state.step,
                     config=config.to_json(),
-                    trainer_ranks=trainer_ranks if config.trainer == "verl" else 1,
+                    trainer_ranks=trainer_ranks if verl else 1,
                     placement=plan.to_json() if plan is not None else {},
                 )
             ]
@@ -295,52 +281,37 @@ class Appliance:
             store=self.store,
             registry=self.registry,
             adapter=self._adapter
-            or load_adapter(
-                config.adapter or {"adapter": "python", "agent": config.agent},
-                workdir_root=config.data_dir / "rollouts",
-            ),
+            or load_adapter(config.harness.adapter_spec(), workdir_root=config.data_dir / "rollouts"),
             tasks=training_tasks(config, groups_so_far),
             proxy_url=lambda: self.proxy.url,
             model_name=self.model_name,
             policy_version=lambda: self.engine.policy_version,
-            timeout_s=config.rollout_timeout_s,
+            harness=config.harness,
             next_group_index=groups_so_far,
-            max_concurrent=config.max_concurrent_agents,
-            retry=RetryPolicy(max_attempts=1 + config.infra_retries),
         )
         self._stack.push_async_callback(self.controller.close)
+        scheduler = config.scheduler
         self.runner = SchedulerRunner(
-            policy=SchedulePolicy(
-                batch_groups=config.batch_groups,
-                group_size=config.group_size,
-                max_steps=config.max_steps,
-                mode=schedule_mode(config),
-                eta=config.eta if config.mode == "async" else 0,
-                max_inflight_rollouts=config.max_inflight_rollouts,
-                min_generate_s=config.min_generate_s,
-                validate_every=config.validate_every if held_out else 0,
-                validation_tasks=max(1, len(held_out)),
-                breaker_failures=config.breaker_failures,
-            ),
+            policy=SchedulePolicy.from_config(scheduler, placement=config.placement, held_out=len(held_out)),
             live=self.live,
             controller=self.controller,
             training=training,
             gate=gate,
             engine=self.engine,
-            sleep_level=config.sleep_level,
-            drop_stale=config.stale_tokens == "drop",
+            sleep_level=scheduler.sleep_level,
+            drop_stale=scheduler.stale_tokens == "drop",
             on_step=self._on_step,
             validation=Validation(
                 tasks=held_out,
-                temperature=config.validation_temperature,
-                max_tokens=config.validation_max_tokens or config.max_tokens,
+                temperature=scheduler.validation_temperature,
+                max_tokens=scheduler.validation_max_tokens or proxy.max_tokens,
             ),
             health=self.health,
-            drain_timeout_s=config.drain_timeout_s,
-            phase_timeout_s=config.phase_timeout_s,
+            drain_timeout_s=scheduler.drain_timeout_s,
+            phase_timeout_s=scheduler.phase_timeout_s,
             on_notice=self._on_notice,
-            breaker_backoff_s=config.breaker_backoff_s,
-            breaker_backoff_max_s=config.breaker_backoff_max_s,
+            breaker_backoff_s=scheduler.breaker_backoff_s,
+            breaker_backoff_max_s=scheduler.breaker_backoff_max_s,
         )
         if self._stop_requested:
             self.runner.request_stop()

@@ -29,7 +29,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config import VERL_ONLY, ApplianceConfig, load_config
+from appliance.config import VERL_ONLY, ApplianceConfig, load_config, recorded_value
 from appliance.errors import ApplianceError, StopForced
 
 if TYPE_CHECKING:
@@ -194,9 +194,9 @@ def plan_command(args: argparse.Namespace) -> int:
         trainer_ranks=args.trainer_ranks,
         lora_rank=args.lora_rank,
         gradient_checkpointing=args.gradient_checkpointing,
-        tokens_per_microbatch=defaults.max_tokens_per_microbatch,
+        tokens_per_microbatch=defaults.trainer.max_tokens_per_microbatch,
         max_model_len=args.vllm_max_model_len,
-        max_num_seqs=defaults.max_batch_size,
+        max_num_seqs=defaults.engine.max_batch_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         sleep_level=args.sleep_level,
     )
@@ -206,6 +206,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def _config_from(args: argparse.Namespace) -> ApplianceConfig:
+    # Each flag is the config field of its name (the flat, user-facing one: ``load_config``
+    # puts it into its section).
     keys = (
         "data_dir",
         "max_steps",
@@ -453,7 +455,10 @@ def status_report(data_dir: Path) -> dict[str, Any]:
     summary["events"] = state.position
     summary["starts"] = state.starts
     summary["trainer_ranks"] = state.last_start.trainer_ranks if state.last_start is not None else 1
-    export_dir = state.last_start.config.get("export_dir") if state.last_start is not None else None
+    # The recorded config is nested (by section) or, from earlier versions, flat.
+    export_dir = (
+        recorded_value(state.last_start.config, "export_dir") if state.last_start is not None else None
+    )
     summary["disk_bytes"] = disk_usage(data_dir, Path(export_dir) if export_dir else None)
     summary["checkpoint"] = state.checkpoint
     summary["chain"] = _chain_status(db)

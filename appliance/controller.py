@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from appliance.config import HarnessConfig
 from appliance.rollouts import ActiveRollout, RolloutRegistry
 from harness_adapters.base import ClientConfig, HarnessAdapter, Task
 from harness_adapters.lifecycle import RetryPolicy, run_with_retries
@@ -35,11 +36,12 @@ class RolloutController:
         proxy_url: Callable[[], str],
         model_name: str,
         policy_version: Callable[[], int],
-        timeout_s: float,
+        harness: HarnessConfig,
         next_group_index: int = 0,
-        max_concurrent: int | None = None,
-        retry: RetryPolicy | None = None,
     ) -> None:
+        """``harness``: the config's section; its ``rollout_timeout_s`` bounds each rollout,
+        ``max_concurrent_agents`` the agents running at once (waiting for a slot is not timed),
+        ``infra_retries`` the retries of a failure before the agent started."""
         self._store = store
         self._registry = registry
         self._adapter = adapter
@@ -47,11 +49,12 @@ class RolloutController:
         self._proxy_url = proxy_url
         self._model_name = model_name
         self._policy_version = policy_version
-        self._timeout_s = timeout_s
+        self._timeout_s = harness.rollout_timeout_s
         self._next_group = next_group_index
         self._running: set[asyncio.Task[None]] = set()
+        max_concurrent = harness.max_concurrent_agents
         self._slots = asyncio.Semaphore(max_concurrent) if max_concurrent else None
-        self._retry = retry or RetryPolicy(max_attempts=1)
+        self._retry = RetryPolicy(max_attempts=1 + harness.infra_retries)
 
     @property
     def running(self) -> int:

@@ -114,7 +114,7 @@ class Facts:
 
 def gather(config: ApplianceConfig, *, probe_vllm: bool = True) -> Facts:
     """Measure this machine (and this interpreter, the trainer's venv) for ``config``."""
-    python = _vllm_python(config.vllm_python)
+    python = _vllm_python(config.engine.vllm_python)
     # vLLM's import takes seconds: it runs in its own process while this one looks at the rest.
     probe = _start_probe(python) if probe_vllm and python.is_file() else None
     torch_facts = _torch_facts()
@@ -143,14 +143,14 @@ def gather(config: ApplianceConfig, *, probe_vllm: bool = True) -> Facts:
         verl_version=verl_version,
         verl_error=verl_error,
         vllm=_vllm_facts(python, probe),
-        engine=config.engine,
-        trainer=config.trainer,
+        engine=config.engine.kind,
+        trainer=config.trainer.backend,
         device=config.device,
         model=config.model,
-        push_bucket_mb=config.push_bucket_mb,
+        push_bucket_mb=config.trainer.push_bucket_mb,
         min_free_disk_gib=config.min_free_disk_gib,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        vllm_url=config.vllm_url,
+        gpu_memory_utilization=config.engine.gpu_memory_utilization,
+        vllm_url=config.engine.vllm_url,
     )
 
 

@@ -126,24 +126,26 @@ class PlacementSettings:
 
 def settings_from_config(config: ApplianceConfig) -> PlacementSettings:
     """What ``up`` with ``config`` asks of the machine. The torch trainer is one process."""
-    ranks = config.trainer_ranks if config.trainer_ranks is not None or config.trainer == "verl" else 1
+    engine, trainer = config.engine, config.trainer
+    verl = trainer.backend == "verl"
+    ranks = trainer.trainer_ranks if trainer.trainer_ranks is not None or verl else 1
     return PlacementSettings(
         placement=config.placement,
         gpus=config.gpus if config.device.startswith("cuda") else None,
-        engine_replicas=config.engine_replicas,
-        tensor_parallel_size=config.tensor_parallel_size,
+        engine_replicas=engine.engine_replicas,
+        tensor_parallel_size=engine.tensor_parallel_size,
         trainer_ranks=ranks,
-        lora_rank=config.lora_rank,
-        gradient_checkpointing=config.gradient_checkpointing,
-        reference_model=config.trainer == "verl" and config.kl_coef > 0,
-        tokens_per_microbatch=config.max_tokens_per_microbatch,
-        compute_bytes={None: None, "fp32": 4}.get(config.param_dtype, 2),
-        max_model_len=config.vllm_max_model_len,
-        max_num_seqs=config.max_batch_size,
-        gpu_memory_utilization=config.gpu_memory_utilization if config.engine == "vllm" else None,
-        sleep_level=config.sleep_level,
-        engine=config.engine,
-        cpu_kv_cache_bytes=config.vllm_cpu_kv_cache_gib * GIB,
+        lora_rank=trainer.lora_rank,
+        gradient_checkpointing=trainer.gradient_checkpointing,
+        reference_model=verl and trainer.kl_coef > 0,
+        tokens_per_microbatch=trainer.max_tokens_per_microbatch,
+        compute_bytes={None: None, "fp32": 4}.get(trainer.param_dtype, 2),
+        max_model_len=engine.vllm_max_model_len,
+        max_num_seqs=engine.max_batch_size,
+        gpu_memory_utilization=engine.gpu_memory_utilization if engine.kind == "vllm" else None,
+        sleep_level=config.scheduler.sleep_level,
+        engine=engine.kind,
+        cpu_kv_cache_bytes=engine.vllm_cpu_kv_cache_gib * GIB,
     )
 
 

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.config import ENGINES, ApplianceConfig
+from appliance.config import ENGINES, ApplianceConfig, recorded_value
 from appliance.errors import PreflightFailed
 from appliance.memory_model import GIB, gib
 
@@ -89,8 +89,8 @@ def _holder(fd: int) -> str:
 def check(config: ApplianceConfig) -> Plan | None:
     """Everything but the lock (which the caller holds): engine, port, disk, model, placement.
     Returns the placement plan (None: a model not known yet, which loading it then reports)."""
-    check_engine(config.engine)
-    check_port(config.host, config.port)
+    check_engine(config.engine.kind)
+    check_port(config.proxy.host, config.proxy.port)
     check_disk(config.data_dir, config.min_free_disk_gib)
     check_model(config)
     return check_placement(config)
@@ -104,9 +104,10 @@ def check_placement(config: ApplianceConfig, machine: Machine | None = None) -> 
 
     plan = plan_for_config(config, machine)
     if plan is not None and not plan.fits:
-        if config.engine == "vllm" and config.vllm_url:  # its memory is taken already: not ours to plan
+        engine = config.engine
+        if engine.kind == "vllm" and engine.vllm_url:  # its memory is taken already: not ours to plan
             log.warning(
-                "placement: %s (not enforced: vLLM runs outside, at %s)", plan.reason, config.vllm_url
+                "placement: %s (not enforced: vLLM runs outside, at %s)", plan.reason, engine.vllm_url
             )
         else:
             raise PreflightFailed(f"placement: {plan.reason}")
@@ -218,7 +219,7 @@ def recorded_model(db_path: Path) -> str | None:
     last = read_last_sync(db_path, {"ApplianceStarted"})
     if last is None or not isinstance(last.event, ApplianceStarted):
         return None
-    model = last.event.config.get("model")
+    model = recorded_value(last.event.config, "model")
     return model if isinstance(model, str) and model else last.event.model
 
 

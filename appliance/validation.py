@@ -70,12 +70,13 @@ def arithmetic_validation_tasks(*, seed: int = 0) -> list[Task]:
 
 def training_tasks(config: ApplianceConfig, start: int) -> Iterator[Task]:
     """The run's training tasks, one per group, continuing after the ``start`` groups drawn."""
-    if config.tasks is None:
+    harness = config.harness
+    if harness.tasks is None:
         return arithmetic_training_tasks(seed=config.seed, start=start)
     taskset = TaskSet.load(
-        config.tasks,
-        split=config.task_split,
-        validation_fraction=config.validation_fraction,
+        harness.tasks,
+        split=harness.task_split,
+        validation_fraction=harness.validation_fraction,
         seed=config.seed,
     )
     return taskset.stream(seed=config.seed, start=start)
@@ -86,23 +87,24 @@ def validation_tasks(config: ApplianceConfig) -> list[Task]:
 
     A task set without a validation split (and no ``validation_fraction``) turns validation
     off with a warning rather than failing the run."""
-    if config.validate_every == 0:
+    harness = config.harness
+    if config.scheduler.validate_every == 0:
         return []
-    if config.tasks is None:
+    if harness.tasks is None:
         tasks = arithmetic_validation_tasks(seed=config.seed)
     else:
         try:
             taskset = TaskSet.load(
-                config.tasks,
+                harness.tasks,
                 split="validation",
-                validation_fraction=config.validation_fraction,
+                validation_fraction=harness.validation_fraction,
                 seed=config.seed,
             )
         except ConfigError as exc:
             log.warning("validation is off: %s (set validation_fraction to hold tasks out)", exc)
             return []
         tasks = [taskset.task_at(i, seed=config.seed) for i in range(len(taskset))]
-    return tasks[: config.validation_tasks]
+    return tasks[: config.scheduler.validation_tasks]
 
 
 def round_result(

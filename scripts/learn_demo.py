@@ -127,7 +127,7 @@ def make_config(
         },
         env={},
     )
-    return dataclasses.replace(config, temperature=None)
+    return config.replace(temperature=None)
 
 
 def rss_gb() -> float:
@@ -200,7 +200,7 @@ async def train_and_evaluate(
         )
         assert result is not None
         result.rows.append(row)
-        if step.step % eval_every == 0 or step.step == config.max_steps:
+        if step.step % eval_every == 0 or step.step == config.scheduler.max_steps:
             adapter.hold()  # before the scheduler admits the next groups
             pending.append(asyncio.ensure_future(score_row(row)))
         else:

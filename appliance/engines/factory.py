@@ -1,9 +1,10 @@
 """Choosing and building the engine a run serves with.
 
-Owns the mapping from ``config.engine`` to an ``Engine`` implementation, and with
-``engine_replicas`` > 1 an ``EngineFleet`` of that many (each vLLM replica with its own port, log
-file ``logs/vllm-<i>.log`` and, on GPUs, its own devices: ``replica_devices``). The composition
-root calls ``create_engine``; nothing else constructs engines for a real run.
+Owns the mapping from the config's ``engine`` section (``config.engine.kind``) to an ``Engine``
+implementation, and with ``engine_replicas`` > 1 an ``EngineFleet`` of that many (each vLLM
+replica with its own port, log file ``logs/vllm-<i>.log`` and, on GPUs, its own devices:
+``replica_devices``). The composition root calls ``create_engine``; nothing else constructs
+engines for a real run.
 """
 
 from __future__ import annotations
@@ -28,22 +29,17 @@ from appliance.errors import ConfigError
 def create_engine(
     config: ApplianceConfig, model_dir: Path, replica_gpus: Sequence[Sequence[int]] | None = None
 ) -> Engine:
-    """The engine ``config`` asks for: one, or a fleet of ``engine_replicas`` (``EngineFleet``).
-    ``replica_gpus``: the GPUs of each replica as the placement plan gives them (CUDA's numbering
-    in this process); None: replica i on GPUs [i * t, (i + 1) * t)."""
+    """The engine ``config.engine`` asks for: one, or a fleet of ``engine_replicas``
+    (``EngineFleet``). ``replica_gpus``: the GPUs of each replica as the placement plan gives them
+    (CUDA's numbering in this process); None: replica i on GPUs [i * t, (i + 1) * t)."""
     config = config.with_resolved_device()  # a config built without load_config may say "auto"
-    if config.engine not in ENGINES:
-        raise ConfigError(f"unknown engine {config.engine!r}; available: {', '.join(ENGINES)}")
-    replicas = config.engine_replicas
+    if config.engine.kind not in ENGINES:
+        raise ConfigError(f"unknown engine {config.engine.kind!r}; available: {', '.join(ENGINES)}")
+    replicas = config.engine.engine_replicas
     if replica_gpus is not None and len(replica_gpus) != replicas:
         raise ConfigError(f"the placement gives GPUs for {len(replica_gpus)} replicas, not {replicas}")
     if replicas == 1:
         return _replica(config, model_dir, None, replica_gpus)
-    if config.engine == "vllm" and config.vllm_url:
-        raise ConfigError(
-            f"vllm_url attaches to one running server, but engine_replicas is {replicas}: "
-            "drop vllm_url (the appliance launches a server per replica) or use --engine-replicas 1"
-        )
     return EngineFleet([_replica(config, model_dir, i, replica_gpus) for i in range(replicas)])
 
 
@@ -54,10 +50,11 @@ def _replica(
     replica_gpus: Sequence[Sequence[int]] | None,
 ) -> Engine:
     """One engine; ``index`` is its place in a fleet (None: the only engine)."""
-    if config.engine == "torch":
+    engine = config.engine
+    if engine.kind == "torch":
         # A fleet's torch replicas share this process and its device (tests; on CPU, its cores).
         return TorchEngine(
-            model_dir, device=config.device, max_batch_size=config.max_batch_size, num_threads=config.threads
+            model_dir, device=config.device, max_batch_size=engine.max_batch_size, num_threads=config.threads
         )
     suffix = "" if index is None else f"-{index}"
     devices = None
@@ -66,26 +63,26 @@ def _replica(
         if replica_gpus is not None:
             devices = visible_ids(replica_gpus[index or 0], visible)
         elif index is not None:
-            devices = replica_devices(index, config.tensor_parallel_size, visible)
+            devices = replica_devices(index, engine.tensor_parallel_size, visible)
     return VLLMEngine(
         model_dir,
-        python=vllm_python(config.vllm_python),
+        python=vllm_python(engine.vllm_python),
         # A fixed port: replica i listens on port + i.
-        port=config.vllm_port + (index or 0) if config.vllm_port else 0,
-        base_url=config.vllm_url,
+        port=engine.vllm_port + (index or 0) if engine.vllm_port else 0,
+        base_url=engine.vllm_url,
         device=config.device,
-        max_batch_size=config.max_batch_size,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        tensor_parallel_size=config.tensor_parallel_size,
-        max_model_len=config.vllm_max_model_len,
-        cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib,
-        logprobs_mode=vllm_logprobs_mode(config.temperature),
+        max_batch_size=engine.max_batch_size,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        max_model_len=engine.vllm_max_model_len,
+        cpu_kv_cache_gib=engine.vllm_cpu_kv_cache_gib,
+        logprobs_mode=vllm_logprobs_mode(config.proxy.temperature),
         log_path=config.data_dir / "logs" / f"vllm{suffix}.log",
-        startup_timeout_s=config.vllm_startup_timeout_s,
+        startup_timeout_s=engine.vllm_startup_timeout_s,
         # A LoRA run pushes adapters alone: the server serves them on the base weights.
-        lora_rank=config.lora_rank,
+        lora_rank=config.trainer.lora_rank,
         visible_devices=devices,
-        enforce_eager=config.enforce_eager,
+        enforce_eager=engine.enforce_eager,
     )
 
 

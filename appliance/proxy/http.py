@@ -15,7 +15,7 @@ import json
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -23,6 +23,9 @@ from appliance.errors import BadRequest, Overloaded, Unauthorized
 from appliance.health import Health
 from appliance.proxy.calls import CallService
 from appliance.rollouts import DEFAULT_ROLLOUT, ActiveRollout, RolloutRegistry
+
+if TYPE_CHECKING:
+    from appliance.config import ProxyConfig
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -40,6 +43,20 @@ class ProxySettings:
     #: Model calls held at once (reading the body, waiting while training, queued in the engine,
     #: generating, streaming); one more is refused with a 429.
     max_queued_calls: int = 4096
+
+    @classmethod
+    def from_config(cls, proxy: ProxyConfig, *, model_name: str, admin_token: str) -> ProxySettings:
+        """The settings of a proxy with the ``proxy`` section, serving ``model_name``, whose admin
+        token is ``admin_token`` (the section's, or the one generated into the data directory)."""
+        return cls(
+            model_name=model_name,
+            max_tokens_default=proxy.max_tokens,
+            max_tokens_cap=proxy.max_tokens_cap,
+            temperature_override=proxy.temperature,
+            admin_token=admin_token,
+            max_body_bytes=proxy.max_body_bytes,
+            max_queued_calls=proxy.max_queued_calls,
+        )
 
 
 class Admission:

@@ -49,7 +49,10 @@ next batch (on-policy up to the tokens sampled across a switch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from appliance.config import SchedulerConfig
 
 Mode = Literal["sync", "async", "split"]
 
@@ -88,6 +91,26 @@ class SchedulePolicy:
                 f"max_inflight_rollouts ({self.max_inflight_rollouts}) must be at least group_size "
                 f"({self.group_size}): a group starts all its rollouts at once"
             )
+
+    @classmethod
+    def from_config(cls, scheduler: SchedulerConfig, *, placement: str, held_out: int) -> SchedulePolicy:
+        """The policy of a run with the ``scheduler`` section, ``placement`` ("collocated" or
+        "split") and ``held_out`` validation tasks. Split placement runs split mode (the engine's
+        GPUs never stop for a step; with ``mode = "sync"`` the bound is eta 0, so it stays
+        on-policy); sync mode has eta 0; no held-out task turns validation off."""
+        mode: Mode = "split" if placement == "split" else "async" if scheduler.mode == "async" else "sync"
+        return cls(
+            batch_groups=scheduler.batch_groups,
+            group_size=scheduler.group_size,
+            max_steps=scheduler.max_steps,
+            mode=mode,
+            eta=scheduler.eta if scheduler.mode == "async" else 0,
+            max_inflight_rollouts=scheduler.max_inflight_rollouts,
+            min_generate_s=scheduler.min_generate_s,
+            validate_every=scheduler.validate_every if held_out else 0,
+            validation_tasks=max(1, held_out),
+            breaker_failures=scheduler.breaker_failures,
+        )
 
     def inflight_limit(self) -> int:
         if self.max_inflight_rollouts is not None:

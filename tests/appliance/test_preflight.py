@@ -189,7 +189,8 @@ def test_an_unknown_engine_is_refused_in_one_line_before_the_model_loads(tmp_pat
 
 
 async def test_an_appliance_built_with_an_unknown_engine_writes_nothing(tmp_path: Path) -> None:
-    cfg = dataclasses.replace(config(tmp_path), engine="tensorrt")  # past load_config's check
+    cfg = config(tmp_path)
+    object.__setattr__(cfg.engine, "kind", "tensorrt")  # past the config's own check
     with pytest.raises(PreflightFailed, match="unknown engine 'tensorrt'"):
         async with Appliance(cfg):
             pass
@@ -302,11 +303,11 @@ def test_a_plan_that_does_not_fit_the_gpus_is_refused_naming_the_fix(tmp_path: P
     assert line.startswith("placement: the trainer needs ") and "\n" not in line
     assert "GPU 0 has 22.5 GiB for it" in line and "a smaller model" in line
     # What the line suggests fits: the model on three such GPUs, with LoRA and recomputation.
-    fixed = dataclasses.replace(cfg, trainer="verl", lora_rank=16, gradient_checkpointing=True)
+    fixed = cfg.replace(trainer="verl", lora_rank=16, gradient_checkpointing=True)
     plan = preflight.check_placement(fixed, Machine.described(3, 24 * 1024**3, 256 * 1024**3))
     assert plan is not None and plan.fits and plan.trainer_gpus == (0, 1, 2)
     # A vLLM server of its own already holds its memory: the plan is logged, not enforced.
-    attached = dataclasses.replace(cfg, engine="vllm", vllm_url="http://127.0.0.1:8000")
+    attached = cfg.replace(engine="vllm", vllm_url="http://127.0.0.1:8000")
     plan = preflight.check_placement(attached, one_24_gib)
     assert plan is not None and not plan.fits
 

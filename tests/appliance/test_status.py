@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from appliance.cli import disk_usage, human_bytes, main, status_report
+from appliance.config import load_config
 from store.codec import decode, encode
 from store.events import ApplianceStarted
 from store.eventstore import EventStore
@@ -69,12 +70,19 @@ async def test_status_reports_trainer_ranks_and_disk_bytes(
     assert "checkpoints 7.0 KiB" in disk_line and "export 2.0 KiB" in disk_line
 
 
-async def test_status_of_a_run_without_ranks_and_an_export_elsewhere(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", ["flat", "nested"])
+async def test_status_of_a_run_without_ranks_and_an_export_elsewhere(tmp_path: Path, shape: str) -> None:
     elsewhere = tmp_path / "exported"
     size = _write(elsewhere / "model.safetensors", 4096)
     run = tmp_path / "run"
     run.mkdir()
-    await write_run(run / "events.sqlite", [*run_events(), _start(1, {"export_dir": str(elsewhere)})])
+    # The recorded config: flat (every field at the top level, as runs of earlier versions
+    # recorded it) or by section, as ``ApplianceConfig.to_json`` records it now.
+    config: dict[str, object] = {"model": "tiny", "engine": "torch", "export_dir": str(elsewhere)}
+    if shape == "nested":
+        config = load_config(overrides={"export_dir": elsewhere, "model": "tiny"}, env={}).to_json()
+        assert config["trainer"]["export_dir"] == str(elsewhere) and "export_dir" not in config  # type: ignore[index]
+    await write_run(run / "events.sqlite", [*run_events(), _start(1, config)])
     report = status_report(run)
     assert report["trainer_ranks"] == 1
     assert report["disk_bytes"]["export"] == size and report["disk_bytes"]["checkpoints"] == 0

@@ -150,6 +150,6 @@ def test_limits_below_one_are_config_errors(name: str) -> None:
 
 def test_limit_defaults_hold_a_thousand_harness_connections() -> None:
     config = load_config(env={})
-    assert config.max_queued_calls >= 1000
-    assert config.max_rollouts >= 1000
-    assert config.max_body_bytes == 4 * 1024 * 1024
+    assert config.proxy.max_queued_calls >= 1000
+    assert config.proxy.max_rollouts >= 1000
+    assert config.proxy.max_body_bytes == 4 * 1024 * 1024

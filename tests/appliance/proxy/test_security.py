@@ -113,7 +113,7 @@ async def test_loopback_by_default_and_a_loud_warning_elsewhere(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="appliance.app")
     async with Appliance(make_config(tmp_path / "a", tiny_model_dir)) as app:
-        assert app.config.host == "127.0.0.1" and app.proxy_url.startswith("http://127.0.0.1:")
+        assert app.config.proxy.host == "127.0.0.1" and app.proxy_url.startswith("http://127.0.0.1:")
     assert not [r for r in caplog.records if "listens on" in r.getMessage()]
 
     async with Appliance(make_config(tmp_path / "b", tiny_model_dir, host="0.0.0.0")) as app:

@@ -85,7 +85,7 @@ async def test_async_run_reaches_its_steps(tmp_path: Path, tiny_model_dir: Path)
         # Rollouts were admitted ahead of training, within the staleness bound.
         for view in state.rollouts.values():
             if view.trained_step is not None:
-                assert view.trained_step - 1 - view.created_version <= config.eta
+                assert view.trained_step - 1 - view.created_version <= config.scheduler.eta
 
 
 async def test_engine_failure_during_a_switch_is_recovered(tmp_path: Path, tiny_model_dir: Path) -> None:
