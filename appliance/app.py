@@ -217,6 +217,7 @@ class Appliance:
             weights_dtype=torch.bfloat16 if verl and bf16 else None,
             # A trainer computing in bf16 hands the engine bf16 weights (half the bytes).
             push_dtype=torch.bfloat16 if verl and bf16 else None,
+            weight_group=config.weight_group_backend(),
         )
         self._stack.push_async_callback(training.close)
         if state.policy_version > 0:

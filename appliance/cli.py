@@ -82,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--mini-batches", type=int, help="verl: optimizer steps per training step")
     up.add_argument("--max-tokens-per-microbatch", type=int, help="tokens per trainer micro-batch")
     up.add_argument("--push-bucket-mb", type=int, help="bucket size of the weight push, in MiB")
+    up.add_argument(
+        "--push-transport",
+        help="how pushed weights reach vLLM: files (shared memory), group (broadcast over NCCL/gloo) "
+        "or auto (default: group with split placement on GPUs, else files)",
+    )
     _placement_flags(up)
     up.add_argument("--sleep-level", type=int, help="vLLM's sleep while training: 1 offloads, 2 discards")
     up.add_argument(
@@ -231,6 +236,8 @@ def _config_from(args: argparse.Namespace) -> ApplianceConfig:
         "tensor_parallel_size",
         "vllm_max_model_len",
         "sleep_level",
+        "enforce_eager",
+        "push_transport",
     )
     return load_config(args.config, {k: getattr(args, k) for k in keys})
 

@@ -56,6 +56,8 @@ VERL_ONLY = (
 )
 #: What ``param_dtype`` may name.
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
+#: What ``push_transport`` may name.
+PUSH_TRANSPORTS = ("auto", "files", "group")
 
 
 # --- checks of one field ------------------------------------------------------------------------
@@ -161,6 +163,11 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = 4096
     #: Bucket size of the weight push from the trainer into the engine, in MiB.
     push_bucket_mb: int = 256
+    #: How the pushed weights reach the engine: "files" (buckets in shared memory, any engine),
+    #: "group" (verl's rank 0 broadcasts each bucket to vLLM's workers over a process group: NCCL
+    #: GPU to GPU, gloo on CPU) or "auto" (group with split placement on GPUs, where the trainer's
+    #: GPUs are not vLLM's; files otherwise: NCCL cannot join two ranks on one GPU).
+    push_transport: str = "auto"
     #: verl only: LoRA adapters of this rank instead of full fine-tuning (0: full fine-tuning),
     #: and their alpha (None: 2 * lora_rank).
     lora_rank: int = 0
@@ -192,6 +199,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _one_of("trainer", self.backend, TRAINERS)
+        _one_of("push_transport", self.push_transport, PUSH_TRANSPORTS)
         _one_of("advantage", self.advantage, ("grpo", "rloo", "reinforce"))
         _one_of("normalization", self.normalization, ("rollout", "sample", "token"))
         _one_of("loss", self.loss, ("ppo", "gspo", "cispo"))
@@ -467,8 +475,30 @@ class ApplianceConfig:
         _at_least("threads", self.threads, 1)
         _seconds("stop_timeout_s", self.stop_timeout_s)
         _at_least("min_free_disk_gib", self.min_free_disk_gib, 0)
-        # Each section checked its own fields when it was built. Checks that span sections go
-        # here; none of today's does (the verl-only settings and the ranks are the trainer's).
+        # Each section checked its own fields when it was built; checks that span sections:
+        if self.trainer.push_transport == "group" and (
+            self.engine.kind != "vllm" or self.trainer.backend != "verl"
+        ):
+            raise ConfigError(
+                'push_transport = "group" needs engine = "vllm" and trainer = "verl" (the trainer\'s '
+                "rank 0 broadcasts to vLLM's workers); use files"
+            )
+
+    def weight_group_backend(self) -> str | None:
+        """The process-group backend pushes go over (``push_transport``): "nccl" on GPUs, "gloo"
+        on CPU; None: through files."""
+        transport = self.trainer.push_transport
+        if transport == "auto":
+            wanted = (
+                self.placement == "split"
+                and self.device == "cuda"
+                and self.engine.kind == "vllm"
+                and self.trainer.backend == "verl"
+            )
+            transport = "group" if wanted else "files"
+        if transport == "files":
+            return None
+        return "nccl" if self.device == "cuda" else "gloo"
 
     @property
     def db_path(self) -> Path:

@@ -553,3 +553,23 @@ def test_the_recorded_config_is_nested_and_both_shapes_are_read() -> None:
         assert recorded_value(recorded, name) == nested
         assert recorded_value(flat, name) == old
     assert recorded_value({}, "export_dir") is None
+
+
+def test_the_push_transport_follows_the_placement_unless_named(tmp_path: Path) -> None:
+    """auto: over a weight group (NCCL) with split placement on GPUs, files otherwise; "group"
+    names gloo on CPU; it needs vLLM and verl."""
+
+    def backend(**values: object) -> str | None:
+        return load_config(overrides={"data_dir": tmp_path, **values}, env={}).weight_group_backend()
+
+    gpu_split = {"device": "cuda", "placement": "split", "engine": "vllm", "trainer": "verl"}
+    assert backend(**gpu_split) == "nccl"
+    assert backend(**{**gpu_split, "placement": "collocated"}) is None
+    assert backend(**{**gpu_split, "push_transport": "files"}) is None
+    assert backend(device="cpu", engine="vllm", trainer="verl") is None
+    assert backend(device="cpu", engine="vllm", trainer="verl", push_transport="group") == "gloo"
+    with pytest.raises(ConfigError, match='push_transport = "group" needs engine = "vllm"'):
+        backend(device="cpu", push_transport="group")
+    with pytest.raises(ConfigError, match="push_transport"):
+        backend(push_transport="ipc")
+    assert load_config(overrides={"push_transport": "files"}, env={}).trainer.push_transport == "files"

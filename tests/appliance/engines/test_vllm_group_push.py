@@ -15,6 +15,7 @@ import pytest_asyncio
 import torch
 from transformers import AutoModelForCausalLM
 
+from appliance.app import Appliance
 from appliance.engines.buckets import WeightBucket, stream_buckets
 from appliance.engines.factory import vllm_python
 from appliance.engines.torch_engine import TorchEngine
@@ -24,6 +25,7 @@ from appliance.errors import BadRequest
 from appliance.training import TrainingService
 from store.eventstore import EventStore
 from tests.appliance.engines.test_vllm_engine import digests, relaunched, served_digests
+from tests.support import make_config
 from tests.trainer import helpers
 from trainer.items import TrainItem
 from trainer.ranks import RankedTrainer
@@ -170,3 +172,33 @@ async def test_the_training_service_forms_the_group_and_forms_it_again_after_a_r
         assert await served_digests(server) == digests(trainer.state_dict_for_engine())
     finally:
         await store.close()
+
+
+async def test_an_appliance_in_split_placement_pushes_over_the_group(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The whole appliance: vLLM generates while 2 verl ranks train beside it (split), and each
+    step's weights reach vLLM by broadcast (push_transport = "group", gloo on CPU)."""
+    config = make_config(
+        tmp_path,
+        tiny_model_dir,
+        engine="vllm",
+        vllm_python=VLLM_PYTHON,
+        trainer="verl",
+        trainer_ranks=2,
+        placement="split",
+        mode="async",
+        push_transport="group",
+        max_steps=2,
+        lr=1e-2,
+        batch_groups=1,
+        agent="tests.appliance.engines.test_vllm_engine:varied_reward_agent",
+    )
+    assert config.weight_group_backend() == "gloo"
+    async with Appliance(config) as app:
+        assert await app.run() == "reached step 2"
+        engine, training = app.engine, app.training
+        assert isinstance(engine, VLLMEngine) and engine.in_weight_group
+        assert training._groups == 1 and engine.policy_version == 2
+        trainer = training.trainer
+        assert await served_digests(engine) == digests(trainer.state_dict_for_engine())
