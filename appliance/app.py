@@ -176,8 +176,14 @@ class Appliance:
 
         tokenizer = Tokenizer.from_model_dir(model_dir)
         on_gpus = plan is not None and plan.device == "cuda"
-        # On GPUs the plan says where each vLLM replica and each trainer rank goes.
-        self.engine = create_engine(config, model_dir, plan.replicas if on_gpus and plan else None)
+        # On GPUs the plan says where each vLLM replica and each trainer rank goes, and how much
+        # of each GPU vLLM takes.
+        self.engine = create_engine(
+            config,
+            model_dir,
+            plan.replicas if on_gpus and plan else None,
+            plan.gpu_memory_utilization if on_gpus and plan else None,
+        )
         await self.engine.start()
         self._stack.push_async_callback(self.engine.close)
 

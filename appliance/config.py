@@ -98,8 +98,9 @@ class EngineConfig:
     engine_replicas: int = 1
     #: vLLM engine: GPUs the served model is sharded over (tensor parallelism).
     tensor_parallel_size: int = 1
-    #: vLLM engine: fraction of each GPU's memory vLLM takes for weights and KV cache (GPU only).
-    gpu_memory_utilization: float = 0.9
+    #: vLLM engine: fraction of each GPU's memory vLLM takes for weights and KV cache (GPU only;
+    #: None: the placement plan's, which leaves room for what shares the GPU, at most 0.9).
+    gpu_memory_utilization: float | None = None
     #: vLLM engine: run without CUDA graphs (None: eager on CPU, where compiling costs minutes and
     #: buys nothing; CUDA graphs on GPU, which decode several times faster for small batches).
     enforce_eager: bool | None = None
@@ -122,7 +123,7 @@ class EngineConfig:
         _one_of("engine", self.kind, ENGINES)
         for name in ("max_batch_size", "engine_replicas", "tensor_parallel_size", "vllm_max_model_len"):
             _at_least(name, getattr(self, name), 1)
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization must be above 0 and at most 1; got {self.gpu_memory_utilization}"
             )

@@ -31,6 +31,7 @@ from typing import Any
 
 from appliance.config import ApplianceConfig
 from appliance.machine import GpuInfo, host_ram, inspect_gpus
+from appliance.memory_model import MAX_UTILIZATION
 
 __all__ = ["TORCH_STAMP", "VLLM_PROBE_TIMEOUT_S", "VLLM_STAMPS", "Facts", "VllmFacts", "gather"]
 
@@ -149,7 +150,7 @@ def gather(config: ApplianceConfig, *, probe_vllm: bool = True) -> Facts:
         model=config.model,
         push_bucket_mb=config.trainer.push_bucket_mb,
         min_free_disk_gib=config.min_free_disk_gib,
-        gpu_memory_utilization=config.engine.gpu_memory_utilization,
+        gpu_memory_utilization=config.engine.gpu_memory_utilization or MAX_UTILIZATION,
         vllm_url=config.engine.vllm_url,
     )
 

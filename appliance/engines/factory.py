@@ -24,14 +24,20 @@ from appliance.engines.vllm_engine import VLLMEngine
 from appliance.engines.vllm_process import PROJECT_ROOT as PROJECT_ROOT
 from appliance.engines.vllm_process import vllm_python as vllm_python
 from appliance.errors import ConfigError
+from appliance.memory_model import MAX_UTILIZATION
 
 
 def create_engine(
-    config: ApplianceConfig, model_dir: Path, replica_gpus: Sequence[Sequence[int]] | None = None
+    config: ApplianceConfig,
+    model_dir: Path,
+    replica_gpus: Sequence[Sequence[int]] | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> Engine:
     """The engine ``config.engine`` asks for: one, or a fleet of ``engine_replicas``
     (``EngineFleet``). ``replica_gpus``: the GPUs of each replica as the placement plan gives them
-    (CUDA's numbering in this process); None: replica i on GPUs [i * t, (i + 1) * t)."""
+    (CUDA's numbering in this process); None: replica i on GPUs [i * t, (i + 1) * t).
+    ``gpu_memory_utilization``: the plan's share of each GPU for vLLM (used unless the config
+    sets one; neither: vLLM's default 0.9)."""
     config = config.with_resolved_device()  # a config built without load_config may say "auto"
     if config.engine.kind not in ENGINES:
         raise ConfigError(f"unknown engine {config.engine.kind!r}; available: {', '.join(ENGINES)}")
@@ -39,8 +45,10 @@ def create_engine(
     if replica_gpus is not None and len(replica_gpus) != replicas:
         raise ConfigError(f"the placement gives GPUs for {len(replica_gpus)} replicas, not {replicas}")
     if replicas == 1:
-        return _replica(config, model_dir, None, replica_gpus)
-    return EngineFleet([_replica(config, model_dir, i, replica_gpus) for i in range(replicas)])
+        return _replica(config, model_dir, None, replica_gpus, gpu_memory_utilization)
+    return EngineFleet(
+        [_replica(config, model_dir, i, replica_gpus, gpu_memory_utilization) for i in range(replicas)]
+    )
 
 
 def _replica(
@@ -48,6 +56,7 @@ def _replica(
     model_dir: Path,
     index: int | None,
     replica_gpus: Sequence[Sequence[int]] | None,
+    gpu_memory_utilization: float | None = None,
 ) -> Engine:
     """One engine; ``index`` is its place in a fleet (None: the only engine)."""
     engine = config.engine
@@ -72,7 +81,7 @@ def _replica(
         base_url=engine.vllm_url,
         device=config.device,
         max_batch_size=engine.max_batch_size,
-        gpu_memory_utilization=engine.gpu_memory_utilization,
+        gpu_memory_utilization=engine.gpu_memory_utilization or gpu_memory_utilization or MAX_UTILIZATION,
         tensor_parallel_size=engine.tensor_parallel_size,
         max_model_len=engine.vllm_max_model_len,
         cpu_kv_cache_gib=engine.vllm_cpu_kv_cache_gib,

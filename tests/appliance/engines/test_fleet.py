@@ -480,6 +480,13 @@ def test_vllm_servers_get_the_placements_gpus_and_cuda_graphs_on_gpu(
     assert "--enforce-eager" in server_command(create_engine(cpu, tiny_model_dir)._settings, 8000)  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="GPUs for 1 replicas, not 2"):
         create_engine(config, tiny_model_dir, replica_gpus=[(0,)])
+    # vLLM's share of each GPU: the plan's, unless the config sets one; else vLLM's default.
+    planned = create_engine(config, tiny_model_dir, [(0,), (1,)], gpu_memory_utilization=0.61)
+    assert all(r._settings.gpu_memory_utilization == 0.61 for r in planned.replicas)  # type: ignore[attr-defined]
+    assert settings[0].gpu_memory_utilization == 0.9
+    fixed = config.replace(gpu_memory_utilization=0.5)
+    chosen = create_engine(fixed, tiny_model_dir, [(0,), (1,)], gpu_memory_utilization=0.61)
+    assert all(r._settings.gpu_memory_utilization == 0.5 for r in chosen.replicas)  # type: ignore[attr-defined]
 
 
 # --- a whole appliance step served by a fleet --------------------------------------------------
@@ -492,11 +499,11 @@ async def test_an_appliance_step_through_a_fleet(
     new weights pushed into both; rollouts that ended are forgotten."""
     built: list[Replica] = []
 
-    def two_replicas(config: ApplianceConfig, model_dir: Path, replica_gpus: object = None) -> Engine:
+    def two_replicas(config: ApplianceConfig, model_dir: Path, *placed: object) -> Engine:
         built.extend(Replica(TorchEngine(model_dir, max_batch_size=8)) for _ in range(2))
         return EngineFleet(built)
 
-    # Built here rather than by engine_replicas = 2, which preflight refuses on CPU.
+    # Replicas that record their calls (engine_replicas = 2 would build plain ones).
     monkeypatch.setattr(app_module, "create_engine", two_replicas)
     config = make_config(tmp_path, tiny_model_dir, max_steps=1, lr=1e-2)
     async with Appliance(config) as app:
