@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--agent", help="python agent as package.module:function")
     up.add_argument("--group-size", type=int, help="rollouts per task group")
     up.add_argument("--batch-groups", type=int, help="task groups per training step")
+    up.add_argument(
+        "--mode",
+        help="sync (generate a batch, then train) or async (train as soon as a batch is ready; "
+        "rollouts under way go on under the new weights)",
+    )
+    up.add_argument("--eta", type=int, help="async: staleness bound in policy versions (default 1)")
     up.add_argument("--lr", type=float, help="learning rate")
     up.add_argument("--trainer", help="training backend: torch (plain torch) or verl (verl's FSDP engine)")
     up.add_argument(
@@ -223,6 +229,8 @@ def _config_from(args: argparse.Namespace) -> ApplianceConfig:
         "agent",
         "group_size",
         "batch_groups",
+        "mode",
+        "eta",
         "lr",
         "trainer",
         "device",

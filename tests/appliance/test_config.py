@@ -276,6 +276,11 @@ def test_up_takes_the_placement_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         2,
     )
     assert (engine.vllm_max_model_len, config.scheduler.sleep_level) == (8192, 2)
+    more = ["--mode", "async", "--eta", "2", "--enforce-eager", "--push-transport", "files"]
+    config = _config_from(_parser().parse_args(["up", *more]))
+    assert (config.scheduler.mode, config.scheduler.eta) == ("async", 2)
+    assert (config.engine.enforce_eager, config.trainer.push_transport) == (True, "files")
+    assert _config_from(_parser().parse_args(["up"])).engine.enforce_eager is None
 
 
 # --- sections ---------------------------------------------------------------------------------
