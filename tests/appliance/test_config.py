@@ -18,6 +18,7 @@ from appliance.config import (
     config_keys,
     load_config,
     recorded_value,
+    resolve_engine,
     section_of,
 )
 from appliance.errors import ConfigError
@@ -289,7 +290,7 @@ def test_up_takes_the_placement_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("section", "values", "message"),
     [
-        (EngineConfig, {"kind": "tensorrt"}, "engine must be one of torch, vllm; got 'tensorrt'"),
+        (EngineConfig, {"kind": "tensorrt"}, "engine must be one of auto, torch, vllm; got 'tensorrt'"),
         (EngineConfig, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be above 0"),
         (EngineConfig, {"vllm_url": "http://h:1", "engine_replicas": 2}, "vllm_url attaches to one"),
         (TrainerConfig, {"backend": "jax"}, "trainer must be one of torch, verl"),
@@ -578,3 +579,21 @@ def test_the_push_transport_follows_the_placement_unless_named(tmp_path: Path) -
     with pytest.raises(ConfigError, match="push_transport"):
         backend(push_transport="ipc")
     assert load_config(overrides={"push_transport": "files"}, env={}).trainer.push_transport == "files"
+
+
+def test_the_engine_auto_is_vllm_on_gpus_where_its_venv_exists(tmp_path: Path) -> None:
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    assert resolve_engine("cpu", venv_python) == "torch"
+    assert resolve_engine("cuda", venv_python) == "torch"  # no venv (yet)
+    venv_python.parent.mkdir(parents=True)
+    venv_python.touch()
+    assert resolve_engine("cuda", venv_python) == "vllm"
+    assert resolve_engine("cpu", venv_python) == "torch"
+    # Resolved once with the device: nothing downstream sees "auto".
+    config = load_config(overrides={"device": "cpu"}, env={})
+    assert config.engine.kind == "torch"
+    gpu = ApplianceConfig(device="cuda", engine=EngineConfig(vllm_python=venv_python)).with_resolved_device()
+    assert gpu.engine.kind == "vllm"
+    assert (
+        ApplianceConfig(device="cuda").replace(engine="torch").with_resolved_device().engine.kind == "torch"
+    )
