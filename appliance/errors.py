@@ -21,6 +21,12 @@ class ApplianceError(Exception):
         self.message = message
         self.param = param
 
+    @property
+    def anthropic_message(self) -> str:
+        """The message as the Anthropic surface words it (the same text unless a subclass knows
+        the wording Anthropic's own API uses, which clients match on)."""
+        return self.message
+
 
 class ConfigError(ApplianceError):
     """The configuration or command line is invalid."""
@@ -47,9 +53,31 @@ class BadRequest(ApplianceError):
 
 
 class ContextTooLong(BadRequest):
-    """Prompt plus requested completion exceed the model's context."""
+    """Prompt plus requested completion exceed the model's context.
+
+    Worded as OpenAI and Anthropic word it, because clients recognise the overflow by its text
+    (litellm's ``ContextWindowExceededError``, langchain, aider, mini-swe-agent) and react by
+    trimming the conversation instead of failing."""
 
     code = "context_length_exceeded"
+
+    def __init__(
+        self, *, prompt_tokens: int, completion_tokens: int, max_context: int, param: str = "messages"
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.max_context = max_context
+        super().__init__(
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{completion_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param=param,
+        )
+
+    @property
+    def anthropic_message(self) -> str:
+        return f"prompt is too long: {self.prompt_tokens} tokens > {self.max_context} maximum"
 
 
 class Unauthorized(ApplianceError):
@@ -66,6 +94,13 @@ class NotFound(ApplianceError):
     status = 404
     error_type = "not_found_error"
     code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """A model id the appliance does not serve (it serves one); worded and typed as OpenAI's."""
+
+    error_type = "invalid_request_error"
+    code = "model_not_found"
 
 
 class Conflict(ApplianceError):

@@ -79,7 +79,8 @@ def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
 
 
 def messages_from_openai(raw: Any) -> list[Message]:
-    """Validate and convert an OpenAI ``messages`` array (``developer`` is read as ``system``)."""
+    """Validate and convert an OpenAI ``messages`` array (``developer`` is read as ``system``,
+    the deprecated ``function`` as ``tool``)."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     out: list[Message] = []
@@ -90,8 +91,19 @@ def messages_from_openai(raw: Any) -> list[Message]:
         role = item.get("role")
         if role == "developer":
             role = "system"
+        if role == "function":
+            # The deprecated function result: a tool result under another name (its ``name``
+            # stands where ``tool_call_id`` would), rendered as one.
+            name = item.get("name")
+            if not isinstance(name, str):
+                raise BadRequest(f"{where}: a function message needs a string 'name'", param=where)
+            content = _text_content(item.get("content"), f"{where}.content")
+            out.append(Message(role="tool", content=content, tool_call_id=name))
+            continue
         if role not in ROLES:
-            raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", param=where)
+            raise BadRequest(
+                f"{where}.role must be one of {', '.join(ROLES)} or function; got {role!r}", param=where
+            )
         out.append(
             Message(
                 role=role,

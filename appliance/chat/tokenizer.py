@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from appliance.chat.template import IM_END
+from appliance.chat.template import ENDOFTEXT, IM_END
 from appliance.errors import ConfigError
 
 
@@ -23,6 +23,10 @@ class Tokenizer:
             raise ConfigError(f"the tokenizer has no {IM_END} token; only ChatML models are supported")
         #: The id that ends an assistant turn; generation stops on it.
         self.im_end_id: int = im_end
+        #: What an empty text prompt starts from: the document separator (``<|endoftext|>``, what
+        #: the model saw before every document in pretraining), else the end of a turn.
+        start = backend.token_to_id(ENDOFTEXT)
+        self.document_start_id: int = im_end if start is None else start
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> Tokenizer:

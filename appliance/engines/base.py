@@ -44,6 +44,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MIN_TEMPERATURE = 1e-5
 #: The most alternatives reported per token (vLLM's default ``max_logprobs``, OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+#: The smallest top-p an engine samples with. The most likely token has probability >= 1 / vocab,
+#: so every top-p below that keeps it alone: raising a smaller one (OpenAI allows 0) to this
+#: changes no draw, and keeps float32 from rounding it to 0 (which would cut every token).
+MIN_TOP_P = 1e-30
 
 
 #: Called on the event loop with each newly sampled token and its log-probability.
@@ -98,9 +102,7 @@ def validate_request(request: GenerateRequest, *, max_context: int, vocab_size: 
         raise BadRequest(f"max_tokens must be at least 1, got {params.max_tokens!r}", param="max_tokens")
     if len(prompt) + params.max_tokens > max_context:
         raise ContextTooLong(
-            f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}, more than "
-            f"the model's context of {max_context} tokens; shorten the prompt or lower max_tokens",
-            param="max_tokens",
+            prompt_tokens=len(prompt), completion_tokens=params.max_tokens, max_context=max_context
         )
     if not all(map(_is_int, prompt)) or min(prompt) < 0 or max(prompt) >= vocab_size:
         raise BadRequest(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")

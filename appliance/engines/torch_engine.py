@@ -71,6 +71,7 @@ from transformers.cache_utils import DynamicLayer
 
 from appliance.engines import lora
 from appliance.engines.base import (
+    MIN_TOP_P,
     SEED_MAX,
     SEED_MIN,
     GenerateRequest,
@@ -83,11 +84,6 @@ from appliance.engines.sampling import TopLogprobs, choose_tokens
 from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 
 log = logging.getLogger(__name__)
-
-#: The smallest top-p handed to the sampler. The most likely token has probability >= 1 / vocab,
-#: so every top-p below that keeps it alone: raising a smaller one to this changes no draw, and
-#: keeps float32 from rounding it to 0 (which would cut every token, the most likely included).
-_MIN_TOP_P = 1e-30
 
 #: ``from_pretrained`` sets process-wide state while it loads (the default device: meta), so two
 #: engines of one process (an engine fleet's replicas) load one after the other.
@@ -830,7 +826,7 @@ class TorchEngine:
         tokens, logprobs, tops = choose_tokens(
             logits,
             [p.temperature for p in params],
-            [max(p.top_p, _MIN_TOP_P) for p in params],
+            [max(p.top_p, MIN_TOP_P) for p in params],
             [r.generator for r in rows],
             [p.top_logprobs for p in params],
         )

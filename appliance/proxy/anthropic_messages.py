@@ -40,6 +40,7 @@ from appliance.proxy.http import (
     CALLS,
     SETTINGS,
     add_post,
+    anthropic_client,
     json_body,
     rollout_of,
     sse_send,
@@ -68,12 +69,13 @@ log = logging.getLogger(__name__)
 
 def is_anthropic(request: web.Request) -> bool:
     """Whether errors on this request must take Anthropic's shape."""
-    return request.path.endswith("/v1/messages") or "anthropic-version" in request.headers
+    return request.path.endswith("/v1/messages") or anthropic_client(request)
 
 
 def _error_body(exc: ApplianceError) -> dict[str, Any]:
     default = "invalid_request_error" if exc.status < 500 else "api_error"
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(exc.status, default), "message": exc.message}}
+    error = {"type": _ERROR_TYPES.get(exc.status, default), "message": exc.anthropic_message}
+    return {"type": "error", "error": error}
 
 
 def error_response(exc: ApplianceError) -> web.Response:

@@ -176,10 +176,9 @@ class CallService:
         prompt_len = len(rendered.prompt_ids)
         if prompt_len + params.max_tokens > self.engine.max_context:
             raise ContextTooLong(
-                f"the prompt has {prompt_len} tokens and max_tokens is {params.max_tokens}, but the "
-                f"model's context is {self.engine.max_context} tokens; shorten the conversation or "
-                "lower max_tokens",
-                param="messages",
+                prompt_tokens=prompt_len,
+                completion_tokens=params.max_tokens,
+                max_context=self.engine.max_context,
             )
         if not params.stop_token_ids:
             params = replace(params, stop_token_ids=(self.tokenizer.im_end_id,))

@@ -115,6 +115,14 @@ def request_token(request: web.Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+def anthropic_client(request: web.Request) -> bool:
+    """Whether the request comes from an Anthropic client (its SDK sends ``anthropic-version``;
+    one that authenticates with ``x-api-key`` and no ``Authorization`` is taken as one too), so a
+    route both APIs share (``/v1/models``) answers in Anthropic's shapes."""
+    headers = request.headers
+    return "anthropic-version" in headers or ("x-api-key" in headers and "Authorization" not in headers)
+
+
 def check_admin(request: web.Request) -> None:
     expected = request.app[SETTINGS].admin_token
     token = request_token(request)

@@ -2,15 +2,18 @@
 
 Owns the legacy completions shape: prompts as a string, a list of token ids, or a batch of
 either; ``n`` choices per prompt; ``echo``; ``logprobs``; ``stop``; streaming for one prompt and
-one choice. No chat template is applied. A text prompt that continues this rollout's previous
-prompt + completion reuses those exact ids and tokenizes only the new text, so a harness that
-builds its transcript as text still yields one exact token sequence.
+one choice. No chat template is applied. An empty text prompt starts from the document
+separator; ``max_tokens: 0`` samples nothing (the prompt alone with ``echo``), as OpenAI answers
+it. A text prompt that continues this rollout's previous prompt + completion reuses those exact
+ids and tokenizes only the new text, so a harness that builds its transcript as text still
+yields one exact token sequence.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
 
 from aiohttp import web
@@ -85,10 +88,8 @@ def _prompt_ids(rollout: ActiveRollout, prompt: str | list[int], request: web.Re
     tokenizer = request.app[CALLS].tokenizer
     if rollout.text_prefix and prompt.startswith(rollout.text_prefix):
         return rollout.text_prefix_ids + tokenizer.encode(prompt[len(rollout.text_prefix) :])
-    ids = tokenizer.encode(prompt)
-    if not ids:
-        raise BadRequest("'prompt' is empty", param="prompt")
-    return ids
+    # An empty prompt: the model starts a new document, as after the separator in pretraining.
+    return tokenizer.encode(prompt) or [tokenizer.document_start_id]
 
 
 def _choice(
@@ -111,10 +112,11 @@ def _choice(
         choice["logprobs"] = {
             "tokens": tokens,
             "token_logprobs": list(outcome.result.logprobs),
+            # One object per token even with logprobs 0 (then each is empty), as OpenAI sends.
             "top_logprobs": [
-                {tokenizer.decode([t]): lp for t, lp in top} for top in outcome.result.top_logprobs
-            ]
-            or None,
+                {tokenizer.decode([t]): lp for t, lp in top}
+                for top in outcome.result.top_logprobs or [() for _ in tokens]
+            ],
             "text_offset": offsets,
         }
     return choice
@@ -133,10 +135,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = bool(body.get("echo"))
     logprobs = optional_int(body, "logprobs", 0, MAX_LOGPROBS)
     positive_int(body, "best_of", MAX_BEST_OF)
+    max_tokens = positive_int(body, "max_tokens", lo=0)
     ignored_numbers(body, PENALTIES)
     params = sampling_for(
         request.app[SETTINGS],
-        max_tokens=positive_int(body, "max_tokens"),
+        max_tokens=max_tokens or None,
         temperature=number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=number(body, "top_p", 1.0, 0.0, 1.0),
         seed=seed(body),
@@ -146,6 +149,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rollout = rollout_of(request)
     calls = request.app[CALLS]
     tokenizer = calls.tokenizer
+    if max_tokens == 0:
+        return await _nothing_sampled(request, model, prompts, n, echo, logprobs is not None, stream)
     prepared: list[tuple[PreparedCall, str]] = []
     for prompt in prompts:
         ids = _prompt_ids(rollout, prompt, request)
@@ -221,6 +226,56 @@ async def completions(request: web.Request) -> web.StreamResponse:
     await sse_send(response, "[DONE]")
     await response.write_eof()
     return response
+
+
+async def _nothing_sampled(
+    request: web.Request,
+    model: str,
+    prompts: list[str | list[int]],
+    n: int,
+    echo: bool,
+    logprobs: bool,
+    stream: bool,
+) -> web.StreamResponse:
+    """``max_tokens: 0``: no call reaches the engine (nothing is sampled, so nothing is recorded);
+    each choice is the prompt with ``echo``, else empty, cut at its length."""
+    rollout, tokenizer = rollout_of(request), request.app[CALLS].tokenizer
+    prompt_ids = [_prompt_ids(rollout, prompt, request) for prompt in prompts]
+    texts = [
+        p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids, strict=True)
+    ]
+    no_logprobs: dict[str, list[Any]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    choices = [
+        {
+            "index": i,
+            "text": texts[i // n] if echo else "",
+            "finish_reason": "length",
+            "logprobs": no_logprobs if logprobs else None,
+        }
+        for i in range(len(prompts) * n)
+    ]
+    base = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    if stream:
+        response = await sse_start(request)
+        if echo:
+            await sse_send(response, {**base, "choices": [{**choices[0], "finish_reason": None}]})
+        await sse_send(response, {**base, "choices": [{**choices[0], "text": ""}]})
+        await sse_send(response, "[DONE]")
+        await response.write_eof()
+        return response
+    prompt_tokens = sum(map(len, prompt_ids))
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    return web.json_response({**base, "choices": choices, "usage": usage})
 
 
 def add_routes(app: web.Application) -> None:

@@ -15,10 +15,11 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import ApplianceError, BadRequest
+from appliance.errors import ApplianceError, BadRequest, ModelNotFound
 from appliance.health import Health
 from appliance.proxy import (
     admin_feed,
@@ -38,6 +39,7 @@ from appliance.proxy.http import (
     Admission,
     ProxySettings,
     add_get,
+    anthropic_client,
     check_admin,
     json_body,
     rollout_of,
@@ -119,11 +121,32 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         )
 
 
+def _model_object(request: web.Request) -> dict[str, Any]:
+    """The served model as OpenAI's Model object, or Anthropic's to an Anthropic client."""
+    name = request.app[SETTINGS].model_name
+    if anthropic_client(request):
+        return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "lightning-appliance"}
+
+
 async def list_models(request: web.Request) -> web.Response:
     rollout_of(request)
-    name = request.app[SETTINGS].model_name
-    model = {"id": name, "object": "model", "created": 0, "owned_by": "lightning-appliance"}
+    model = _model_object(request)
+    if anthropic_client(request):
+        name = model["id"]
+        return web.json_response({"data": [model], "has_more": False, "first_id": name, "last_id": name})
     return web.json_response({"object": "list", "data": [model]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    rollout_of(request)
+    model = _model_object(request)
+    wanted = request.match_info["model"]
+    if wanted != model["id"]:
+        raise ModelNotFound(
+            f"The model '{wanted}' does not exist; this appliance serves '{model['id']}'", param="model"
+        )
+    return web.json_response(model)
 
 
 async def report_reward(request: web.Request) -> web.Response:
@@ -180,6 +203,8 @@ def build_app(
     openai_responses.add_routes(app)
     anthropic_messages.add_routes(app)
     add_get(app, "/models", list_models)
+    # A model id may hold slashes ("Qwen/Qwen3-8B"), so the rest of the path is the id.
+    add_get(app, "/models/{model:.+}", retrieve_model)
     app.router.add_post("/rollouts/{rollout}/reward", report_reward)
     app.router.add_get("/healthz", health)
     app.router.add_get("/admin/status", admin_status)

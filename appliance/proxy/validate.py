@@ -7,16 +7,25 @@ capped. What the client asked stays in the recorded request.
 
 Every number a surface reads is range-checked here, before anything reaches the engine: JSON
 numbers arrive as Python ints of any size or floats that may be NaN or infinite (Python's json
-reads ``NaN``, ``Infinity`` and ``1e999``), and booleans are not numbers. The ranges the engines
-themselves enforce (``appliance.engines.base``) are checked here first, so a bad value is a 400
-in the surface's shape, never an error in the middle of a stream.
+reads ``NaN``, ``Infinity`` and ``1e999``), and booleans are not numbers. Where the spec says
+integer, a float with an integral value (``5.0``, as some JSON encoders write every number) is
+read as that integer, up to 2**53 (beyond it a float no longer holds every integer). The ranges
+the engines themselves enforce (``appliance.engines.base``) are checked here first, so a bad
+value is a 400 in the surface's shape, never an error in the middle of a stream.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from appliance.engines.base import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SamplingParams
+from appliance.engines.base import (
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 from appliance.errors import BadRequest
 from appliance.proxy.http import ProxySettings
 
@@ -27,8 +36,20 @@ def shown(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+#: The largest float magnitude read as an integer: every integer up to it is exact in a float.
+_EXACT_FLOAT_INT = 2**53
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an integer: an int (not a bool), or a float with an integral value of at most
+    2**53 in magnitude; None for anything else (1.5, NaN, infinities, 1e308, strings)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_FLOAT_INT:
+        return int(value)
+    return None
 
 
 def number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -43,15 +64,17 @@ def number(body: dict[str, Any], name: str, default: float, lo: float, hi: float
     return float(value)
 
 
-def positive_int(body: dict[str, Any], name: str, hi: int | None = None) -> int | None:
-    """An integer >= 1 (and <= ``hi`` when given); None if absent."""
+def positive_int(body: dict[str, Any], name: str, hi: int | None = None, lo: int = 1) -> int | None:
+    """An integer >= ``lo`` (1 unless given; and <= ``hi`` when given); None if absent."""
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < 1 or (hi is not None and value > hi):
+    read = _integer(value)
+    if read is None or read < lo or (hi is not None and read > hi):
         bound = f" no larger than {hi}" if hi is not None else ""
-        raise BadRequest(f"'{name}' must be a positive integer{bound}; got {shown(value)}", param=name)
-    return int(value)
+        kind = "a positive integer" if lo == 1 else f"an integer of at least {lo}"
+        raise BadRequest(f"'{name}' must be {kind}{bound}; got {shown(value)}", param=name)
+    return read
 
 
 def optional_int(body: dict[str, Any], name: str, lo: int = SEED_MIN, hi: int = SEED_MAX) -> int | None:
@@ -59,9 +82,10 @@ def optional_int(body: dict[str, Any], name: str, lo: int = SEED_MIN, hi: int = 
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value) or not lo <= value <= hi:
+    read = _integer(value)
+    if read is None or not lo <= read <= hi:
         raise BadRequest(f"'{name}' must be an integer in [{lo}, {hi}]; got {shown(value)}", param=name)
-    return int(value)
+    return read
 
 
 def seed(body: dict[str, Any], name: str = "seed") -> int | None:
@@ -93,14 +117,15 @@ def required_str(body: dict[str, Any], name: str) -> str:
 
 
 def stop_strings(body: dict[str, Any], name: str) -> tuple[str, ...]:
-    """``stop`` as a string or a list of up to 4 non-empty strings."""
+    """``stop`` as a string or a list of up to 16 strings; empty strings are ignored, as OpenAI
+    ignores them (an empty string would otherwise stop before the first token)."""
     value = body.get(name)
     if value is None:
         return ()
     values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values) or len(values) > 16:
-        raise BadRequest(f"'{name}' must be a string or a list of non-empty strings", param=name)
-    return tuple(values)
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values) or len(values) > 16:
+        raise BadRequest(f"'{name}' must be a string or a list of up to 16 strings", param=name)
+    return tuple(v for v in values if v)
 
 
 def sampling_for(
@@ -112,8 +137,6 @@ def sampling_for(
     seed: int | None,
     top_logprobs: int = 0,
 ) -> SamplingParams:
-    if top_p <= 0.0:
-        raise BadRequest("'top_p' must be greater than 0", param="top_p")
     if 0.0 < temperature < MIN_TEMPERATURE:
         raise BadRequest(
             f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; got {temperature!r}",
@@ -123,7 +146,9 @@ def sampling_for(
         # Any size the client asks is capped (Python ints do not overflow; the cap is an int).
         max_tokens=min(max_tokens or settings.max_tokens_default, settings.max_tokens_cap),
         temperature=temperature if settings.temperature_override is None else settings.temperature_override,
-        top_p=top_p,
+        # top_p 0 (the spec allows it) keeps only the most likely token, as the smallest top_p
+        # the engines take does: the most likely token alone already has probability >= 1/vocab.
+        top_p=max(top_p, MIN_TOP_P),
         seed=seed,
         top_logprobs=top_logprobs,
     )

@@ -398,7 +398,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
             {**GOOD, "messages": [{"role": "user", "content": "1 2 3 4 " * 900}]},
             400,
             "invalid_request_error",
-            "context",
+            "prompt is too long",
         ),
         ("wrong key", 401, "authentication_error", ""),
         ("no rollout", 404, "not_found_error", ""),

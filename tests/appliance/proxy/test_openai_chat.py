@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -13,7 +14,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 
 from appliance.app import Appliance
 from appliance.chat.tools import new_tool_call_id
-from appliance.engines.base import GenerateRequest, GenerateResult
+from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from appliance.rollouts import ActiveRollout
 from tests.support import make_config
 from tests.support import openai_client as client
@@ -183,3 +184,83 @@ async def test_tool_calls_stream_and_round_trip_token_exact(app: Appliance, acti
     assert sampled == list(calls[0].response_ids) + list(calls[1].response_ids)
     assert calls[1].spliced_tokens == len(calls[0].response_ids)
     assert calls[1].unmatched_assistant_turns == 0
+
+
+async def post_chat(
+    app: Appliance, active: ActiveRollout, body: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(
+            f"{app.proxy_url}/rollouts/{active.rollout}/v1/chat/completions",
+            json={"model": "m", "messages": USER, **body},
+            headers={"Authorization": f"Bearer {active.token}"},
+        )
+        payload: dict[str, Any] = await response.json()
+        return response.status, payload
+
+
+async def test_top_p_zero_keeps_only_the_most_likely_token(app: Appliance, active: ActiveRollout) -> None:
+    """OpenAI allows top_p 0: at any temperature and seed it draws what greedy decoding picks."""
+    async with client(app, active) as oai:
+        for seed in (1, 2):
+            await oai.chat.completions.create(model="m", messages=USER, max_tokens=8, top_p=0, seed=seed)
+    first, second = await recorded(app)
+    assert first.sampling["temperature"] == 1.0 and 0 < first.sampling["top_p"] < 1e-6
+    greedy = await app.engine.generate(
+        GenerateRequest(
+            prompt_ids=first.prompt_ids,
+            params=SamplingParams(
+                max_tokens=8, temperature=0, stop_token_ids=tuple(first.sampling["stop_token_ids"])
+            ),
+        )
+    )
+    assert list(first.response_ids) == list(second.response_ids) == list(greedy.token_ids)
+
+
+async def test_integral_floats_are_read_as_integers(app: Appliance, active: ActiveRollout) -> None:
+    """Some JSON encoders write every number as a float: 1.0 where the spec says integer is 1."""
+    status, payload = await post_chat(
+        app,
+        active,
+        {"n": 1.0, "seed": 0.0, "logprobs": True, "top_logprobs": 6.0, "max_completion_tokens": 3.0},
+    )
+    assert status == 200, payload
+    (choice,) = payload["choices"]
+    assert all(len(entry["top_logprobs"]) == 6 for entry in choice["logprobs"]["content"])
+    assert payload["usage"]["completion_tokens"] <= 3
+    status, payload = await post_chat(app, active, {"max_tokens": 2.0})
+    assert status == 200, payload
+    assert payload["usage"]["completion_tokens"] <= 2
+    first, second = await recorded(app)
+    assert first.sampling["seed"] == 0 and isinstance(first.sampling["seed"], int)
+    assert (first.sampling["max_tokens"], first.sampling["top_logprobs"]) == (3, 6)
+    assert second.sampling["max_tokens"] == 2
+
+
+@pytest.mark.parametrize("field", ["n", "seed", "top_logprobs", "max_tokens", "max_completion_tokens"])
+async def test_fractional_integers_are_400s_naming_the_field(
+    app: Appliance, active: ActiveRollout, field: str
+) -> None:
+    status, payload = await post_chat(app, active, {"logprobs": True, field: 1.5})
+    assert status == 400
+    assert payload["error"]["param"] == field and "1.5" in payload["error"]["message"]
+
+
+async def test_deprecated_function_message_renders_as_a_tool_result(
+    app: Appliance, active: ActiveRollout
+) -> None:
+    asked: list[ChatCompletionMessageParam] = [*USER, {"role": "assistant", "content": "Let me add."}]
+    async with client(app, active) as oai:
+        await oai.chat.completions.create(
+            model="m",
+            messages=[*asked, {"role": "function", "name": "add", "content": "7"}],
+            max_tokens=2,
+        )
+        await oai.chat.completions.create(
+            model="m",
+            messages=[*asked, {"role": "tool", "tool_call_id": "call_1", "content": "7"}],
+            max_tokens=2,
+        )
+    as_function, as_tool = await recorded(app)
+    assert list(as_function.prompt_ids) == list(as_tool.prompt_ids)
+    assert "<tool_response>\n7\n</tool_response>" in app.registry._tokenizer.decode(list(as_tool.prompt_ids))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -79,3 +80,77 @@ async def test_bad_prompts(app: Appliance, active: ActiveRollout, prompt: object
     assert response.status == 400
     assert payload["error"]["param"] == "prompt"
     assert await recorded(app) == []
+
+
+async def test_empty_prompt_starts_a_new_document(app: Appliance, active: ActiveRollout) -> None:
+    async with client(app, active) as oai:
+        response = await oai.completions.create(model="m", prompt="", max_tokens=4)
+    (call,) = await recorded(app)
+    assert list(call.prompt_ids) == [app.registry._tokenizer.document_start_id]
+    assert response.choices[0].text == call.response_text and call.response_ids
+
+
+async def test_max_tokens_zero_samples_nothing(app: Appliance, active: ActiveRollout) -> None:
+    """As OpenAI answers it: the prompt alone with echo, else an empty completion cut at its length."""
+    async with client(app, active) as oai:
+        echoed = await oai.completions.create(model="m", prompt="The sum is", max_tokens=0, echo=True)
+        empty = await oai.completions.create(model="m", prompt="The sum is", max_tokens=0, logprobs=1)
+    assert echoed.choices[0].text == "The sum is" and echoed.choices[0].finish_reason == "length"
+    assert empty.choices[0].text == "" and empty.choices[0].finish_reason == "length"
+    assert empty.choices[0].logprobs is not None and empty.choices[0].logprobs.tokens == []
+    prompt_tokens = len(app.registry._tokenizer.encode("The sum is"))
+    assert echoed.usage is not None and (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == (
+        prompt_tokens,
+        0,
+    )
+    async with client(app, active) as oai:
+        stream = await oai.completions.create(
+            model="m", prompt="The sum is", max_tokens=0, echo=True, stream=True
+        )
+        chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == "The sum is"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert await recorded(app) == []  # nothing reached the engine
+
+
+async def test_empty_stop_strings_are_ignored(app: Appliance, active: ActiveRollout) -> None:
+    async with client(app, active) as oai:
+        response = await oai.completions.create(
+            model="m", prompt="Count: 1 2 3", max_tokens=6, stop=["", "7"]
+        )
+        alone = await oai.completions.create(model="m", prompt="Count: 1 2 3", max_tokens=6, stop="")
+    first, second = await recorded(app)
+    assert response.choices[0].text == first.response_text and "7" not in response.choices[0].text
+    assert first.response_ids and second.response_ids and alone.choices[0].text == second.response_text
+
+
+async def test_logprobs_zero_gives_an_empty_object_per_token(app: Appliance, active: ActiveRollout) -> None:
+    async with client(app, active) as oai:
+        response = await oai.completions.create(model="m", prompt="The sum is", max_tokens=4, logprobs=0)
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens
+    assert logprobs.top_logprobs == [{} for _ in logprobs.tokens]
+
+
+async def test_integral_floats_are_integers_and_fractions_are_400s(
+    app: Appliance, active: ActiveRollout
+) -> None:
+    async with aiohttp.ClientSession() as http:
+
+        async def post(body: dict[str, object]) -> tuple[int, dict[str, Any]]:
+            response = await http.post(
+                f"{app.proxy_url}/rollouts/r1/v1/completions",
+                json={"model": "m", "prompt": "The sum is", **body},
+                headers={"Authorization": f"Bearer {active.token}"},
+            )
+            payload: dict[str, Any] = await response.json()
+            return response.status, payload
+
+        status, payload = await post({"max_tokens": 3.0, "logprobs": 2.0, "n": 1.0, "seed": 0.0})
+        assert status == 200, payload
+        assert all(len(top) <= 2 for top in payload["choices"][0]["logprobs"]["top_logprobs"])
+        for field in ("max_tokens", "logprobs", "n", "seed", "best_of"):
+            status, payload = await post({field: 1.5})
+            assert status == 400 and payload["error"]["param"] == field, payload
+    (call,) = await recorded(app)
+    assert (call.sampling["max_tokens"], call.sampling["top_logprobs"], call.sampling["seed"]) == (3, 2, 0)

@@ -84,7 +84,7 @@ GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "
         ({**GOOD, "n": 99}, 400, "n"),
         ({**GOOD, "n": 2, "stream": True}, 400, "n"),
         ({**GOOD, "stream": "yes"}, 400, "stream"),
-        ({**GOOD, "stop": [""]}, 400, "stop"),
+        ({**GOOD, "stop": [1]}, 400, "stop"),
         ({**GOOD, "tool_choice": "sometimes"}, 400, "tool_choice"),
         ({**GOOD, "response_format": {"type": "xml"}}, 400, "response_format"),
         ({**GOOD, "tools": [{"type": "function", "function": {}}]}, 400, "tools[0]"),
