@@ -28,13 +28,15 @@ from appliance.proxy.http import (
     user_agent,
 )
 from appliance.proxy.validate import (
-    PENALTIES,
-    ignored_numbers,
+    flag,
+    include_usage,
     number,
     positive_int,
+    refuse_distribution_changes,
     required_str,
     sampling_for,
     seed,
+    shown,
     stop_strings,
     top_logprobs,
 )
@@ -46,20 +48,14 @@ MAX_N = 16
 def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[list[PreparedCall], bool, bool, bool]:
     """Validate the body; returns one prepared call per choice, and stream/usage/logprobs flags."""
     required_str(body, "model")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    stream = flag(body, "stream")
+    usage = include_usage(body)
     n = positive_int(body, "n") or 1
     if n > MAX_N or (stream and n > 1):
         raise BadRequest(f"'n' must be at most {MAX_N} (1 when streaming)", param="n")
-    logprobs = body.get("logprobs") or False
-    if not isinstance(logprobs, bool):
-        raise BadRequest("'logprobs' must be a boolean", param="logprobs")
+    logprobs = flag(body, "logprobs")
     top = top_logprobs(body, "top_logprobs")
-    ignored_numbers(body, PENALTIES)
+    refuse_distribution_changes(body)
     fmt = body.get("response_format")
     if fmt is not None and (
         not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
@@ -67,15 +63,9 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[list[PreparedC
         raise BadRequest(
             "'response_format.type' must be text, json_object or json_schema", param="response_format"
         )
-    tool_choice = body.get("tool_choice")
-    if tool_choice is not None and not (
-        tool_choice in ("auto", "none", "required") or isinstance(tool_choice, dict)
-    ):
-        raise BadRequest(
-            "'tool_choice' must be auto, none, required or a function choice", param="tool_choice"
-        )
+    declared, tool_choice = _tools_and_choice(body)
     messages = messages_from_openai(body.get("messages"))
-    tools = [] if tool_choice == "none" else tools_from_openai(body.get("tools"))
+    tools = [] if tool_choice == "none" else declared
     max_tokens = positive_int(body, "max_tokens")  # deprecated by OpenAI; still checked
     params = sampling_for(
         request.app[SETTINGS],
@@ -101,7 +91,54 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[list[PreparedC
         )
         for _ in range(n)
     ]
-    return prepared, stream, bool(options.get("include_usage")), logprobs
+    return prepared, stream, usage, logprobs
+
+
+def _tools_and_choice(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+    """The declared tools and ``tool_choice``, validated. The deprecated ``functions`` and
+    ``function_call`` are read as the ``tools`` and ``tool_choice`` they stand for, so the model
+    sees a function exactly as it would the equivalent tool."""
+    functions, function_call = body.get("functions"), body.get("function_call")
+    raw_tools, choice = body.get("tools"), body.get("tool_choice")
+    if functions is not None:
+        if raw_tools is not None:
+            raise BadRequest("give 'tools' or the deprecated 'functions', not both", param="functions")
+        if not isinstance(functions, list):
+            raise BadRequest("'functions' must be an array", param="functions")
+        raw_tools = [{"type": "function", "function": f} for f in functions]
+    if function_call is not None:
+        if choice is not None:
+            raise BadRequest(
+                "give 'tool_choice' or the deprecated 'function_call', not both", param="function_call"
+            )
+        if function_call in ("none", "auto"):
+            choice = function_call
+        elif isinstance(function_call, dict) and isinstance(function_call.get("name"), str):
+            choice = {"type": "function", "function": {"name": function_call["name"]}}
+        else:
+            raise BadRequest(
+                f"'function_call' must be none, auto or {{\"name\": ...}}; got {shown(function_call)}",
+                param="function_call",
+            )
+    try:
+        tools = tools_from_openai(raw_tools)
+    except BadRequest as exc:
+        if functions is None:
+            raise
+        raise BadRequest(exc.message.replace("tools[", "functions["), param="functions") from None
+    if choice is None or choice in ("auto", "none", "required"):
+        return tools, choice
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise BadRequest(
+            'tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}; '
+            f"got {shown(choice)}",
+            param="tool_choice",
+        )
+    if name not in {t["function"]["name"] for t in tools}:
+        raise BadRequest(f"'tool_choice' names {name!r}, which is not a declared tool", param="tool_choice")
+    return tools, choice
 
 
 def _finish(outcome: CallOutcome) -> str:

@@ -31,11 +31,12 @@ from appliance.proxy.http import (
     user_agent,
 )
 from appliance.proxy.validate import (
-    PENALTIES,
-    ignored_numbers,
+    flag,
+    include_usage,
     number,
     optional_int,
     positive_int,
+    refuse_distribution_changes,
     required_str,
     sampling_for,
     seed,
@@ -45,10 +46,23 @@ from appliance.rollouts import ActiveRollout
 
 SURFACE = "openai.completions"
 MAX_CHOICES = 16
-#: OpenAI's limits: ``best_of`` (accepted, not used: each choice is sampled once) up to 20, and
-#: up to 5 alternatives per token in ``logprobs``.
+#: OpenAI's limits: ``best_of`` up to 20 (served only equal to ``n``: each choice is sampled
+#: once), and up to 5 alternatives per token in ``logprobs``.
 MAX_BEST_OF = 20
 MAX_LOGPROBS = 5
+
+
+def _refuse_suffix(body: dict[str, Any]) -> None:
+    """``suffix`` (text after the insertion point) needs fill-in-the-middle sampling, which the
+    appliance does not do: a non-empty one is refused rather than dropped."""
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise BadRequest("'suffix' must be a string", param="suffix")
+    if suffix:
+        raise BadRequest(
+            "'suffix' is not supported: the appliance only continues the prompt (no fill-in-the-middle)",
+            param="suffix",
+        )
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
@@ -127,16 +141,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = required_str(body, "model")
     prompts = _prompts(body.get("prompt"))
     n = positive_int(body, "n") or 1
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
+    stream = flag(body, "stream")
+    usage = include_usage(body)
     if len(prompts) * n > MAX_CHOICES or (stream and len(prompts) * n > 1):
         raise BadRequest(f"at most {MAX_CHOICES} prompts x n (1 when streaming)", param="n")
-    echo = bool(body.get("echo"))
+    echo = flag(body, "echo")
     logprobs = optional_int(body, "logprobs", 0, MAX_LOGPROBS)
-    positive_int(body, "best_of", MAX_BEST_OF)
+    best_of = positive_int(body, "best_of", MAX_BEST_OF)
+    if best_of is not None and best_of != n:
+        raise BadRequest(
+            f"'best_of' {best_of} is not supported: each choice is sampled once and returned, so "
+            f"best_of must equal n ({n}) or be left out",
+            param="best_of",
+        )
+    _refuse_suffix(body)
     max_tokens = positive_int(body, "max_tokens", lo=0)
-    ignored_numbers(body, PENALTIES)
+    refuse_distribution_changes(body)
     params = sampling_for(
         request.app[SETTINGS],
         max_tokens=max_tokens or None,
@@ -220,6 +240,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     finish = "length" if item.result.finish_reason == "length" else "stop"
                     chunk = {"index": 0, "text": "", "finish_reason": finish, "logprobs": None}
                 await sse_send(response, {**base, "object": "text_completion", "choices": [chunk]})
+                if usage and not isinstance(item, str):
+                    done = len(item.result.token_ids)
+                    counts = {
+                        "prompt_tokens": call.prompt_tokens,
+                        "completion_tokens": done,
+                        "total_tokens": call.prompt_tokens + done,
+                    }
+                    await sse_send(
+                        response, {**base, "object": "text_completion", "choices": [], "usage": counts}
+                    )
         except ApplianceError as exc:
             error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
             await sse_send(response, {"error": error})

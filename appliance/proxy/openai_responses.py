@@ -37,7 +37,14 @@ from appliance.proxy.http import (
     sse_start,
     user_agent,
 )
-from appliance.proxy.validate import number, positive_int, required_str, sampling_for, top_logprobs
+from appliance.proxy.validate import (
+    flag,
+    number,
+    positive_int,
+    required_str,
+    sampling_for,
+    top_logprobs,
+)
 
 SURFACE = "openai.responses"
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -142,6 +149,13 @@ def tools_from_responses(raw: Any) -> list[dict[str, Any]]:
                 f"tools[{i}]: tool type {kind!r} is not supported; only 'function' tools are",
                 param=f"tools[{i}]",
             )
+        for field, kind, what in (
+            ("description", str, "a string"),
+            ("parameters", dict, "an object"),
+            ("strict", bool, "a boolean"),
+        ):
+            if tool.get(field) is not None and not isinstance(tool[field], kind):
+                raise BadRequest(f"tools[{i}].{field} must be {what}", param=f"tools[{i}]")
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         chat.append({"type": "function", "function": function})
     return tools_from_openai(chat)
@@ -170,13 +184,18 @@ def _text_format(text: Any) -> dict[str, Any]:
     return fmt
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be a boolean", param=name)
-    return value
+def _function_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A declared function tool as the response shows it: the Responses API's ``FunctionTool``
+    (``strict`` defaults to true there), not the request's object echoed verbatim."""
+    out: dict[str, Any] = {
+        "type": "function",
+        "name": tool["name"],
+        "parameters": tool.get("parameters"),
+        "strict": True if tool.get("strict") is None else tool["strict"],
+    }
+    if tool.get("description") is not None:
+        out["description"] = tool["description"]
+    return out
 
 
 def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, bool, dict[str, Any]]:
@@ -189,8 +208,8 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, 
                 "send the whole conversation in 'input' every turn",
                 param=name,
             )
-    stream = _flag(body, "stream", False)
-    parallel = _flag(body, "parallel_tool_calls", True)
+    stream = flag(body, "stream", False)
+    parallel = flag(body, "parallel_tool_calls", True)
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise BadRequest("'metadata' must be an object", param="metadata")
@@ -223,7 +242,7 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, 
         "temperature": temperature,
         "top_p": top_p,
         "tool_choice": tool_choice,
-        "tools": [dict(t) for t in body.get("tools") or []],
+        "tools": [_function_tool(t) for t in body.get("tools") or []],
         "text": {"format": fmt},
         "max_output_tokens": max_output,
         "truncation": body.get("truncation") or "disabled",

@@ -98,15 +98,53 @@ def top_logprobs(body: dict[str, Any], name: str) -> int | None:
     return optional_int(body, name, 0, MAX_TOP_LOGPROBS)
 
 
-def ignored_numbers(body: dict[str, Any], ranges: dict[str, tuple[float, float]]) -> None:
-    """Fields the proxy accepts and ignores (penalties, say) are still refused when out of range,
-    as the upstream API refuses them."""
-    for name, (lo, hi) in ranges.items():
-        number(body, name, 0.0, lo, hi)
-
-
-#: OpenAI's ranges for the penalties, accepted and ignored (the engine samples without them).
+#: OpenAI's ranges for the penalties. Only 0 is served: see ``refuse_distribution_changes``.
 PENALTIES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+
+_POLICY = (
+    "the appliance samples from the policy itself, as the trainer learns from it; "
+    "this would change the sampled distribution"
+)
+
+
+def refuse_distribution_changes(body: dict[str, Any]) -> None:
+    """Non-zero penalties and a non-empty ``logit_bias`` are refused, never ignored: either would
+    change the distribution tokens are drawn from away from the policy the trainer learns from.
+    Their defaults (0, ``{}``) are accepted; badly typed values are a 400 naming the field."""
+    for name, (lo, hi) in PENALTIES.items():
+        if number(body, name, 0.0, lo, hi) != 0.0:
+            raise BadRequest(f"'{name}' is not supported ({_POLICY}); send 0 or leave it out", param=name)
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise BadRequest("'logit_bias' must be an object of token ids to numbers", param="logit_bias")
+    if bias:
+        raise BadRequest(f"'logit_bias' is not supported ({_POLICY}); leave it out", param="logit_bias")
+
+
+def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean; ``default`` if absent or null. Anything else (0, "true") is a 400."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean; got {shown(value)}", param=name)
+    return value
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage``: ``stream_options`` must be an object (or null) whose
+    ``include_usage``, when given, is a boolean."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean", param="stream_options")
+    return bool(usage)
 
 
 def required_str(body: dict[str, Any], name: str) -> str:

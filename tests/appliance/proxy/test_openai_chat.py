@@ -264,3 +264,89 @@ async def test_deprecated_function_message_renders_as_a_tool_result(
     as_function, as_tool = await recorded(app)
     assert list(as_function.prompt_ids) == list(as_tool.prompt_ids)
     assert "<tool_response>\n7\n</tool_response>" in app.registry._tokenizer.decode(list(as_tool.prompt_ids))
+
+
+#: The function the deprecated ``functions`` field declares, and the same as a tool.
+ADD_FUNCTION: Any = {
+    "name": "add",
+    "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", -1),
+        ("logit_bias", {"1": 5}),
+    ],
+)
+async def test_distribution_changing_fields_are_refused(
+    app: Appliance, active: ActiveRollout, field: str, value: Any
+) -> None:
+    """Penalties and logit bias would sample away from the policy the trainer learns from."""
+    status, payload = await post_chat(app, active, {field: value})
+    assert status == 400, payload
+    assert payload["error"]["param"] == field
+    assert "not supported" in payload["error"]["message"] and "policy" in payload["error"]["message"]
+    assert await recorded(app) == []
+
+
+async def test_default_penalties_and_bias_are_accepted(app: Appliance, active: ActiveRollout) -> None:
+    body = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "max_tokens": 2}
+    status, payload = await post_chat(app, active, body)
+    assert status == 200, payload
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stream", "yes"),
+        ("stream", 0),
+        ("stream_options", []),
+        ("stream_options", {"include_usage": "yes"}),
+        ("tool_choice", "any"),
+        ("tool_choice", {"type": "function"}),
+        ("tool_choice", {"type": "function", "function": {"name": 3}}),
+        ("tool_choice", {"type": "function", "function": {"name": "undeclared"}}),
+        ("frequency_penalty", "0"),
+        ("logit_bias", [1]),
+        ("functions", {"name": "add"}),
+        ("function_call", "required"),
+    ],
+)
+async def test_badly_typed_fields_are_400s_naming_the_field(
+    app: Appliance, active: ActiveRollout, field: str, value: Any
+) -> None:
+    status, payload = await post_chat(app, active, {field: value})
+    assert status == 400, payload
+    assert payload["error"]["param"] == field
+
+
+async def test_deprecated_functions_render_exactly_as_tools(app: Appliance, active: ActiveRollout) -> None:
+    """``functions`` / ``function_call`` are the ``tools`` / ``tool_choice`` they stand for."""
+    async with client(app, active) as oai:
+        await oai.chat.completions.create(
+            model="m", messages=USER, functions=[ADD_FUNCTION], function_call={"name": "add"}, max_tokens=2
+        )
+        await oai.chat.completions.create(
+            model="m",
+            messages=USER,
+            tools=[{"type": "function", "function": ADD_FUNCTION}],
+            tool_choice={"type": "function", "function": {"name": "add"}},
+            max_tokens=2,
+        )
+        await oai.chat.completions.create(model="m", messages=USER, max_tokens=2)
+        await oai.chat.completions.create(
+            model="m", messages=USER, functions=[ADD_FUNCTION], function_call="none", max_tokens=2
+        )
+    as_functions, as_tools, without, hidden = await recorded(app)
+    assert list(as_functions.prompt_ids) == list(as_tools.prompt_ids)
+    prompt = app.registry._tokenizer.decode(list(as_functions.prompt_ids))
+    assert '"name": "add"' in prompt and "Add two integers." in prompt
+    assert list(hidden.prompt_ids) == list(without.prompt_ids)
+    status, payload = await post_chat(
+        app, active, {"functions": [ADD_FUNCTION], "tools": [{"type": "function", "function": ADD_FUNCTION}]}
+    )
+    assert status == 400 and payload["error"]["param"] == "functions", payload

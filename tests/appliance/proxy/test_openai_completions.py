@@ -154,3 +154,89 @@ async def test_integral_floats_are_integers_and_fractions_are_400s(
             assert status == 400 and payload["error"]["param"] == field, payload
     (call,) = await recorded(app)
     assert (call.sampling["max_tokens"], call.sampling["top_logprobs"], call.sampling["seed"]) == (3, 2, 0)
+
+
+async def post_completion(
+    app: Appliance, active: ActiveRollout, body: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(
+            f"{app.proxy_url}/rollouts/{active.rollout}/v1/completions",
+            json={"model": "m", "prompt": "The sum is", "max_tokens": 2, **body},
+            headers={"Authorization": f"Bearer {active.token}"},
+        )
+        payload: dict[str, Any] = await response.json()
+        return response.status, payload
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"presence_penalty": 2}, "presence_penalty"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"best_of": 3}, "best_of"),
+        ({"best_of": 2, "n": 1}, "best_of"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"suffix": " and that is all."}, "suffix"),
+    ],
+)
+async def test_fields_the_appliance_cannot_honour_are_refused(
+    app: Appliance, active: ActiveRollout, body: dict[str, Any], field: str
+) -> None:
+    status, payload = await post_completion(app, active, body)
+    assert status == 400, payload
+    assert payload["error"]["param"] == field and "not supported" in payload["error"]["message"]
+    assert await recorded(app) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("suffix", 5),
+        ("logit_bias", "none"),
+        ("presence_penalty", True),
+        ("stream", 1),
+        ("stream_options", "usage"),
+        ("stream_options", {"include_usage": 1}),
+    ],
+)
+async def test_badly_typed_fields_are_400s_naming_the_field(
+    app: Appliance, active: ActiveRollout, field: str, value: Any
+) -> None:
+    status, payload = await post_completion(app, active, {field: value})
+    assert status == 400 and payload["error"]["param"] == field, payload
+
+
+async def test_defaults_of_unsupported_fields_are_accepted(app: Appliance, active: ActiveRollout) -> None:
+    body = {
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "logit_bias": {},
+        "suffix": "",
+        "best_of": 2,
+        "n": 2,
+    }
+    status, payload = await post_completion(app, active, body)
+    assert status == 200, payload
+    assert len(payload["choices"]) == 2
+
+
+async def test_streaming_usage_when_asked(app: Appliance, active: ActiveRollout) -> None:
+    async with client(app, active) as oai:
+        stream = await oai.completions.create(
+            model="m",
+            prompt="Count: 1 2 3",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+    (call,) = await recorded(app)
+    (last,) = [c for c in chunks if c.usage is not None]
+    assert last is chunks[-1] and last.choices == []
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        len(call.prompt_ids),
+        len(call.response_ids),
+    )

@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import aiohttp
 import pytest
+from openai.types.responses import FunctionTool
 
 from appliance.app import Appliance
 from appliance.chat.tokenizer import Tokenizer
@@ -259,6 +260,9 @@ GOOD: dict[str, Any] = {"model": "m", "input": "hi", "max_output_tokens": 2}
         ({**GOOD, "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({**GOOD, "tools": [{"type": "function"}]}, "tools[0]"),
         ({**GOOD, "tool_choice": "sometimes"}, "tool_choice"),
+        ({**GOOD, "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({**GOOD, "tools": [{"type": "function", "name": "add", "strict": "yes"}]}, "tools[0]"),
+        ({**GOOD, "tools": [{"type": "function", "name": "add", "parameters": []}]}, "tools[0]"),
         ({**GOOD, "previous_response_id": "resp_123"}, "previous_response_id"),
         ({**GOOD, "instructions": 3}, "instructions"),
         ({**GOOD, "temperature": 9}, "temperature"),
@@ -369,3 +373,19 @@ async def test_openai_agents_runs_a_tool_loop(
     assert "<tool_response>\n7\n</tool_response>" in tokenizer.decode(two.prompt_ids)
     (sample,) = build_samples([one, two])
     assert sum(sample.loss_mask) == len(one.response_ids) + len(two.response_ids)
+
+
+async def test_tools_come_back_as_function_tools(app: Appliance, active: ActiveRollout) -> None:
+    """The response lists each tool in the Responses API's ``FunctionTool`` shape (``strict``
+    defaults to true), not the request's object echoed with whatever else it carried."""
+    bare = {"type": "function", "name": "now", "x-vendor": 1}
+    async with client(app, active) as oai:
+        response = await oai.responses.create(
+            model="m", input="hi", tools=[ADD_TOOL, cast(Any, bare)], max_output_tokens=2
+        )
+    add, now = response.tools
+    assert isinstance(add, FunctionTool) and isinstance(now, FunctionTool)
+    assert add.model_dump(exclude_unset=True) == ADD_TOOL
+    raw = response.model_dump(mode="json", exclude_unset=True)["tools"][1]
+    assert raw == {"type": "function", "name": "now", "parameters": None, "strict": True}
+    assert FunctionTool.model_validate(raw) == now
