@@ -1,12 +1,31 @@
-"""The appliance's error hierarchy.
+"""The appliance's error hierarchy, and each error's shape on the wire.
 
 Owns every exception the appliance raises on purpose. Each carries a message a person can act
-on, plus the HTTP status and OpenAI error ``type``/``code`` the proxy answers with, so one
-middleware can turn any of them into an OpenAI-shaped error body. Unexpected exceptions are not
-listed here: the proxy answers them with a 500 and logs them.
+on, plus the HTTP status and OpenAI error ``type``/``code`` the proxy answers with, and knows
+its own body in both wire dialects (``to_openai``, ``to_anthropic``), so the middleware and
+every stream that fails after its headers went out answer with the same shapes. Unexpected
+exceptions are not listed here: the proxy answers them with a 500 and logs them.
+
+This module is the bottom of the import graph: it imports nothing from the project, so the
+store, the trainer, the harness adapters and the dashboard can raise these without importing
+anything else of the appliance (tests/test_layers.py holds it to that).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+#: Anthropic's error ``type`` by HTTP status (its API's own list).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 
 
 class ApplianceError(Exception):
@@ -26,6 +45,34 @@ class ApplianceError(Exception):
         """The message as the Anthropic surface words it (the same text unless a subclass knows
         the wording Anthropic's own API uses, which clients match on)."""
         return self.message
+
+    #: Seconds a client should wait before retrying (sent as ``Retry-After``); None: not said.
+    retry_after_s: int | None = None
+
+    def openai_error(self) -> dict[str, Any]:
+        """The ``error`` object of OpenAI's APIs (also what a failed OpenAI stream sends)."""
+        return {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+
+    def to_openai(self) -> dict[str, Any]:
+        """The body OpenAI's APIs answer an error with: ``{"error": {...}}``."""
+        return {"error": self.openai_error()}
+
+    def to_anthropic(self) -> dict[str, Any]:
+        """The body Anthropic's API answers an error with (also its stream's ``error`` event)."""
+        default = "invalid_request_error" if self.status < 500 else "api_error"
+        kind = _ANTHROPIC_TYPES.get(self.status, default)
+        return {"type": "error", "error": {"type": kind, "message": self.anthropic_message}}
+
+
+class HTTPError(ApplianceError):
+    """An HTTP-level failure outside any handler's own errors (no such route, body too large,
+    an unexpected exception answered as a 500), in the same shapes as the deliberate ones."""
+
+    def __init__(self, status: int, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = "invalid_request_error" if status < 500 else "server_error"
+        self.code = code
 
 
 class ConfigError(ApplianceError):
@@ -123,7 +170,7 @@ class Overloaded(ApplianceError):
     def __init__(self, message: str, *, code: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.code = code
-        self.retry_after_s = retry_after_s
+        self.retry_after_s: int | None = retry_after_s
 
 
 class EngineUnavailable(ApplianceError):
@@ -132,6 +179,7 @@ class EngineUnavailable(ApplianceError):
     status = 503
     error_type = "server_error"
     code = "engine_unavailable"
+    retry_after_s = 1
 
 
 class StopForced(ApplianceError):

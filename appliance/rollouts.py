@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.chat.formats import CHATML, ChatFormat
-from appliance.chat.render import Conversation
 from appliance.chat.tokenizer import Tokenizer
+from appliance.chat.transcript import Transcript
 from appliance.errors import NotFound, Overloaded, Unauthorized
 
 
@@ -26,14 +26,11 @@ class ActiveRollout:
     task_id: str
     group: str
     token: str
-    conversation: Conversation
+    #: Everything a later call needs to continue this rollout's earlier ones token for token.
+    transcript: Transcript
     task: dict[str, Any] = field(default_factory=dict)
     calls: int = 0
     reward: float | None = None
-    #: Completions surface: the last prompt + completion text and its exact ids, so a text prompt
-    #: that continues it reuses those ids instead of re-tokenizing.
-    text_prefix: str = ""
-    text_prefix_ids: list[int] = field(default_factory=list)
     #: Evaluation sampling of a validation rollout: the temperature and completion length its
     #: calls are served with, whatever the client or the training rules ask (None: no override).
     temperature_override: float | None = None
@@ -79,7 +76,7 @@ class RolloutRegistry:
             task_id=task_id,
             group=group,
             token="la-" + secrets.token_urlsafe(24),
-            conversation=Conversation(self._tokenizer, self.fmt),
+            transcript=Transcript(self._tokenizer, self.fmt),
             task=task,
         )
         self._active[rollout] = active

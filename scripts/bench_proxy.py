@@ -448,7 +448,7 @@ async def tiny(calls: int) -> None:
             params = SamplingParams(
                 max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=(tokenizer.im_end_id,)
             )
-            prompt = active.conversation.render(messages_from_openai(MESSAGES)).prompt_ids
+            prompt = active.transcript.render_chat(messages_from_openai(MESSAGES)).prompt_ids
             url = f"{app.proxy_url}/rollouts/bench/v1/chat/completions"
 
             async def direct() -> float:

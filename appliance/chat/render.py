@@ -131,6 +131,8 @@ class RenderedPrompt:
     tokenized_tokens: int
     #: Assistant turns in the request that were not sampled here and were rendered from text.
     unmatched_assistant_turns: int
+    #: A Completions prompt's text (None for a chat prompt).
+    text: str | None = None
 
 
 @dataclass(slots=True)

@@ -45,6 +45,11 @@ class Tokenizer:
         text: str = self._backend.decode(list(ids), skip_special_tokens=False)
         return text
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled exactly ``text`` (e.g. ``<tool_call>``), None if none is."""
+        found: int | None = self._backend.token_to_id(text)
+        return found
+
     @property
     def vocab_size(self) -> int:
         size: int = self._backend.get_vocab_size(with_added_tokens=True)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from appliance.engines.buckets import WeightBucket
+from appliance.engines.constraints import Constraint, check_constraint
 from appliance.errors import BadRequest, ContextTooLong
 
 
@@ -34,6 +35,21 @@ class SamplingParams:
     seed: int | None = None
     #: Also report this many most likely tokens (with log-probs) at each sampled position.
     top_logprobs: int = 0
+    #: The sampled text (before the stop token) must match this grammar
+    #: (``appliance.engines.constraints``); log-probs are then those of the masked distribution.
+    constraint: Constraint | None = None
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> SamplingParams:
+        """The params ``dataclasses.asdict`` recorded (a call event's ``sampling``); keys this
+        version does not know are ignored, missing ones take their defaults."""
+        known = {f.name for f in fields(cls)}
+        values = {key: value for key, value in record.items() if key in known}
+        if "stop_token_ids" in values:
+            values["stop_token_ids"] = tuple(values["stop_token_ids"])
+        if "constraint" in values:
+            values["constraint"] = Constraint.from_record(values["constraint"])
+        return cls(**values)
 
 
 #: The ranges every engine accepts (each engine checks them; the proxy checks them first).
@@ -65,6 +81,11 @@ class GenerateRequest:
     #: (``appliance.engines.fleet``) sends every call with the same key to the same replica,
     #: whose prefix cache holds the earlier turns. None: no affinity. One engine ignores it.
     affinity: str | None = None
+    #: Also score the prompt (``/completions`` with ``echo`` and ``logprobs``): None, not wanted;
+    #: k >= 0, the log-prob of each prompt token given the ones before it (the first has none)
+    #: under the model's raw distribution (temperature 1, no top-p, no constraint), and its k
+    #: most likely alternatives.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +101,11 @@ class GenerateResult:
     gen_s: float = 0.0
     #: With ``top_logprobs`` > 0: per token, the most likely (id, log-prob) pairs.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    #: With ``prompt_logprobs`` set: one entry per prompt token, its log-prob (None for the
+    #: first) and its ``prompt_logprobs`` most likely (id, log-prob) pairs (none for the first).
+    #: Empty when not asked for.
+    prompt_logprobs: tuple[float | None, ...] = ()
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 def _is_int(value: object) -> bool:
@@ -130,6 +156,13 @@ def validate_request(request: GenerateRequest, *, max_context: int, vocab_size: 
     # "never stop"), so they only have to be integers.
     if not all(map(_is_int, params.stop_token_ids)):
         raise BadRequest("stop_token_ids must be integers", param="stop_token_ids")
+    check_constraint(params.constraint)
+    wanted = request.prompt_logprobs
+    if wanted is not None and not (_is_int(wanted) and 0 <= wanted <= MAX_TOP_LOGPROBS):
+        raise BadRequest(
+            f"prompt_logprobs must be None or lie in [0, {MAX_TOP_LOGPROBS}], got {wanted!r}",
+            param="logprobs",
+        )
 
 
 @runtime_checkable

@@ -8,6 +8,8 @@ The reported log-prob is log_softmax(logits / T) at the chosen token, over the *
 vocabulary: the tempered policy itself. Top-p shapes which token is drawn but not the number
 reported, so a trainer's teacher-forced pass (which knows T but not top_p) reproduces it
 exactly. Greedy rows (T = 0) take the argmax and report log_softmax(logits), i.e. T = 1.
+Logits the caller set to -inf (a grammar's mask) are simply impossible tokens: the distribution
+is the policy renormalised over the rest, and they are never listed among the top log-probs.
 
 Cost: everything is batched over (rows, vocab) except one uniform number drawn per row from
 the row's own generator (so a seeded row's tokens do not depend on its neighbours). A draw is
@@ -72,7 +74,8 @@ def choose_tokens(
         values, ids = logp.topk(k, dim=-1)
         for i, row_k in enumerate(top_ks or []):
             pairs = zip(ids[i, :row_k].tolist(), values[i, :row_k].tolist(), strict=True)
-            tops[i] = tuple((int(t), float(v)) for t, v in pairs)
+            # Tokens masked to -inf (a grammar forbids them) cannot be drawn: not alternatives.
+            tops[i] = tuple((int(t), float(v)) for t, v in pairs if v != float("-inf"))
     # One device-to-host copy for the whole batch.
     return picks.tolist(), chosen.tolist(), tops
 

@@ -80,6 +80,7 @@ from appliance.engines.base import (
     validate_request,
 )
 from appliance.engines.buckets import LoraAdapter, WeightBucket, bucket_tensors, close_stream, peek
+from appliance.engines.constraints import PARAM, GrammarCompiler, Guide, mask_logits
 from appliance.engines.sampling import TopLogprobs, choose_tokens
 from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 
@@ -114,6 +115,11 @@ class _Row:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    #: The grammar the row's text must match (None: unconstrained).
+    guide: Guide | None = None
+    #: The prompt's scores, when the request asks for them (set by the prefill).
+    prompt_logprobs: tuple[float | None, ...] = ()
+    prompt_top_logprobs: tuple[TopLogprobs, ...] = ()
     #: None while decoding; then "stop", "length" or "cancelled".
     finish: str | None = None
     finished_at: float = 0.0
@@ -144,6 +150,26 @@ def _eos_ids(*values: Any) -> frozenset[int]:
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return frozenset(ids)
+
+
+def _score_prompt(row: _Row, logits: torch.Tensor, prompt: list[int]) -> None:
+    """Set ``row``'s prompt scores from the prefill's ``logits`` (len(prompt), vocab) at its
+    prompt's positions: log p(prompt[j] | prompt[:j]) under the raw model distribution
+    (log_softmax of the logits, temperature 1: no temperature, top-p or grammar applies to a
+    prompt), with the k most likely tokens at each position; nothing for the first token."""
+    k = row.pending.request.prompt_logprobs or 0
+    # Position j - 1 predicts token j.
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+    row.prompt_logprobs = (None, *(float(v) for v in chosen))
+    if k > 0:
+        values, ids = logp.topk(k, dim=-1)
+        pairs = zip(ids.tolist(), values.tolist(), strict=True)
+        tops = (tuple((int(t), float(v)) for t, v in zip(i, x, strict=True)) for i, x in pairs)
+        row.prompt_top_logprobs = ((), *tops)
+    else:
+        row.prompt_top_logprobs = tuple(() for _ in prompt)
 
 
 def _set_exception(future: asyncio.Future[GenerateResult], error: BaseException) -> None:
@@ -275,6 +301,9 @@ class TorchEngine:
         self._needs_weights = False
         #: Whether the parameters are ``model_dir``'s (what a LoRA adapter is served on top of).
         self._base_weights = True
+        #: Built by the step loop for the first constrained request (reading the vocabulary
+        #: takes ~1 s on a large one), then used by it alone.
+        self._grammars: GrammarCompiler | None = None
 
     @property
     def policy_version(self) -> int:
@@ -727,7 +756,22 @@ class TorchEngine:
                     param="seed",
                 ) from exc
         stop_ids = frozenset(params.stop_token_ids) or self._eos_ids
-        return _Row(pending, stop_ids, generator, self._policy_version, time.monotonic())
+        guide = None
+        if params.constraint is not None:
+            guide = self._grammar_compiler().guide(params.constraint, stop_ids)
+        return _Row(pending, stop_ids, generator, self._policy_version, time.monotonic(), guide=guide)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            path = self._model_dir / "tokenizer.json"
+            if not path.is_file():
+                raise BadRequest(
+                    f"constraints need the model's tokenizer.json, and {path} is missing", param=PARAM
+                )
+            self._grammars = GrammarCompiler(
+                path.read_text(), self._vocab_size, min(self._eos_ids, default=self._pad_id)
+            )
+        return self._grammars
 
     def _prefill_isolated(self, rows: list[_Row]) -> _Batch | None:
         """``_prefill`` of ``rows``; if it raises, each row again on its own, so only a request
@@ -794,14 +838,19 @@ class TorchEngine:
         next_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
         ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
         cache = DynamicCache(config=model.config)
+        scored = [i for i, r in enumerate(rows) if r.pending.request.prompt_logprobs is not None]
         out = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            # Scoring prompts needs the logits at every position (rows x width x vocab);
+            # otherwise only the last one is computed.
+            logits_to_keep=0 if scored else 1,
         )
+        for i in scored:
+            _score_prompt(rows[i], out.logits[i, width - len(prompts[i]) :], prompts[i])
         tokens = self._advance(out.logits[:, -1, :], rows)
         return _compact(_Batch(rows, cache, mask, next_pos, tokens))
 
@@ -823,6 +872,8 @@ class TorchEngine:
         """Choose each row's next token, record it with its log-prob, finish and deliver rows
         that end. Returns the chosen ids (rows,) on the logits' device, to feed the next step."""
         params = [r.params for r in rows]
+        # Constrained rows sample from the policy restricted to what their grammar allows.
+        logits = mask_logits(logits, [r.guide for r in rows])
         tokens, logprobs, tops = choose_tokens(
             logits,
             [p.temperature for p in params],
@@ -837,6 +888,8 @@ class TorchEngine:
                 continue
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            if row.guide is not None:
+                row.guide.consume(token)
             if top:
                 row.top_logprobs.append(top)
             on_token = row.pending.request.on_token
@@ -865,5 +918,7 @@ class TorchEngine:
                 queue_s=row.started_at - row.pending.enqueued_at,
                 gen_s=row.finished_at - row.started_at,
                 top_logprobs=tuple(row.top_logprobs),
+                prompt_logprobs=row.prompt_logprobs,
+                prompt_top_logprobs=row.prompt_top_logprobs,
             )
         )

@@ -379,13 +379,23 @@ class VLLMEngine:
             top_logprobs=tuple(top[:k] for top in choice.top_logprobs)
             if (k := request.params.top_logprobs)
             else (),
+            prompt_logprobs=choice.prompt_logprobs,
+            # Likewise for the prompt token where it is not among the k most likely.
+            prompt_top_logprobs=tuple(
+                top[: request.prompt_logprobs or 0] for top in choice.prompt_top_logprobs
+            ),
         )
 
     async def _complete(self, request: GenerateRequest) -> ParsedChoice:
         model = self._adapter_name or self._settings.served_model_name
         body = completion_body(request, model, self._vocab_size)
-        if request.on_token is None:
-            return parse_choice(await self._client.call("POST", "/v1/completions", body))
+        on_token = request.on_token
+        if not body["stream"] or on_token is None:
+            choice = parse_choice(await self._client.call("POST", "/v1/completions", body))
+            if on_token is not None:  # a scored prompt: the tokens come all at once
+                for token, logprob in zip(choice.token_ids, choice.logprobs, strict=True):
+                    on_token(token, logprob)
+            return choice
         parts: list[ParsedChoice] = []
         # aclosing: whatever ends the loop early (a chunk that does not parse, a callback that
         # raises) closes the stream now, which drops the connection so vLLM aborts the request.
@@ -394,7 +404,7 @@ class VLLMEngine:
                 part = parse_choice(chunk, final=False)
                 parts.append(part)
                 for token, logprob in zip(part.token_ids, part.logprobs, strict=True):
-                    request.on_token(token, logprob)
+                    on_token(token, logprob)
         return ParsedChoice.join(parts)
 
     # -- weights ----------------------------------------------------------------------------

@@ -115,6 +115,10 @@ def server_command(settings: ServerSettings, port: int) -> list[str]:
         "--seed",
         str(settings.seed),
         "--disable-uvicorn-access-log",
+        # Constraints arrive as llguidance Lark grammars (appliance.engines.constraints); "auto"
+        # would try xgrammar first, which reads another grammar dialect.
+        "--structured-outputs-config",
+        json.dumps({"backend": "guidance"}),
         # Weight pushes go through the appliance's worker extension (see vllm_worker.py).
         "--worker-extension-cls",
         f"{WORKER_MODULE}.ApplianceWorkerExtension",
@@ -402,6 +406,10 @@ class ParsedChoice:
     top_logprobs: tuple[TopLogprobs, ...]
     #: "stop" / "length"; None for a chunk that is not the last.
     finish_reason: str | None
+    #: The prompt's scores (``prompt_logprobs`` asked for; never streamed): per prompt token its
+    #: log-prob (None for the first) and the alternatives vLLM listed, most likely first.
+    prompt_logprobs: tuple[float | None, ...] = ()
+    prompt_top_logprobs: tuple[TopLogprobs, ...] = ()
 
     @staticmethod
     def join(parts: list[ParsedChoice]) -> ParsedChoice:
@@ -434,13 +442,20 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
         "skip_special_tokens": False,
-        "stream": request.on_token is not None,
+        # vLLM scores prompts only in whole answers (``VLLMEngine`` replays the tokens then).
+        "stream": request.on_token is not None and request.prompt_logprobs is None,
     }
+    if request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = request.prompt_logprobs
     if params.seed is not None:
         body["seed"] = params.seed
     if params.stop_token_ids:
         body["stop_token_ids"] = stop
         body["ignore_eos"] = True
+    if params.constraint is not None:
+        # The server enforces it with llguidance (``--structured-outputs-config``), whose
+        # end-of-text token is the tokenizer's eos: it is allowed where the grammar accepts.
+        body["structured_outputs"] = {"grammar": params.constraint.grammar}
     return body
 
 
@@ -457,16 +472,47 @@ def parse_choice(response: dict[str, Any], *, final: bool = True) -> ParsedChoic
         logprobs = tuple(float(lp) for lp in logprobs_block.get("token_logprobs") or ())
         tops = tuple(_top(entry) for entry in logprobs_block.get("top_logprobs") or ())
         finish = choice.get("finish_reason")
+        prompt_scores = _prompt_scores(choice)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise EngineUnavailable(f"vLLM answered a completion in an unexpected shape: {exc!r}") from exc
-    parsed = ParsedChoice(token_ids, logprobs, tops, finish)
+    parsed = ParsedChoice(token_ids, logprobs, tops, finish, *prompt_scores)
     return _checked(parsed) if final else parsed
 
 
+#: What vLLM writes for a log-prob of -inf (a token a grammar forbids): JSON has no infinity.
+VLLM_NEG_INF = -9999.0
+
+
 def _top(entry: dict[str, float] | None) -> TopLogprobs:
-    """``{"token_id:12": -0.1, ...}`` as ((12, -0.1), ...), most likely first."""
+    """``{"token_id:12": -0.1, ...}`` as ((12, -0.1), ...), most likely first. Tokens a grammar
+    forbids (log-prob ``VLLM_NEG_INF``) cannot be sampled, so they are no alternatives: left out,
+    as the torch engine leaves them out."""
     pairs = ((int(key.rpartition(":")[2]), float(lp)) for key, lp in (entry or {}).items())
-    return tuple(sorted(pairs, key=lambda pair: -pair[1]))
+    return tuple(sorted((pair for pair in pairs if pair[1] > VLLM_NEG_INF), key=lambda pair: -pair[1]))
+
+
+def _prompt_scores(choice: dict[str, Any]) -> tuple[tuple[float | None, ...], tuple[TopLogprobs, ...]]:
+    """``prompt_logprobs`` of a choice: ``[null, {"12": {"logprob": -0.1, "rank": 3, ...}, ...}, ...]``,
+    one entry per prompt token (``prompt_token_ids``), each holding the k most likely tokens and
+    the prompt token (an extra one where it is not among them), as (the prompt tokens' log-probs,
+    every listed token by rank): the first k of a position are its k most likely."""
+    entries = choice.get("prompt_logprobs")
+    if entries is None:
+        return (), ()
+    prompt = [int(t) for t in choice["prompt_token_ids"]]
+    if len(entries) != len(prompt):
+        raise ValueError(f"{len(entries)} prompt log-probs for {len(prompt)} prompt tokens")
+    scores: list[float | None] = []
+    tops: list[TopLogprobs] = []
+    for token, entry in zip(prompt, entries, strict=True):
+        if entry is None:
+            scores.append(None)
+            tops.append(())
+            continue
+        scores.append(float(entry[str(token)]["logprob"]))
+        ranked = sorted(entry.items(), key=lambda item: (int(item[1]["rank"]), -float(item[1]["logprob"])))
+        tops.append(tuple((int(key), float(value["logprob"])) for key, value in ranked))
+    return tuple(scores), tuple(tops)
 
 
 def _checked(choice: ParsedChoice) -> ParsedChoice:

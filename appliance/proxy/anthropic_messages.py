@@ -1,9 +1,10 @@
 """The Anthropic Messages surface: ``POST /v1/messages``, plain and streaming.
 
-Owns the conversion between Anthropic Messages bodies and the shared call path
-(``appliance.proxy.calls``): request validation (each error names its parameter or content
-block), the ``message`` object, the ``message_start`` ... ``message_stop`` event stream, and the
-``{"type": "error", ...}`` error shape the server's middleware uses for this surface.
+Owns the conversion between Anthropic Messages bodies and the call pipeline
+(``appliance.proxy.pipeline``): request validation (each error names its parameter or content
+block), the ``message`` object, the ``message_start`` ... ``message_stop`` events, and which
+requests are answered with Anthropic's error shape (``ApplianceError.to_anthropic``). Pure: the
+driver does the I/O and the tokens.
 
 Conversion: ``system`` becomes a system message; ``text`` blocks become content (joined with
 newlines, except in assistant turns); ``tool_use`` blocks become tool calls whose arguments are
@@ -13,8 +14,9 @@ sent back verbatim keys to the turn that was sampled and is spliced token for to
 a reasoning format's ``<think>`` text (not part of a turn's key). Other blocks are refused.
 
 Accepted and ignored: ``top_k`` (the engine samples with temperature and top-p only),
-``metadata``, ``cache_control``, and the forcing in ``tool_choice`` ``any``/``tool`` (the model
-sees the tools but cannot be forced to call one); ``tool_choice`` ``none`` hides the tools. A
+``metadata`` and ``cache_control``. ``tool_choice`` ``any`` (one or more calls of any tool) and
+``tool`` (one call of the named tool) are enforced by constrained decoding; ``none`` hides the
+tools. A
 final assistant turn (prefill) is refused: the chat template closes every assistant turn.
 
 Streaming sends each block only as far as it is sure to be a prefix of the final block: with
@@ -25,8 +27,7 @@ stripped), so the text the SDK accumulates equals the non-streamed text block.
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -35,18 +36,9 @@ from appliance.chat.messages import Message, ToolCall
 from appliance.engines.base import SEED_MAX
 from appliance.errors import ApplianceError, BadRequest
 from appliance.proxy import validate
-from appliance.proxy.calls import CallOutcome, CallStream, PreparedCall
-from appliance.proxy.http import (
-    CALLS,
-    SETTINGS,
-    add_post,
-    anthropic_client,
-    json_body,
-    rollout_of,
-    sse_send,
-    sse_start,
-    user_agent,
-)
+from appliance.proxy.driver import handler
+from appliance.proxy.http import ProxySettings, add_post, anthropic_client, json_body, rollout_of
+from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started, Structure
 
 SURFACE = "anthropic.messages"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -54,32 +46,11 @@ TOOL_CHOICES = ("auto", "any", "tool", "none")
 Blocks = list[dict[str, Any]]
 #: ``stop_reason`` and ``stop_sequence``.
 Stop = tuple[str | None, str | None]
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-}
-log = logging.getLogger(__name__)
 
 
 def is_anthropic(request: web.Request) -> bool:
     """Whether errors on this request must take Anthropic's shape."""
     return request.path.endswith("/v1/messages") or anthropic_client(request)
-
-
-def _error_body(exc: ApplianceError) -> dict[str, Any]:
-    default = "invalid_request_error" if exc.status < 500 else "api_error"
-    error = {"type": _ERROR_TYPES.get(exc.status, default), "message": exc.anthropic_message}
-    return {"type": "error", "error": error}
-
-
-def error_response(exc: ApplianceError) -> web.Response:
-    return web.json_response(_error_body(exc), status=exc.status)
 
 
 def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
@@ -217,8 +188,8 @@ def to_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [] if choice["type"] == "none" else tools
 
 
-def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, bool]:
-    validate.required_str(body, "model")
+def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
+    model = validate.required_str(body, "model")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
@@ -232,23 +203,28 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, 
         raise BadRequest("'metadata' must be an object", param="metadata")
     messages, tools = to_messages(body), to_tools(body)
     params = validate.sampling_for(
-        request.app[SETTINGS],
+        settings,
         max_tokens=max_tokens,
         temperature=validate.number(body, "temperature", 1.0, 0.0, 1.0),
         top_p=validate.number(body, "top_p", 1.0, 0.0, 1.0),
         seed=None,
     )
-    call = request.app[CALLS].prepare(
-        rollout_of(request),
-        messages=messages,
-        tools=tools,
-        params=params,
+    choice = body.get("tool_choice") or {}
+    forced = None
+    if tools and choice.get("type") == "any":
+        forced = Structure("tool_call")
+    elif tools and choice.get("type") == "tool":
+        forced = Structure("tool_call", tool=choice["name"])
+    return CallRequest(
         surface=SURFACE,
-        request=body,
-        user_agent=user_agent(request),
+        model=model,
+        prompts=(ChatPrompt(tuple(messages), tuple(tools)),),
+        params=params,
+        body=body,
         stop=validate.stop_strings(body, "stop_sequences"),
+        stream=stream,
+        structure=forced,
     )
-    return call, stream
 
 
 def _tool_use(call: ToolCall, args: Any) -> dict[str, Any]:
@@ -270,27 +246,21 @@ def to_content(message: Message) -> Blocks:
     return blocks + [_tool_use(c, json.loads(c.arguments)) for c in message.tool_calls]
 
 
-def _stop(request: web.Request, call: PreparedCall, outcome: CallOutcome) -> Stop:
+def _stop(answer: Answer) -> Stop:
     """``stop_reason`` and the stop sequence that matched (the one the text was cut before)."""
-    if outcome.message.tool_calls:
+    if answer.message.tool_calls:
         return "tool_use", None
-    if call.stop:
-        ids = outcome.result.token_ids
-        if ids and ids[-1] in call.params.stop_token_ids:
-            ids = ids[:-1]
-        decoded = request.app[CALLS].tokenizer.decode(ids)
-        at = len(outcome.text)
-        if len(decoded) > at:
-            for sequence in call.stop:
-                if decoded.startswith(sequence, at):
-                    return "stop_sequence", sequence
-    return ("max_tokens" if outcome.result.finish_reason == "length" else "end_turn"), None
+    if answer.stop_sequence is not None:
+        return "stop_sequence", answer.stop_sequence
+    return ("max_tokens" if answer.truncated else "end_turn"), None
 
 
-def _message(call: PreparedCall, model: str, content: Blocks, stop: Stop, output: int) -> dict[str, Any]:
-    usage = {"input_tokens": call.prompt_tokens, "output_tokens": output}
+def _message(
+    call_id: str, model: str, content: Blocks, stop: Stop, prompt: int, output: int
+) -> dict[str, Any]:
+    usage = {"input_tokens": prompt, "output_tokens": output}
     return {
-        "id": "msg_" + call.call_id,
+        "id": "msg_" + call_id,
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -301,8 +271,8 @@ def _message(call: PreparedCall, model: str, content: Blocks, stop: Stop, output
     }
 
 
-async def _event(response: web.StreamResponse, kind: str, data: dict[str, Any]) -> None:
-    await sse_send(response, {"type": kind, **data}, event=kind)
+def _event(kind: str, **data: Any) -> Event:
+    return kind, {"type": kind, **data}
 
 
 def _held(text: str, marker: str) -> str:
@@ -313,20 +283,27 @@ def _held(text: str, marker: str) -> str:
     return text
 
 
-class ContentStream:
-    """The sampled text streamed as a thinking block (reasoning formats), then a text block.
+class MessageEvents:
+    """One call as Anthropic's events: ``message_start``, a thinking block (reasoning formats),
+    a text block, the tool_use blocks, ``message_delta`` and ``message_stop``.
 
     Each block is sent only as far as it is sure to be a prefix of the final one (see the module
-    docstring); ``close`` sends what the outcome adds and closes the last block.
+    docstring); ``closing`` sends what the outcome adds and closes the last block.
     """
 
-    def __init__(self, response: web.StreamResponse, *, reasoning: bool, hold_space: bool) -> None:
-        self.response, self.reasoning, self.hold = response, reasoning, hold_space
+    def __init__(self, started: Started, model: str, *, reasoning: bool, hold_space: bool) -> None:
+        self.started, self.model = started, model
+        self.reasoning, self.hold = reasoning, hold_space
         self.received = ""
         self.kinds: list[str] = []  # the blocks opened, by index
         self.sent: list[str] = []
 
-    async def push(self, delta: str) -> None:
+    def opening(self) -> list[Event]:
+        started = self.started
+        message = _message(started.call_id, self.model, [], (None, None), started.prompt_tokens, 0)
+        return [_event("message_start", message=message), _event("ping")]
+
+    def text(self, delta: str) -> list[Event]:
         self.received += delta
         thought, text = "", self.received
         head = text.lstrip()
@@ -335,89 +312,71 @@ class ContentStream:
             if not closed:
                 thought = _held(thought, THINK_CLOSE)
             thought, text = thought.strip(), text.lstrip()
-        await self._send("thinking", thought)
-        await self._send("text", text.rstrip() if self.hold else text)
+        return self._send("thinking", thought) + self._send("text", text.rstrip() if self.hold else text)
 
-    async def _send(self, kind: str, value: str) -> None:
+    def _send(self, kind: str, value: str) -> list[Event]:
         if not value:
-            return
+            return []
+        events: list[Event] = []
         if kind not in self.kinds:
             if self.kinds:
-                await _event(self.response, "content_block_stop", {"index": len(self.kinds) - 1})
+                events.append(_event("content_block_stop", index=len(self.kinds) - 1))
             block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
-            start = {"index": len(self.kinds), "content_block": block}
-            await _event(self.response, "content_block_start", start)
+            events.append(_event("content_block_start", index=len(self.kinds), content_block=block))
             self.kinds.append(kind)
             self.sent.append("")
         index = self.kinds.index(kind)
         sent = self.sent[index]
         if index == len(self.kinds) - 1 and len(value) > len(sent) and value.startswith(sent):
             delta = {"type": f"{kind}_delta", kind: value[len(sent) :]}
-            await _event(self.response, "content_block_delta", {"index": index, "delta": delta})
+            events.append(_event("content_block_delta", index=index, delta=delta))
             self.sent[index] = value
+        return events
 
-    async def close(self, message: Message) -> int:
-        """Send what the final turn adds; returns how many blocks were used."""
-        await self._send("thinking", message.reasoning)
-        await self._send("text", message.content)
+    def closing(self, answer: Answer) -> list[Event]:
+        message = answer.message
+        events = self._send("thinking", message.reasoning) + self._send("text", message.content)
         if self.kinds:
-            await _event(self.response, "content_block_stop", {"index": len(self.kinds) - 1})
-        return len(self.kinds)
+            events.append(_event("content_block_stop", index=len(self.kinds) - 1))
+        for i, tool_call in enumerate(message.tool_calls, start=len(self.kinds)):
+            events.append(_event("content_block_start", index=i, content_block=_tool_use(tool_call, {})))
+            delta = {"type": "input_json_delta", "partial_json": tool_call.arguments}
+            events.append(_event("content_block_delta", index=i, delta=delta))
+            events.append(_event("content_block_stop", index=i))
+        reason, sequence = _stop(answer)
+        end = {"stop_reason": reason, "stop_sequence": sequence}
+        events.append(_event("message_delta", delta=end, usage={"output_tokens": answer.completion_tokens}))
+        events.append(_event("message_stop"))
+        return events
+
+    def failed(self, error: ApplianceError) -> list[Event]:
+        return [("error", error.to_anthropic())]
+
+    def trailer(self) -> list[Event]:
+        return []
 
 
-async def _stream(request: web.Request, call: PreparedCall, model: str) -> web.StreamResponse:
-    # Generation starts first, so the headers and opening events go out while the engine prefills.
-    # Leaving the block early (the client went away) cancels the generation.
-    async with request.app[CALLS].stream(call) as items:
-        response = await sse_start(request)
-        await _relay(response, request, call, model, items)
-    await response.write_eof()
-    return response
+class MessagesSurface:
+    name = SURFACE
 
+    def parse(self, body: dict[str, Any], settings: ProxySettings) -> CallRequest:
+        return _parse(body, settings)
 
-async def _relay(
-    response: web.StreamResponse, request: web.Request, call: PreparedCall, model: str, items: CallStream
-) -> None:
-    await _event(response, "message_start", {"message": _message(call, model, [], (None, None), 0)})
-    await _event(response, "ping", {})
-    reasoning = call.rollout.conversation.fmt.reasoning
-    blocks = ContentStream(response, reasoning=reasoning, hold_space=bool(call.tools))
-    try:
-        async for item in items:
-            if isinstance(item, str):
-                await blocks.push(item)
-                continue
-            index = await blocks.close(item.message)
-            for i, tool_call in enumerate(item.message.tool_calls, start=index):
-                start = {"index": i, "content_block": _tool_use(tool_call, {})}
-                await _event(response, "content_block_start", start)
-                delta = {"type": "input_json_delta", "partial_json": tool_call.arguments}
-                await _event(response, "content_block_delta", {"index": i, "delta": delta})
-                await _event(response, "content_block_stop", {"index": i})
-            reason, sequence = _stop(request, call, item)
-            end = {"stop_reason": reason, "stop_sequence": sequence}
-            usage = {"output_tokens": len(item.result.token_ids)}
-            await _event(response, "message_delta", {"delta": end, "usage": usage})
-            await _event(response, "message_stop", {})
-    except ApplianceError as exc:
-        await sse_send(response, _error_body(exc), event="error")
-    except ConnectionError:
-        raise  # the client went away; nothing to answer
-    except Exception:  # the headers are out: answer in the stream, not through the middleware
-        log.exception("unhandled error while streaming %s", request.path)
-        error = ApplianceError("internal error; see the appliance log")
-        await sse_send(response, _error_body(error), event="error")
+    def whole(self, request: CallRequest, answers: Sequence[Answer]) -> dict[str, Any]:
+        (answer,) = answers
+        return _message(
+            answer.call_id,
+            request.model,
+            to_content(answer.message),
+            _stop(answer),
+            answer.prompt_tokens,
+            answer.completion_tokens,
+        )
 
-
-async def create_message(request: web.Request) -> web.StreamResponse:
-    body = await json_body(request)
-    call, stream = _prepare(request, body)
-    if stream:
-        return await _stream(request, call, body["model"])
-    outcome = await request.app[CALLS].complete(call)
-    content = to_content(outcome.message)
-    stop = _stop(request, call, outcome)
-    return web.json_response(_message(call, body["model"], content, stop, len(outcome.result.token_ids)))
+    def encoder(self, request: CallRequest, started: Started) -> MessageEvents:
+        (prompt,) = request.prompts
+        tools = prompt.tools if isinstance(prompt, ChatPrompt) else ()
+        return MessageEvents(started, request.model, reasoning=started.reasoning, hold_space=bool(tools))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -425,10 +384,10 @@ async def count_tokens(request: web.Request) -> web.Response:
     system included). Nothing is generated or recorded."""
     body = await json_body(request)
     validate.required_str(body, "model")
-    rendered = rollout_of(request).conversation.render(to_messages(body), to_tools(body))
+    rendered = rollout_of(request).transcript.render_chat(to_messages(body), to_tools(body))
     return web.json_response({"input_tokens": len(rendered.prompt_ids)})
 
 
 def add_routes(app: web.Application) -> None:
-    add_post(app, "/messages", create_message)
+    add_post(app, "/messages", handler(MessagesSurface()))
     add_post(app, "/messages/count_tokens", count_tokens)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -49,6 +49,8 @@ class PreparedCall:
     started: float
     #: Stop strings: generation ends once the text contains one; the text returned ends before it.
     stop: tuple[str, ...] = ()
+    #: Also score the prompt: its tokens' log-probs, with this many alternatives each.
+    prompt_logprobs: int | None = None
     call_id: str = field(default_factory=lambda: secrets.token_hex(12))
 
     @property
@@ -62,8 +64,11 @@ class CallOutcome:
     result: GenerateResult
     prompt_tokens: int
     call_id: str
-    #: The sampled text without the stop token (tool-call blocks included).
+    #: The sampled text without the stop token (tool-call blocks included), cut before a stop
+    #: string.
     text: str
+    #: The stop string the text was cut before (None: none matched).
+    stop_sequence: str | None = None
 
 
 class CallStream:
@@ -117,64 +122,30 @@ class CallService:
     def prepare(
         self,
         rollout: ActiveRollout,
-        *,
-        messages: Sequence[Message],
-        tools: Sequence[dict[str, Any]],
-        params: SamplingParams,
-        surface: str,
-        request: dict[str, Any],
-        user_agent: str,
-        stop: tuple[str, ...] = (),
-    ) -> PreparedCall:
-        """Render and validate; raises before anything is generated or recorded."""
-        started = time.perf_counter()
-        rendered = rollout.conversation.render(messages, tools)
-        call = self._prepared(rollout, rendered, params, tools, surface, request, user_agent, started)
-        call.stop = stop
-        return call
-
-    def prepare_tokens(
-        self,
-        rollout: ActiveRollout,
-        *,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        surface: str,
-        request: dict[str, Any],
-        user_agent: str,
-        stop: tuple[str, ...] = (),
-    ) -> PreparedCall:
-        """A call on raw prompt tokens (the Completions surface): no chat template, no tools."""
-        rendered = RenderedPrompt(
-            prompt_ids=list(prompt_ids),
-            digest=b"",
-            spliced_tokens=0,
-            tokenized_tokens=0,
-            unmatched_assistant_turns=0,
-        )
-        call = self._prepared(
-            rollout, rendered, params, (), surface, request, user_agent, time.perf_counter()
-        )
-        call.stop = stop
-        return call
-
-    def _prepared(
-        self,
-        rollout: ActiveRollout,
         rendered: RenderedPrompt,
-        params: SamplingParams,
+        *,
         tools: Sequence[dict[str, Any]],
+        params: SamplingParams,
         surface: str,
-        request: dict[str, Any],
+        request: Mapping[str, Any],
         user_agent: str,
-        started: float,
+        stop: tuple[str, ...] = (),
+        prompt_logprobs: int | None = None,
     ) -> PreparedCall:
+        """Validate a rendered prompt's call; raises before anything is generated or recorded.
+
+        ``params.max_tokens`` 0 samples nothing (nothing is recorded); with ``prompt_logprobs``
+        the prompt is still scored."""
+        started = time.perf_counter()
         if rollout.temperature_override is not None:
             params = replace(params, temperature=rollout.temperature_override)
         if rollout.max_tokens_override is not None:
             params = replace(params, max_tokens=rollout.max_tokens_override)
         prompt_len = len(rendered.prompt_ids)
-        if prompt_len + params.max_tokens > self.engine.max_context:
+        if (
+            prompt_len + max(params.max_tokens, 1 if prompt_logprobs is not None else 0)
+            > self.engine.max_context
+        ):
             raise ContextTooLong(
                 prompt_tokens=prompt_len,
                 completion_tokens=params.max_tokens,
@@ -182,7 +153,18 @@ class CallService:
             )
         if not params.stop_token_ids:
             params = replace(params, stop_token_ids=(self.tokenizer.im_end_id,))
-        return PreparedCall(rollout, rendered, params, tools, surface, request, user_agent, started)
+        return PreparedCall(
+            rollout,
+            rendered,
+            params,
+            tools,
+            surface,
+            dict(request),
+            user_agent,
+            started,
+            stop=stop,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     async def complete(self, call: PreparedCall) -> CallOutcome:
         """Generate the whole completion, record it, and return it."""
@@ -228,6 +210,8 @@ class CallService:
         yield outcome
 
     async def _run(self, call: PreparedCall, on_token: Callable[[int], None] | None) -> CallOutcome:
+        if call.params.max_tokens == 0:
+            return await self._nothing_sampled(call)
         # Every token sampled for this call, with its log-prob and the policy version that
         # sampled it: a call preempted by a switch continues under newer weights.
         sampled: list[tuple[int, float, int]] = []
@@ -275,6 +259,7 @@ class CallService:
                 # A rollout's calls go to one engine replica (its prefix cache holds the earlier
                 # turns); the shared rollout-less conversation goes wherever there is room.
                 affinity=None if call.rollout.rollout == DEFAULT_ROLLOUT else call.rollout.rollout,
+                prompt_logprobs=call.prompt_logprobs,
             )
             generation = asyncio.ensure_future(self.engine.generate(request))
             self.gate.track(generation)
@@ -315,15 +300,17 @@ class CallService:
         body = token_ids
         if body and body[-1] in call.params.stop_token_ids:
             body = body[:-1]
-        text = _cut_at_stop(self.tokenizer.decode(body), call.stop)
+        decoded = self.tokenizer.decode(body)
+        text = _cut_at_stop(decoded, call.stop)
+        matched = next((s for s in call.stop if decoded.startswith(s, len(text))), None)
         message = parse_assistant(
-            text, tool_schema_names(call.tools), reasoning=call.rollout.conversation.fmt.reasoning
+            text, tool_schema_names(call.tools), reasoning=call.rollout.transcript.fmt.reasoning
         )
         # Durable before acknowledged: the harness hears nothing final until the call is logged.
         await self._record(call, finish, sampled, queued, first_token_at, preemptions, text)
-        if call.rendered.digest:
-            call.rollout.conversation.remember(call.rendered.digest, message, token_ids)
+        call.rollout.transcript.remember(call.rendered, message, token_ids, text, call.params.stop_token_ids)
         call.rollout.calls += 1
+        prompt_len = call.prompt_tokens
         merged = GenerateResult(
             token_ids=token_ids,
             logprobs=tuple(lp for _, lp, _ in sampled),
@@ -331,9 +318,49 @@ class CallService:
             policy_version=version,
             queue_s=queued or 0.0,
             top_logprobs=result.top_logprobs,
+            # A preempted call's last prompt also held what it had sampled: only the prompt's part.
+            prompt_logprobs=result.prompt_logprobs[:prompt_len],
+            prompt_top_logprobs=result.prompt_top_logprobs[:prompt_len],
         )
         return CallOutcome(
-            message=message, result=merged, prompt_tokens=call.prompt_tokens, call_id=call.call_id, text=text
+            message=message,
+            result=merged,
+            prompt_tokens=prompt_len,
+            call_id=call.call_id,
+            text=text,
+            stop_sequence=matched,
+        )
+
+    async def _nothing_sampled(self, call: PreparedCall) -> CallOutcome:
+        """A call for no tokens (Completions' ``max_tokens: 0``): nothing is sampled or recorded;
+        with ``prompt_logprobs`` the engine scores the prompt (one token is drawn and dropped)."""
+        result = GenerateResult(
+            token_ids=(), logprobs=(), finish_reason="length", policy_version=self.engine.policy_version
+        )
+        if call.prompt_logprobs is not None:
+            await self.gate.enter()
+            try:
+                scored = await self.engine.generate(
+                    GenerateRequest(
+                        prompt_ids=call.rendered.prompt_ids,
+                        params=replace(call.params, max_tokens=1),
+                        prompt_logprobs=call.prompt_logprobs,
+                    )
+                )
+            finally:
+                self.gate.leave()
+            result = replace(
+                result,
+                policy_version=scored.policy_version,
+                prompt_logprobs=scored.prompt_logprobs,
+                prompt_top_logprobs=scored.prompt_top_logprobs,
+            )
+        return CallOutcome(
+            message=Message("assistant", ""),
+            result=result,
+            prompt_tokens=call.prompt_tokens,
+            call_id=call.call_id,
+            text="",
         )
 
     async def _record(

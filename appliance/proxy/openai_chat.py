@@ -1,36 +1,32 @@
 """The OpenAI Chat Completions surface: ``POST /v1/chat/completions``, plain and streaming.
 
-Owns the conversion between Chat Completions bodies and the internal call path
-(``appliance.proxy.calls``): request validation (each error names its parameter), the
-``chat.completion`` object, and the ``chat.completion.chunk`` stream with tool-call deltas and
-``stream_options.include_usage``. It never touches tokens itself.
+Owns the conversion between Chat Completions bodies and the call pipeline
+(``appliance.proxy.pipeline``): request validation (each error names its parameter), the
+``chat.completion`` object, and the ``chat.completion.chunk`` events with tool-call deltas and
+``stream_options.include_usage``. ``response_format`` (json_object, json_schema) and a forced
+``tool_choice`` (required, a named function) are enforced by constrained decoding. Pure: the
+driver does the I/O and the tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
 from appliance.chat.messages import assistant_to_openai, messages_from_openai, tools_from_openai
 from appliance.errors import ApplianceError, BadRequest
-from appliance.proxy.calls import CallOutcome, PreparedCall
-from appliance.proxy.http import (
-    CALLS,
-    SETTINGS,
-    add_post,
-    json_body,
-    rollout_of,
-    sse_send,
-    sse_start,
-    user_agent,
-)
+from appliance.proxy.driver import handler
+from appliance.proxy.http import ProxySettings, add_post
+from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started, TokenLogprob
 from appliance.proxy.validate import (
     flag,
+    forced_tool,
     include_usage,
     number,
+    output_format,
     positive_int,
     refuse_distribution_changes,
     required_str,
@@ -45,53 +41,141 @@ SURFACE = "openai.chat"
 MAX_N = 16
 
 
-def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[list[PreparedCall], bool, bool, bool]:
-    """Validate the body; returns one prepared call per choice, and stream/usage/logprobs flags."""
-    required_str(body, "model")
-    stream = flag(body, "stream")
-    usage = include_usage(body)
-    n = positive_int(body, "n") or 1
-    if n > MAX_N or (stream and n > 1):
-        raise BadRequest(f"'n' must be at most {MAX_N} (1 when streaming)", param="n")
-    logprobs = flag(body, "logprobs")
-    top = top_logprobs(body, "top_logprobs")
-    refuse_distribution_changes(body)
-    fmt = body.get("response_format")
-    if fmt is not None and (
-        not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
-    ):
-        raise BadRequest(
-            "'response_format.type' must be text, json_object or json_schema", param="response_format"
+class ChatSurface:
+    name = SURFACE
+
+    def parse(self, body: dict[str, Any], settings: ProxySettings) -> CallRequest:
+        model = required_str(body, "model")
+        stream = flag(body, "stream")
+        usage = include_usage(body)
+        n = positive_int(body, "n") or 1
+        if n > MAX_N or (stream and n > 1):
+            raise BadRequest(f"'n' must be at most {MAX_N} (1 when streaming)", param="n")
+        logprobs = flag(body, "logprobs")
+        top = top_logprobs(body, "top_logprobs")
+        refuse_distribution_changes(body)
+        fmt = body.get("response_format")
+        if fmt is not None and (
+            not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
+        ):
+            raise BadRequest(
+                "'response_format.type' must be text, json_object or json_schema", param="response_format"
+            )
+        declared, tool_choice = _tools_and_choice(body)
+        structure = forced_tool(tool_choice) or output_format(
+            None if fmt is None else fmt.get("json_schema"), fmt, "response_format"
         )
-    declared, tool_choice = _tools_and_choice(body)
-    messages = messages_from_openai(body.get("messages"))
-    tools = [] if tool_choice == "none" else declared
-    max_tokens = positive_int(body, "max_tokens")  # deprecated by OpenAI; still checked
-    params = sampling_for(
-        request.app[SETTINGS],
-        max_tokens=positive_int(body, "max_completion_tokens") or max_tokens,
-        temperature=number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=number(body, "top_p", 1.0, 0.0, 1.0),
-        seed=seed(body),
-        top_logprobs=(top or 0) if logprobs else 0,
-    )
-    stop = stop_strings(body, "stop")
-    rollout = rollout_of(request)
-    calls = request.app[CALLS]
-    prepared = [
-        calls.prepare(
-            rollout,
-            messages=messages,
-            tools=tools,
-            params=params,
+        messages = messages_from_openai(body.get("messages"))
+        tools = [] if tool_choice == "none" else declared
+        max_tokens = positive_int(body, "max_tokens")  # deprecated by OpenAI; still checked
+        params = sampling_for(
+            settings,
+            max_tokens=positive_int(body, "max_completion_tokens") or max_tokens,
+            temperature=number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=number(body, "top_p", 1.0, 0.0, 1.0),
+            seed=seed(body),
+            top_logprobs=(top or 0) if logprobs else 0,
+        )
+        return CallRequest(
             surface=SURFACE,
-            request=body,
-            user_agent=user_agent(request),
-            stop=stop,
+            model=model,
+            prompts=(ChatPrompt(tuple(messages), tuple(tools)),),
+            params=params,
+            body=body,
+            stop=stop_strings(body, "stop"),
+            n=n,
+            stream=stream,
+            logprobs=logprobs,
+            include_usage=usage,
+            structure=structure,
         )
-        for _ in range(n)
-    ]
-    return prepared, stream, usage, logprobs
+
+    def whole(self, request: CallRequest, answers: Sequence[Answer]) -> dict[str, Any]:
+        first = answers[0]
+        completion = sum(a.completion_tokens for a in answers)
+        return {
+            "id": "chatcmpl-" + first.call_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": request.model,
+            "system_fingerprint": f"policy-v{first.policy_version}",
+            "service_tier": "default",
+            "choices": [
+                {
+                    "index": a.index,
+                    "message": assistant_to_openai(a.message),
+                    "finish_reason": _finish(a),
+                    "logprobs": _logprobs(a) if request.logprobs else None,
+                }
+                for a in answers
+            ],
+            "usage": _usage(first.prompt_tokens, completion),
+        }
+
+    def encoder(self, request: CallRequest, started: Started) -> ChatChunks:
+        return ChatChunks(request, started.call_id)
+
+
+class ChatChunks:
+    """One streamed choice as ``chat.completion.chunk`` events, then ``[DONE]``."""
+
+    def __init__(self, request: CallRequest, call_id: str) -> None:
+        self.include_usage, self.logprobs = request.include_usage, request.logprobs
+        self.base = {
+            "id": "chatcmpl-" + call_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": request.model,
+            "system_fingerprint": None,
+        }
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> Event:
+        out = {
+            **self.base,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if self.include_usage:
+            out["usage"] = None
+        return None, out
+
+    def opening(self) -> list[Event]:
+        return [self._chunk({"role": "assistant", "content": "", "refusal": None})]
+
+    def text(self, delta: str) -> list[Event]:
+        return [self._chunk({"content": delta})]
+
+    def closing(self, answer: Answer) -> list[Event]:
+        events = [
+            self._chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": i,
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        }
+                    ]
+                }
+            )
+            for i, call in enumerate(answer.message.tool_calls)
+        ]
+        finish = self._chunk({}, _finish(answer))
+        if self.logprobs:
+            # The sampled tokens' log-probs, all in the last chunk: a client that adds up the
+            # chunks' log-probs gets the whole list, as from the unstreamed answer.
+            finish[1]["choices"][0]["logprobs"] = _logprobs(answer)
+        events.append(finish)
+        if self.include_usage:
+            usage = _usage(answer.prompt_tokens, answer.completion_tokens)
+            events.append((None, {**self.base, "choices": [], "usage": usage}))
+        return events
+
+    def failed(self, error: ApplianceError) -> list[Event]:
+        return [(None, {"error": error.openai_error()})]
+
+    def trailer(self) -> list[Event]:
+        return [(None, "[DONE]")]
 
 
 def _tools_and_choice(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
@@ -141,116 +225,31 @@ def _tools_and_choice(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
     return tools, choice
 
 
-def _finish(outcome: CallOutcome) -> str:
-    if outcome.message.tool_calls:
+def _finish(answer: Answer) -> str:
+    if answer.message.tool_calls:
         return "tool_calls"
-    return "length" if outcome.result.finish_reason == "length" else "stop"
+    return "length" if answer.truncated else "stop"
 
 
-def _usage(outcome: CallOutcome) -> dict[str, Any]:
-    completion = len(outcome.result.token_ids)
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
     return {
-        "prompt_tokens": outcome.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": outcome.prompt_tokens + completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 
-def _logprobs(outcome: CallOutcome, request: web.Request) -> dict[str, Any]:
-    tokenizer = request.app[CALLS].tokenizer
+def _entry(entry: TokenLogprob | tuple[str, float]) -> dict[str, Any]:
+    token, logprob = (entry.token, entry.logprob) if isinstance(entry, TokenLogprob) else entry
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    result = outcome.result
-    tops = result.top_logprobs or tuple(() for _ in result.token_ids)
-    content = [
-        {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
-        for token, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
-    ]
+def _logprobs(answer: Answer) -> dict[str, Any]:
+    content = [{**_entry(e), "top_logprobs": [_entry(t) for t in e.top]} for e in answer.logprobs or ()]
     return {"content": content, "refusal": None}
 
 
-def _body(outcomes: list[CallOutcome], model: str, request: web.Request, logprobs: bool) -> dict[str, Any]:
-    first = outcomes[0]
-    usage = _usage(first)
-    usage["completion_tokens"] = sum(len(o.result.token_ids) for o in outcomes)
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return {
-        "id": "chatcmpl-" + first.call_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": f"policy-v{first.result.policy_version}",
-        "service_tier": "default",
-        "choices": [
-            {
-                "index": i,
-                "message": assistant_to_openai(o.message),
-                "finish_reason": _finish(o),
-                "logprobs": _logprobs(o, request) if logprobs else None,
-            }
-            for i, o in enumerate(outcomes)
-        ],
-        "usage": usage,
-    }
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await json_body(request)
-    prepared, stream, include_usage, logprobs = _prepare(request, body)
-    calls = request.app[CALLS]
-    if not stream:
-        outcomes = await asyncio.gather(*(calls.complete(p) for p in prepared))
-        return web.json_response(_body(list(outcomes), body["model"], request, logprobs))
-
-    (call,) = prepared
-    base = {
-        "id": "chatcmpl-" + call.call_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": body["model"],
-        "system_fingerprint": None,
-    }
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        out = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    # Generation starts first, so the headers and the role chunk go out while the engine prefills.
-    # Leaving the block early (the client went away) cancels the generation.
-    async with calls.stream(call) as items:
-        response = await sse_start(request)
-        await sse_send(response, chunk({"role": "assistant", "content": "", "refusal": None}))
-        try:
-            async for item in items:
-                if isinstance(item, str):
-                    await sse_send(response, chunk({"content": item}))
-                    continue
-                for i, tool_call in enumerate(item.message.tool_calls):
-                    delta = {
-                        "index": i,
-                        "id": tool_call.id,
-                        "type": "function",
-                        "function": {"name": tool_call.name, "arguments": tool_call.arguments},
-                    }
-                    await sse_send(response, chunk({"tool_calls": [delta]}))
-                await sse_send(response, chunk({}, _finish(item)))
-                if include_usage:
-                    await sse_send(response, {**base, "choices": [], "usage": _usage(item)})
-        except ApplianceError as exc:
-            # The status line is gone already: the error travels as an event, as OpenAI sends it.
-            error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
-            await sse_send(response, {"error": error})
-    await sse_send(response, "[DONE]")
-    await response.write_eof()
-    return response
-
-
 def add_routes(app: web.Application) -> None:
-    add_post(app, "/chat/completions", chat_completions)
+    add_post(app, "/chat/completions", handler(ChatSurface()))

@@ -1,7 +1,7 @@
 """The OpenAI Responses surface: ``POST /v1/responses``, plain and streaming.
 
-Owns the conversion between Responses bodies and the internal call path
-(``appliance.proxy.calls``): ``instructions`` and ``input`` items (messages, ``function_call``,
+Owns the conversion between Responses bodies and the call pipeline
+(``appliance.proxy.pipeline``): ``instructions`` and ``input`` items (messages, ``function_call``,
 ``function_call_output``; ``reasoning`` items are dropped) become internal messages, function
 tools become chat-style tool schemas, and the outcome becomes a ``response`` object (a message
 item, then one ``function_call`` item per tool call) or its numbered event stream. As with
@@ -12,13 +12,14 @@ The proxy is stateless: it stores no responses, so ``previous_response_id`` and
 ``conversation`` are refused and the harness re-sends the whole history (openai-agents does).
 Output items re-sent as input convert back to exactly the assistant message the proxy produced
 (same text, same tool names and argument texts), so the earlier turn is spliced token for token.
+Pure: the driver does the I/O and the tokens.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -26,20 +27,14 @@ from aiohttp import web
 
 from appliance.chat.messages import Message, ToolCall, tools_from_openai
 from appliance.errors import ApplianceError, BadRequest
-from appliance.proxy.calls import CallOutcome, CallStream, PreparedCall
-from appliance.proxy.http import (
-    CALLS,
-    SETTINGS,
-    add_post,
-    json_body,
-    rollout_of,
-    sse_send,
-    sse_start,
-    user_agent,
-)
+from appliance.proxy.driver import handler
+from appliance.proxy.http import ProxySettings, add_post
+from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started
 from appliance.proxy.validate import (
     flag,
+    forced_tool,
     number,
+    output_format,
     positive_int,
     required_str,
     sampling_for,
@@ -175,7 +170,8 @@ def _tool_choice(value: Any) -> Any:
 
 
 def _text_format(text: Any) -> dict[str, Any]:
-    """``text.format``: text (the default), json_object or json_schema (accepted, not enforced)."""
+    """``text.format``: text (the default), json_object or json_schema (enforced by constrained
+    decoding)."""
     fmt = text.get("format") if isinstance(text, dict) else text
     if fmt is None:
         return {"type": "text"}
@@ -198,8 +194,8 @@ def _function_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, bool, dict[str, Any]]:
-    """Validate the body; returns the prepared call, the stream flag and the fields to echo."""
+def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
+    """Validate the body; the fields a response object repeats travel in ``options["echo"]``."""
     model = required_str(body, "model")
     for name in STATEFUL:
         if body.get(name) is not None:
@@ -221,18 +217,7 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, 
     top_logprobs(body, "top_logprobs")  # accepted, not returned (output_text logprobs stay empty)
     temperature = number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = number(body, "top_p", 1.0, 0.0, 1.0)
-    params = sampling_for(
-        request.app[SETTINGS], max_tokens=max_output, temperature=temperature, top_p=top_p, seed=None
-    )
-    call = request.app[CALLS].prepare(
-        rollout_of(request),
-        messages=messages,
-        tools=[] if tool_choice == "none" else tools,
-        params=params,
-        surface=SURFACE,
-        request=body,
-        user_agent=user_agent(request),
-    )
+    params = sampling_for(settings, max_tokens=max_output, temperature=temperature, top_p=top_p, seed=None)
     echo = {
         "created_at": int(time.time()),
         "model": model,
@@ -249,11 +234,19 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> tuple[PreparedCall, 
         "previous_response_id": None,
         "reasoning": None,
         "service_tier": "default",
-        "store": False,
         "background": False,
         "user": body.get("user"),
     }
-    return call, stream, echo
+    return CallRequest(
+        surface=SURFACE,
+        model=model,
+        prompts=(ChatPrompt(tuple(messages), tuple([] if tool_choice == "none" else tools)),),
+        params=params,
+        body=body,
+        stream=stream,
+        options={"echo": echo},
+        structure=forced_tool(tool_choice) or output_format(fmt, fmt, "text"),
+    )
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -276,41 +269,41 @@ def _call_item(item_id: str, call: ToolCall, arguments: str, status: str) -> dic
     }
 
 
-def _shows_message(outcome: CallOutcome) -> bool:
+def _shows_message(answer: Answer) -> bool:
     """The message item is left out only when the turn is tool calls without any text."""
-    return bool(outcome.message.content) or not outcome.message.tool_calls
+    return bool(answer.message.content) or not answer.message.tool_calls
 
 
-def _output(outcome: CallOutcome) -> list[dict[str, Any]]:
-    message = outcome.message
-    items = [_message_item("msg_" + outcome.call_id, message.content, "completed")]
+def _output(answer: Answer) -> list[dict[str, Any]]:
+    message = answer.message
+    items = [_message_item("msg_" + answer.call_id, message.content, "completed")]
     calls = [
-        _call_item(f"fc_{outcome.call_id}_{i}", c, c.arguments, "completed")
+        _call_item(f"fc_{answer.call_id}_{i}", c, c.arguments, "completed")
         for i, c in enumerate(message.tool_calls)
     ]
-    return (items if _shows_message(outcome) else []) + calls
+    return (items if _shows_message(answer) else []) + calls
 
 
 def _response(
-    call_id: str, echo: dict[str, Any], output: list[dict[str, Any]], outcome: CallOutcome | None
+    call_id: str, echo: Mapping[str, Any], output: list[dict[str, Any]], answer: Answer | None
 ) -> dict[str, Any]:
     status, usage = "in_progress", None
-    if outcome is not None:
-        status = "incomplete" if outcome.result.finish_reason == "length" else "completed"
-        generated = len(outcome.result.token_ids)
+    if answer is not None:
+        status = "incomplete" if answer.truncated else "completed"
+        generated = answer.completion_tokens
         usage = {
-            "input_tokens": outcome.prompt_tokens,
+            "input_tokens": answer.prompt_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": generated,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": outcome.prompt_tokens + generated,
+            "total_tokens": answer.prompt_tokens + generated,
         }
     return {
         "id": "resp_" + call_id,
         "object": "response",
         **echo,
         "status": status,
-        "completed_at": int(time.time()) if outcome is not None else None,
+        "completed_at": int(time.time()) if answer is not None else None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "error": None,
         "output": output,
@@ -318,117 +311,133 @@ def _response(
     }
 
 
-async def responses(request: web.Request) -> web.StreamResponse:
-    body = await json_body(request)
-    call, stream, echo = _prepare(request, body)
-    if not stream:
-        outcome = await request.app[CALLS].complete(call)
-        return web.json_response(_response(call.call_id, echo, _output(outcome), outcome))
-    # Generation starts first, so the headers and opening events go out while the engine prefills.
-    async with request.app[CALLS].stream(call) as items:
-        response = await sse_start(request)
-        await _ResponseStream(request, response, call, echo).run(items)
-    await response.write_eof()
-    return response
+class ResponsesSurface:
+    name = SURFACE
+
+    def parse(self, body: dict[str, Any], settings: ProxySettings) -> CallRequest:
+        return _parse(body, settings)
+
+    def whole(self, request: CallRequest, answers: Sequence[Answer]) -> dict[str, Any]:
+        (answer,) = answers
+        return _response(answer.call_id, request.options["echo"], _output(answer), answer)
+
+    def encoder(self, request: CallRequest, started: Started) -> ResponseEvents:
+        (prompt,) = request.prompts
+        tools = prompt.tools if isinstance(prompt, ChatPrompt) else ()
+        return ResponseEvents(started.call_id, request.options["echo"], hold_space=bool(tools))
 
 
-class _ResponseStream:
-    """Writes one call as the Responses event sequence, numbering every event."""
+class ResponseEvents:
+    """One call as the Responses event sequence, numbering every event."""
 
-    def __init__(
-        self, request: web.Request, response: web.StreamResponse, call: PreparedCall, echo: dict[str, Any]
-    ) -> None:
-        self.request, self.response, self.call, self.echo = request, response, call, echo
+    def __init__(self, call_id: str, echo: Mapping[str, Any], *, hold_space: bool) -> None:
+        self.call_id, self.echo = call_id, echo
         self.sequence = 0
-        self.message_id = "msg_" + call.call_id
+        self.message_id = "msg_" + call_id
         self.message_open = False
         self.sent = ""  # text sent as deltas
+        # With tools declared, the text before a tool call is returned stripped: whitespace is
+        # held back at both ends so the deltas add up to the final text.
+        self.strip = hold_space
+        self.held = ""
 
-    async def send(self, kind: str, **fields: Any) -> None:
-        await sse_send(self.response, {"type": kind, "sequence_number": self.sequence, **fields}, event=kind)
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = (kind, {"type": kind, "sequence_number": self.sequence, **fields})
         self.sequence += 1
+        return event
 
-    async def open_message(self) -> None:
+    def _open_message(self) -> list[Event]:
         if self.message_open:
-            return
+            return []
         self.message_open = True
-        await self.send(
-            "response.output_item.added",
-            output_index=0,
-            item=_message_item(self.message_id, None, "in_progress"),
-        )
-        await self.send(
-            "response.content_part.added",
-            item_id=self.message_id,
-            output_index=0,
-            content_index=0,
-            part=_text_part(""),
-        )
+        return [
+            self._event(
+                "response.output_item.added",
+                output_index=0,
+                item=_message_item(self.message_id, None, "in_progress"),
+            ),
+            self._event(
+                "response.content_part.added",
+                item_id=self.message_id,
+                output_index=0,
+                content_index=0,
+                part=_text_part(""),
+            ),
+        ]
 
-    async def delta(self, text: str) -> None:
-        await self.open_message()
-        await self.send(
-            "response.output_text.delta",
-            item_id=self.message_id,
-            output_index=0,
-            content_index=0,
-            delta=text,
-            logprobs=[],
+    def _delta(self, text: str) -> list[Event]:
+        events = self._open_message()
+        events.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=self.message_id,
+                output_index=0,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
         )
         self.sent += text
+        return events
 
-    async def run(self, items: CallStream) -> None:
-        started = _response(self.call.call_id, self.echo, [], None)
-        await self.send("response.created", response=started)
-        await self.send("response.in_progress", response=started)
-        # With tools declared, the text before a tool call is returned stripped: hold whitespace
-        # back at both ends so the deltas add up to the final text.
-        strip = bool(self.call.tools)
-        held = ""
-        try:
-            async for item in items:
-                if isinstance(item, CallOutcome):
-                    await self.finish(item)
-                elif not strip:
-                    await self.delta(item)
-                else:
-                    held = (held + item) if self.sent else (held + item).lstrip()
-                    text = held.rstrip()
-                    if text:
-                        held = held[len(text) :]
-                        await self.delta(text)
-        except ApplianceError as exc:
-            await self.send("error", code=exc.code, message=exc.message, param=exc.param)
+    def opening(self) -> list[Event]:
+        started = _response(self.call_id, self.echo, [], None)
+        return [
+            self._event("response.created", response=started),
+            self._event("response.in_progress", response=started),
+        ]
 
-    async def finish(self, outcome: CallOutcome) -> None:
+    def text(self, delta: str) -> list[Event]:
+        if not self.strip:
+            return self._delta(delta)
+        self.held = (self.held + delta) if self.sent else (self.held + delta).lstrip()
+        text = self.held.rstrip()
+        if not text:
+            return []
+        self.held = self.held[len(text) :]
+        return self._delta(text)
+
+    def closing(self, answer: Answer) -> list[Event]:
+        events: list[Event] = []
         output: list[dict[str, Any]] = []
-        content = outcome.message.content
-        if self.message_open or _shows_message(outcome):
-            await self.open_message()
+        content = answer.message.content
+        if self.message_open or _shows_message(answer):
+            events += self._open_message()
             if content.startswith(self.sent) and len(content) > len(self.sent):
-                await self.delta(content[len(self.sent) :])
+                events += self._delta(content[len(self.sent) :])
             where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-            await self.send("response.output_text.done", **where, text=content, logprobs=[])
-            await self.send("response.content_part.done", **where, part=_text_part(content))
+            events.append(self._event("response.output_text.done", **where, text=content, logprobs=[]))
+            events.append(self._event("response.content_part.done", **where, part=_text_part(content)))
             output.append(_message_item(self.message_id, content, "completed"))
-            await self.send("response.output_item.done", output_index=0, item=output[-1])
-        for i, call in enumerate(outcome.message.tool_calls):
-            index, item_id = len(output), f"fc_{outcome.call_id}_{i}"
-            await self.send(
-                "response.output_item.added",
-                output_index=index,
-                item=_call_item(item_id, call, "", "in_progress"),
+            events.append(self._event("response.output_item.done", output_index=0, item=output[-1]))
+        for i, call in enumerate(answer.message.tool_calls):
+            index, item_id = len(output), f"fc_{answer.call_id}_{i}"
+            events.append(
+                self._event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item=_call_item(item_id, call, "", "in_progress"),
+                )
             )
             where = {"item_id": item_id, "output_index": index}
-            await self.send("response.function_call_arguments.delta", **where, delta=call.arguments)
-            await self.send(
-                "response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments
+            events.append(
+                self._event("response.function_call_arguments.delta", **where, delta=call.arguments)
+            )
+            events.append(
+                self._event("response.function_call_arguments.done", **where, arguments=call.arguments)
             )
             output.append(_call_item(item_id, call, call.arguments, "completed"))
-            await self.send("response.output_item.done", output_index=index, item=output[-1])
-        final = _response(outcome.call_id, self.echo, output, outcome)
-        await self.send(f"response.{final['status']}", response=final)
+            events.append(self._event("response.output_item.done", output_index=index, item=output[-1]))
+        final = _response(answer.call_id, self.echo, output, answer)
+        events.append(self._event(f"response.{final['status']}", response=final))
+        return events
+
+    def failed(self, error: ApplianceError) -> list[Event]:
+        return [self._event("error", code=error.code, message=error.message, param=error.param)]
+
+    def trailer(self) -> list[Event]:
+        return []
 
 
 def add_routes(app: web.Application) -> None:
-    add_post(app, "/responses", responses)
+    add_post(app, "/responses", handler(ResponsesSurface()))

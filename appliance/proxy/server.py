@@ -2,10 +2,10 @@
 
 Owns assembling the aiohttp application from the surface modules, the few routes that belong to
 no surface (models, rewards, health, admin), and one middleware that turns ``ApplianceError``
-and malformed input into OpenAI-shaped ``{"error": {...}}`` bodies with the right status (the
-Anthropic surface answers in its own shape, see ``anthropic_messages``). Harness routes live
-under the rollout's base URL ``/rollouts/<rollout_id>/v1`` and under a plain ``/v1`` for
-rollout-less use with the admin token.
+and malformed input into OpenAI-shaped ``{"error": {...}}`` bodies with the right status
+(Anthropic's shape for Anthropic clients: ``ApplianceError.to_openai`` / ``to_anthropic``).
+Harness routes live under the rollout's base URL ``/rollouts/<rollout_id>/v1`` and under a
+plain ``/v1`` for rollout-less use with the admin token.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import ApplianceError, BadRequest, ModelNotFound
+from appliance.errors import ApplianceError, BadRequest, HTTPError, ModelNotFound
 from appliance.health import Health
 from appliance.proxy import (
     admin_feed,
@@ -55,25 +55,12 @@ __all__ = ["ProxyServer", "ProxySettings", "build_app"]
 
 
 def error_response(request: web.Request, exc: ApplianceError) -> web.Response:
-    if anthropic_messages.is_anthropic(request):
-        response = anthropic_messages.error_response(exc)
-    else:
-        payload = {
-            "error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
-        }
-        response = web.json_response(payload, status=exc.status)
+    body = exc.to_anthropic() if anthropic_messages.is_anthropic(request) else exc.to_openai()
+    response = web.json_response(body, status=exc.status)
     if exc.status in (429, 503):
         # Retryable: say when (the openai and anthropic clients honour it).
-        response.headers["Retry-After"] = str(getattr(exc, "retry_after_s", 1))
+        response.headers["Retry-After"] = str(exc.retry_after_s or 1)
     return response
-
-
-class _HTTPError(ApplianceError):
-    def __init__(self, status: int, message: str, code: str | None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.error_type = "invalid_request_error" if status < 500 else "server_error"
-        self.code = code
 
 
 @web.middleware
@@ -84,12 +71,12 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(request, exc)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[SETTINGS].max_body_bytes
-        error = _HTTPError(413, f"the request body is larger than {limit} bytes", "request_too_large")
+        error = HTTPError(413, f"the request body is larger than {limit} bytes", "request_too_large")
         return error_response(request, error)
     except web.HTTPException as exc:
         if exc.status >= 400:
             code = "not_found" if exc.status == 404 else None
-            return error_response(request, _HTTPError(exc.status, f"{exc.reason}: {request.path}", code))
+            return error_response(request, HTTPError(exc.status, f"{exc.reason}: {request.path}", code))
         raise
     except ConnectionError as exc:
         transport = request.transport
@@ -97,7 +84,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             # This client is still connected: another connection failed under the handler.
             log.exception("unhandled error on %s %s", request.method, request.path)
             return error_response(
-                request, _HTTPError(500, "internal error; see the appliance log", "internal_error")
+                request, HTTPError(500, "internal error; see the appliance log", "internal_error")
             )
         # The client went away (a harness cancelled or timed out); its call is recorded as
         # cancelled. Routine, so one line and no traceback. Re-raising would make aiohttp log an
@@ -117,7 +104,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(
-            request, _HTTPError(500, "internal error; see the appliance log", "internal_error")
+            request, HTTPError(500, "internal error; see the appliance log", "internal_error")
         )
 
 
@@ -125,7 +112,13 @@ def _model_object(request: web.Request) -> dict[str, Any]:
     """The served model as OpenAI's Model object, or Anthropic's to an Anthropic client."""
     name = request.app[SETTINGS].model_name
     if anthropic_client(request):
-        return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+        return {
+            "type": "model",
+            "id": name,
+            "display_name": name,
+            "created_at": "1970-01-01T00:00:00Z",
+            "lifecycle": "active",
+        }
     return {"id": name, "object": "model", "created": 0, "owned_by": "lightning-appliance"}
 
 

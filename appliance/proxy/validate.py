@@ -28,6 +28,7 @@ from appliance.engines.base import (
 )
 from appliance.errors import BadRequest
 from appliance.proxy.http import ProxySettings
+from appliance.proxy.pipeline import Structure
 
 
 def shown(value: Any, limit: int = 40) -> str:
@@ -182,7 +183,9 @@ def sampling_for(
         )
     return SamplingParams(
         # Any size the client asks is capped (Python ints do not overflow; the cap is an int).
-        max_tokens=min(max_tokens or settings.max_tokens_default, settings.max_tokens_cap),
+        max_tokens=min(
+            settings.max_tokens_default if max_tokens is None else max_tokens, settings.max_tokens_cap
+        ),
         temperature=temperature if settings.temperature_override is None else settings.temperature_override,
         # top_p 0 (the spec allows it) keeps only the most likely token, as the smallest top_p
         # the engines take does: the most likely token alone already has probability >= 1/vocab.
@@ -190,3 +193,40 @@ def sampling_for(
         seed=seed,
         top_logprobs=top_logprobs,
     )
+
+
+def output_format(schema_holder: Any, fmt: Any, param: str) -> Structure | None:
+    """The ``Structure`` a validated output format asks for: None for ``text`` (or none given),
+    any JSON object for ``json_object``, JSON matching ``schema_holder["schema"]`` for
+    ``json_schema`` (Chat Completions nests it under ``json_schema``, Responses puts it in the
+    format itself)."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return Structure("json_object")
+    if kind != "json_schema":
+        return None
+    if not isinstance(schema_holder, dict):
+        raise BadRequest(f"'{param}' of type json_schema needs its schema object", param=param)
+    name = schema_holder.get("name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"'{param}' json_schema needs a 'name'", param=param)
+    schema = schema_holder.get("schema", {})
+    if not isinstance(schema, dict):
+        raise BadRequest(f"'{param}' json_schema.schema must be an object", param=param)
+    strict = schema_holder.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise BadRequest(f"'{param}' json_schema.strict must be a boolean", param=param)
+    return Structure("json_schema", schema=schema)
+
+
+def forced_tool(choice: Any) -> Structure | None:
+    """A validated ``tool_choice`` that forces a call: ``required`` (any declared tool, one or
+    more calls) or a named function (exactly one call of it), in either API's object shape."""
+    if choice == "required":
+        return Structure("tool_call")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else choice.get("name")
+        if isinstance(name, str):
+            return Structure("tool_call", tool=name)
+    return None

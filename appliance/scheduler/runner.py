@@ -365,6 +365,8 @@ class SchedulerRunner:
             return
         # The sampling the proxy actually used (recorded on each call), else the configured one.
         sampling = next((c.sampling for v in views for c in v.calls), None) or self.validation.sampling()
+        # A constraint (a grammar) belongs to one call's output format, not to the round's sampling.
+        sampling = {key: value for key, value in sampling.items() if key != "constraint"}
         await self._record(
             round_result(views, step=state.step, policy_version=views[0].created_version, sampling=sampling)
         )

@@ -152,6 +152,42 @@ class EngineContract:
             expected = teacher_forced(reference_model, prompt, result.token_ids, temperature)
             assert result.logprobs == pytest.approx(expected, abs=self.logprob_atol)
 
+    @pytest.mark.parametrize("k", [0, 3])
+    async def test_prompt_logprobs_match_teacher_forcing(
+        self, engine: Engine, reference_model: Any, k: int
+    ) -> None:
+        """Scoring prompts (``echo`` with ``logprobs``): the raw model's log p(prompt[j] |
+        prompt[:j]) and its k most likely tokens, for prompts of different lengths batched
+        together, whatever the sampling of the completion."""
+        prompts = [PROMPTS[7], PROMPTS[0], PROMPTS[3]]
+        params = SamplingParams(max_tokens=2, temperature=0.5, top_p=0.5, seed=0)
+        requests = [GenerateRequest(prompt_ids=q, params=params, prompt_logprobs=k) for q in prompts]
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        for prompt, result in zip(prompts, results, strict=True):
+            with torch.no_grad():
+                logp = torch.log_softmax(
+                    reference_model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1
+                )
+            expected = logp.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1).tolist()
+            assert len(result.prompt_logprobs) == len(result.prompt_top_logprobs) == len(prompt)
+            assert result.prompt_logprobs[0] is None and result.prompt_top_logprobs[0] == ()
+            assert result.prompt_logprobs[1:] == pytest.approx(expected, abs=self.logprob_atol)
+            values, ids = logp.topk(k, dim=-1)
+            for top, want_ids, want_values in zip(
+                result.prompt_top_logprobs[1:], ids.tolist(), values.tolist(), strict=True
+            ):
+                assert [t for t, _ in top] == want_ids
+                assert [v for _, v in top] == pytest.approx(want_values, abs=self.logprob_atol)
+        plain = await generate(engine, PROMPTS[3], params)
+        assert plain.prompt_logprobs == () and plain.prompt_top_logprobs == ()
+        streamed: list[int] = []
+        request = GenerateRequest(
+            prompt_ids=PROMPTS[3], params=params, prompt_logprobs=k, on_token=lambda t, lp: streamed.append(t)
+        )
+        result = await engine.generate(request)
+        assert streamed == list(result.token_ids)
+        assert result.prompt_logprobs == pytest.approx(results[2].prompt_logprobs, abs=self.logprob_atol)
+
     async def test_tiny_top_p_is_greedy(self, engine: Engine) -> None:
         stop = await unsampled_id(engine, PROMPTS[6], 8)
         nucleus = SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, seed=5, stop_token_ids=(stop,))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams, validate_request
 from appliance.engines.buckets import WeightBucket, pack_buckets, stream_buckets
 from appliance.engines.sampling import NUCLEUS_CANDIDATES, draw_rows
 from appliance.engines.torch_engine import TorchEngine
@@ -720,3 +721,12 @@ def test_generate_at_the_extremes_answers_or_refuses_and_never_hangs(
     finally:
         loop.run_until_complete(engine.close())
         loop.close()
+
+
+@pytest.mark.parametrize("wanted", [-1, 21, 1.5, True])
+def test_prompt_logprobs_out_of_range_are_refused(wanted: Any) -> None:
+    request = GenerateRequest(prompt_ids=[1, 2], params=greedy(2), prompt_logprobs=wanted)
+    with pytest.raises(BadRequest) as caught:
+        validate_request(request, max_context=64, vocab_size=1002)
+    assert caught.value.param == "logprobs"
+    validate_request(dataclasses.replace(request, prompt_logprobs=20), max_context=64, vocab_size=1002)

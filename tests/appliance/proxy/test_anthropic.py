@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import anthropic
 import pytest
-from aiohttp import web
 from anthropic import AsyncAnthropic
 from anthropic.types import Message as AnthropicMessage
 from anthropic.types import MessageParam, ToolParam
@@ -21,7 +20,8 @@ from appliance.chat.render import render_text
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.tools import new_tool_call_id
 from appliance.errors import StoreError
-from appliance.proxy.anthropic_messages import ContentStream, to_content, to_messages, to_tools
+from appliance.proxy.anthropic_messages import MessageEvents, to_content, to_messages, to_tools
+from appliance.proxy.pipeline import Answer, Started
 from appliance.rollouts import ActiveRollout
 from tests.support import make_config
 from tests.support import recorded_calls as calls_recorded
@@ -293,18 +293,19 @@ async def test_stop_sequences_report_which_one_matched(tmp_path: Path, tiny_mode
             assert text_of(response) == cut
 
 
-class Sink:
-    """Stands in for the SSE response: keeps what is written."""
-
-    def __init__(self) -> None:
-        self.data = b""
-
-    async def write(self, data: bytes) -> None:
-        self.data += data
-
-    def events(self) -> list[tuple[str, dict[str, Any]]]:
-        chunks = [c for c in self.data.decode().split("\n\n") if c]
-        return [(c.split("\n")[0].removeprefix("event: "), json.loads(c.split("\n")[1][6:])) for c in chunks]
+def _answer(message: Message) -> Answer:
+    return Answer(
+        index=0,
+        prompt_index=0,
+        call_id="c1",
+        message=message,
+        text=message.content,
+        finish_reason="stop",
+        stop_sequence=None,
+        prompt_tokens=3,
+        completion_tokens=5,
+        policy_version=0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -326,19 +327,19 @@ class Sink:
         (["Hello <tool"], Message("assistant", "Hello <tool"), [("text", "Hello <tool")]),
     ],
 )
-async def test_streamed_blocks_equal_the_final_turn(
+def test_streamed_blocks_equal_the_final_turn(
     deltas: list[str], final: Message, blocks: list[tuple[str, str]]
 ) -> None:
-    sink = Sink()
-    stream = ContentStream(cast(web.StreamResponse, sink), reasoning=True, hold_space=True)
-    for delta in deltas:
-        await stream.push(delta)
-    assert await stream.close(final) == len(blocks)
+    stream = MessageEvents(Started("c1", 3), "m", reasoning=True, hold_space=True)
+    events = [event for delta in deltas for event in stream.text(delta)]
+    events += stream.closing(_answer(final))
     texts: dict[int, str] = {}
     kinds: dict[int, str] = {}
     open_blocks: list[int] = []
-    for kind, data in sink.events():
+    for kind, data in events:
         assert data["type"] == kind
+        if kind in ("message_delta", "message_stop"):
+            continue
         if kind == "content_block_start":
             assert not open_blocks  # one block at a time
             open_blocks.append(data["index"])
@@ -347,11 +348,14 @@ async def test_streamed_blocks_equal_the_final_turn(
         elif kind == "content_block_delta":
             assert open_blocks == [data["index"]]
             delta = data["delta"]
-            texts[data["index"]] += delta["text"] if delta["type"] == "text_delta" else delta["thinking"]
+            key = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
+            texts[data["index"]] += delta[key[delta["type"]]]
         elif kind == "content_block_stop":
             assert open_blocks.pop() == data["index"]
     assert not open_blocks
-    assert [(kinds[i], texts[i]) for i in sorted(texts)] == blocks
+    uses = [(kinds[i], texts[i]) for i in sorted(texts) if kinds[i] == "tool_use"]
+    assert [(kinds[i], texts[i]) for i in sorted(texts) if kinds[i] != "tool_use"] == blocks
+    assert uses == [("tool_use", call.arguments) for call in final.tool_calls]
 
 
 GOOD: dict[str, Any] = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}

@@ -8,6 +8,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
 from appliance.rollouts import ActiveRollout
@@ -240,3 +242,47 @@ async def test_streaming_usage_when_asked(app: Appliance, active: ActiveRollout)
         len(call.prompt_ids),
         len(call.response_ids),
     )
+
+
+@pytest.mark.parametrize("max_tokens", [0, 5])
+async def test_echo_with_logprobs_scores_the_prompt(
+    app: Appliance, active: ActiveRollout, tiny_model_dir: Path, max_tokens: int
+) -> None:
+    """As OpenAI answers it: the prompt's tokens come first in ``logprobs`` (the first with no
+    log-prob and no alternatives), each the model's own log-prob of that token after the ones
+    before it; the offsets count from the start of the echoed prompt."""
+    tokenizer = app.registry._tokenizer
+    prompt = "The quick brown fox"
+    ids = tokenizer.encode(prompt)
+    async with client(app, active) as oai:
+        response = await oai.completions.create(
+            model="m", prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0
+        )
+    choice = response.choices[0]
+    assert choice.text.startswith(prompt) and choice.logprobs is not None
+    logprobs = choice.logprobs
+    assert logprobs.tokens is not None and logprobs.token_logprobs is not None
+    assert logprobs.top_logprobs is not None and logprobs.text_offset is not None
+    sampled = len(logprobs.tokens) - len(ids)
+    assert sampled == (response.usage.completion_tokens if response.usage else -1)
+    assert logprobs.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert "".join(logprobs.tokens[: len(ids)]) == prompt
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    # The model's own distribution, computed here without the appliance.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i in range(1, len(ids)):
+        assert logprobs.token_logprobs[i] == pytest.approx(expected[i - 1, ids[i]].item(), abs=1e-4)
+        top = logprobs.top_logprobs[i]
+        assert top is not None and len(top) == 2
+        best = expected[i - 1].topk(2)
+        assert sorted(top.values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-4)
+    # The sampled part is still recorded exactly as it was sampled (nothing for max_tokens 0).
+    calls = await recorded(app)
+    assert len(calls) == (1 if max_tokens else 0)
+    if calls:
+        assert logprobs.token_logprobs[len(ids) :] == pytest.approx(
+            list(calls[0].response_logprobs), abs=1e-6
+        )

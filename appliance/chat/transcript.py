@@ -1,0 +1,93 @@
+"""A live rollout's transcript: everything that lets a later call continue an earlier one exactly.
+
+Owns the continuation state of one rollout, whatever surface its calls come through: the chat
+conversation (sampled turns spliced token for token into later prompts, see
+``appliance.chat.render``) and the text transcript of the Completions surface (the last prompt +
+completion as text and as its exact ids, so a text prompt that continues it reuses those ids and
+tokenizes only the new text). A surface hands over messages or a text/token-id prompt and gets
+a ``RenderedPrompt``; after the call, ``remember`` records what was sampled. Nothing here is
+durable: it is the cheap-to-lose render state of a running rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.chat.formats import CHATML, ChatFormat
+from appliance.chat.messages import Message
+from appliance.chat.render import Conversation, RenderedPrompt
+from appliance.chat.tokenizer import Tokenizer
+from appliance.errors import BadRequest
+
+
+@dataclass(slots=True)
+class Transcript:
+    tokenizer: Tokenizer
+    fmt: ChatFormat = CHATML
+    conversation: Conversation = field(init=False)
+    #: Completions: the last prompt + completion text, and its exact ids.
+    _text: str = ""
+    _text_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.conversation = Conversation(self.tokenizer, self.fmt)
+
+    def render_chat(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()
+    ) -> RenderedPrompt:
+        """A chat conversation as prompt ids, earlier sampled turns spliced in."""
+        return self.conversation.render(messages, tools)
+
+    def render_text(self, prompt: str | Sequence[int]) -> RenderedPrompt:
+        """A Completions prompt (text, or token ids taken as they are) as prompt ids.
+
+        A text prompt that extends the last prompt + completion reuses its ids; an empty one
+        starts a new document (after the separator, as in pretraining)."""
+        if not isinstance(prompt, str):
+            vocab = self.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise BadRequest(f"'prompt' token ids must lie in [0, {vocab})", param="prompt")
+            return _text_prompt(list(prompt), self.tokenizer.decode(list(prompt)), tokenized=0)
+        if self._text and prompt.startswith(self._text):
+            new = self.tokenizer.encode(prompt[len(self._text) :])
+            return _text_prompt(self._text_ids + new, prompt, tokenized=len(new), spliced=len(self._text_ids))
+        ids = self.tokenizer.encode(prompt) or [self.tokenizer.document_start_id]
+        return _text_prompt(ids, prompt, tokenized=len(ids))
+
+    def remember(
+        self,
+        prompt: RenderedPrompt,
+        message: Message,
+        response_ids: Sequence[int],
+        text: str,
+        stop_ids: Sequence[int] = (),
+    ) -> None:
+        """Record a finished call: ``response_ids`` (ending with one of ``stop_ids`` if one was
+        sampled) were sampled after ``prompt`` and read as ``message`` (chat) or ``text``."""
+        if prompt.digest:
+            self.conversation.remember(prompt.digest, message, response_ids)
+        if prompt.text is None:
+            return
+        body = list(response_ids)
+        if body and body[-1] in stop_ids:
+            body = body[:-1]
+        if self.tokenizer.decode(body) != text:
+            # Cut at a stop string: the text the client got no longer matches the ids, so the
+            # next prompt is tokenized afresh rather than continued from ids it does not show.
+            self._text, self._text_ids = "", []
+            return
+        self._text = prompt.text + text
+        self._text_ids = [*prompt.prompt_ids, *body]
+
+
+def _text_prompt(ids: list[int], text: str, *, tokenized: int, spliced: int = 0) -> RenderedPrompt:
+    return RenderedPrompt(
+        prompt_ids=ids,
+        digest=b"",
+        spliced_tokens=spliced,
+        tokenized_tokens=tokenized,
+        unmatched_assistant_turns=0,
+        text=text,
+    )

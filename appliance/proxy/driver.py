@@ -1,0 +1,204 @@
+"""The one driver of model calls: every surface's request runs through the same steps.
+
+Owns what happens between a surface's ``parse`` and its shapes: reading the body, rendering
+each prompt on the rollout's transcript, preparing one call per choice, then either waiting for
+every choice (a whole response) or streaming the single choice as server-sent events: headers
+while the engine prefills, the surface's opening events, text deltas, the closing events once
+the call is durable, an error event if the call fails after the headers went out (an
+unexpected exception included, logged), the surface's trailer (``[DONE]``) and the end of the
+stream. Decoding token ids to the log-prob entries surfaces show is done here too, so a surface
+never sees a token id, and so is turning a required output form (``Structure``) into the grammar
+the engine enforces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from appliance.chat import constraints
+from appliance.chat.template import TOOL_CALL_OPEN
+from appliance.chat.tokenizer import Tokenizer
+from appliance.engines.constraints import Constraint
+from appliance.errors import ApplianceError
+from appliance.proxy.calls import CallOutcome, CallService, PreparedCall
+from appliance.proxy.http import (
+    CALLS,
+    SETTINGS,
+    Handler,
+    json_body,
+    rollout_of,
+    sse_send,
+    sse_start,
+    user_agent,
+)
+from appliance.proxy.pipeline import (
+    Answer,
+    CallRequest,
+    ChatPrompt,
+    Event,
+    Started,
+    Structure,
+    Surface,
+    TokenLogprob,
+)
+from appliance.rollouts import ActiveRollout
+
+log = logging.getLogger(__name__)
+
+
+def handler(surface: Surface) -> Handler:
+    """The aiohttp handler that serves ``surface``'s model calls."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        rollout = rollout_of(request)  # a wrong key is a 401 whatever the body holds
+        body = await json_body(request)
+        call_request = surface.parse(body, request.app[SETTINGS])
+        calls = request.app[CALLS]
+        prepared = prepare(calls, rollout, call_request, user_agent(request))
+        if not call_request.stream:
+            outcomes = await asyncio.gather(*(calls.complete(call) for call, _ in prepared))
+            answers = [
+                answer(calls.tokenizer, call_request, call, outcome, i, prompt_index)
+                for i, ((call, prompt_index), outcome) in enumerate(zip(prepared, outcomes, strict=True))
+            ]
+            return web.json_response(surface.whole(call_request, answers))
+        ((call, _),) = prepared
+        return await _stream(request, surface, call_request, call)
+
+    return handle
+
+
+def prepare(
+    calls: CallService, rollout: ActiveRollout, request: CallRequest, agent: str
+) -> list[tuple[PreparedCall, int]]:
+    """One prepared call per choice (``n`` per prompt, prompt-major), each with its prompt's index.
+    Every prompt is rendered once, before anything is generated."""
+    prepared: list[tuple[PreparedCall, int]] = []
+    for index, prompt in enumerate(request.prompts):
+        if isinstance(prompt, ChatPrompt):
+            rendered, tools = rollout.transcript.render_chat(prompt.messages, prompt.tools), prompt.tools
+        else:
+            rendered, tools = rollout.transcript.render_text(prompt), ()
+        params = request.params
+        if request.structure is not None:
+            params = replace(params, constraint=constraint_for(request.structure, tools, calls.tokenizer))
+        for _ in range(request.n):
+            call = calls.prepare(
+                rollout,
+                rendered,
+                tools=tools,
+                params=params,
+                surface=request.surface,
+                request=request.body,
+                user_agent=agent,
+                stop=request.stop,
+                prompt_logprobs=request.prompt_logprobs,
+            )
+            prepared.append((call, index))
+    return prepared
+
+
+def constraint_for(structure: Structure, tools: Sequence[dict[str, Any]], tokenizer: Tokenizer) -> Constraint:
+    """The grammar the engine enforces for ``structure`` (``BadRequest`` if it cannot be built,
+    e.g. a schema the grammar library refuses), before anything is generated."""
+    if structure.kind == "json_object":
+        return constraints.json_object()
+    if structure.kind == "json_schema":
+        return constraints.json_schema(structure.schema or {})
+    tags_are_tokens = tokenizer.token_id(TOOL_CALL_OPEN) is not None
+    return constraints.tool_call(tools, structure.tool, tags_are_tokens=tags_are_tokens)
+
+
+async def _stream(
+    request: web.Request, surface: Surface, call_request: CallRequest, call: PreparedCall
+) -> web.StreamResponse:
+    calls = request.app[CALLS]
+    reasoning = call.rollout.transcript.fmt.reasoning
+    started = Started(call.call_id, call.prompt_tokens, call.rendered.text, reasoning)
+    encoder = surface.encoder(call_request, started)
+    # Generation starts first, so the headers and opening events go out while the engine
+    # prefills. Leaving the block early (the client went away) cancels the generation, which is
+    # recorded as cancelled.
+    async with calls.stream(call) as items:
+        response = await sse_start(request)
+        await _send(response, encoder.opening())
+        try:
+            async for item in items:
+                if isinstance(item, str):
+                    await _send(response, encoder.text(item))
+                else:
+                    await _send(response, encoder.closing(answer(calls.tokenizer, call_request, call, item)))
+        except ApplianceError as exc:
+            # The status line is gone already: the error travels as an event.
+            await _send(response, encoder.failed(exc))
+        except ConnectionError:
+            raise  # the client went away; nothing to answer
+        except Exception:
+            log.exception("unhandled error while streaming %s", request.path)
+            await _send(response, encoder.failed(ApplianceError("internal error; see the appliance log")))
+    await _send(response, encoder.trailer())
+    await response.write_eof()
+    return response
+
+
+async def _send(response: web.StreamResponse, events: Sequence[Event]) -> None:
+    for name, data in events:
+        await sse_send(response, data, event=name)
+
+
+def answer(
+    tokenizer: Tokenizer,
+    request: CallRequest,
+    call: PreparedCall,
+    outcome: CallOutcome,
+    index: int = 0,
+    prompt_index: int = 0,
+) -> Answer:
+    """The outcome as a surface renders it, its log-probs decoded if the request asked."""
+    result = outcome.result
+    logprobs = prompt_logprobs = None
+    if request.logprobs:
+        tops = result.top_logprobs or tuple(() for _ in result.token_ids)
+        logprobs = tuple(
+            _entry(tokenizer, token, logprob, top)
+            for token, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
+        )
+    if request.prompt_logprobs is not None:
+        ids = call.rendered.prompt_ids
+        values = result.prompt_logprobs or tuple(None for _ in ids)
+        tops = result.prompt_top_logprobs or tuple(() for _ in ids)
+        prompt_logprobs = tuple(
+            _entry(tokenizer, token, logprob, top)
+            for token, logprob, top in zip(ids, values, tops, strict=True)
+        )
+    return Answer(
+        index=index,
+        prompt_index=prompt_index,
+        call_id=outcome.call_id,
+        message=outcome.message,
+        text=outcome.text,
+        finish_reason=result.finish_reason,
+        stop_sequence=outcome.stop_sequence,
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=len(result.token_ids),
+        policy_version=result.policy_version,
+        prompt_text=call.rendered.text,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _entry(
+    tokenizer: Tokenizer, token: int, logprob: float | None, top: Sequence[tuple[int, float]]
+) -> TokenLogprob:
+    return TokenLogprob(
+        token=tokenizer.decode([token]),
+        logprob=logprob,
+        top=tuple((tokenizer.decode([t]), lp) for t, lp in top),
+    )
