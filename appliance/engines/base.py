@@ -30,6 +30,9 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+    #: Sample only from this many most likely tokens (and any tied with the last of them),
+    #: renormalised, before top-p; 0, or at least the vocabulary's size: every token (off).
+    top_k: int = 0
     #: Generation stops after sampling any of these ids (the id itself is returned).
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
@@ -42,7 +45,8 @@ class SamplingParams:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> SamplingParams:
         """The params ``dataclasses.asdict`` recorded (a call event's ``sampling``); keys this
-        version does not know are ignored, missing ones take their defaults."""
+        version does not know are ignored, missing ones take their defaults (a record made
+        before ``top_k`` existed sampled every token, which its default 0 means)."""
         known = {f.name for f in fields(cls)}
         values = {key: value for key, value in record.items() if key in known}
         if "stop_token_ids" in values:
@@ -91,7 +95,9 @@ class GenerateRequest:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GenerateResult:
     token_ids: tuple[int, ...]
-    #: log p(token) under the sampling distribution (logits / temperature), one per token.
+    #: log p(token) under the sampling distribution (logits / temperature), one per token:
+    #: the whole tempered distribution, before any top-k or top-p cut (the torch engine always;
+    #: vLLM as its ``--logprobs-mode`` allows, see ``appliance.engines.vllm_engine``).
     logprobs: tuple[float, ...]
     #: "stop" (a stop token was sampled) or "length" (max_tokens reached).
     finish_reason: str
@@ -142,6 +148,9 @@ def validate_request(request: GenerateRequest, *, max_context: int, vocab_size: 
         )
     if not (_is_number(params.top_p) and 0 < params.top_p <= 1):
         raise BadRequest(f"top_p must lie in (0, 1], got {params.top_p!r}", param="top_p")
+    # No upper bound: a top_k at least the vocabulary's size keeps every token, like 0.
+    if not (_is_int(params.top_k) and params.top_k >= 0):
+        raise BadRequest(f"top_k must be an integer >= 0 (0: off), got {params.top_k!r}", param="top_k")
     seed = params.seed
     if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
         raise BadRequest(

@@ -122,8 +122,9 @@ def visible_ids(gpus: Sequence[int], visible: str | None = None) -> str:
 def vllm_logprobs_mode(temperature: float | None) -> str:
     """Which log-probs vLLM reports: the trainer needs those of the tempered, untruncated policy.
 
-    vLLM offers the raw distribution (exact at temperature 1, any top-p) or the processed one
-    (tempered, but renormalised over the top-p nucleus: exact for any temperature at top_p 1).
+    vLLM offers the raw distribution (exact at temperature 1, any top-k and top-p) or the
+    processed one (tempered, but renormalised over what top-k and top-p keep: exact for any
+    temperature at top_p 1 and top_k off).
     Training calls sample at the configured temperature, so: raw at 1 (or when the client's
     temperature is kept), processed otherwise.
     """

@@ -1,15 +1,23 @@
 """Choosing next tokens from logits, and the log-probabilities reported for them.
 
-Owns the numerics of sampling for the in-process engine: temperature, top-p (nucleus)
+Owns the numerics of sampling for the in-process engine: temperature, top-k and top-p (nucleus)
 filtering, seeded per-row generators and, above all, which log-probability a sampled token
 carries. It knows nothing about batching, KV caches, requests or stopping.
 
+A sampled row draws from softmax(logits / T) cut to its ``top_k`` most likely tokens (0: no
+cut; tokens tied with the k-th stay too, as in vLLM and Hugging Face), renormalised, then cut to
+the top-p nucleus of that renormalised distribution and renormalised again: vLLM's and Hugging
+Face's order. A top-k of 1 is therefore greedy (unless two tokens tie for the most likely),
+whatever the temperature and top-p.
+
 The reported log-prob is log_softmax(logits / T) at the chosen token, over the *unfiltered*
-vocabulary: the tempered policy itself. Top-p shapes which token is drawn but not the number
-reported, so a trainer's teacher-forced pass (which knows T but not top_p) reproduces it
-exactly. Greedy rows (T = 0) take the argmax and report log_softmax(logits), i.e. T = 1.
-Logits the caller set to -inf (a grammar's mask) are simply impossible tokens: the distribution
-is the policy renormalised over the rest, and they are never listed among the top log-probs.
+vocabulary: the tempered policy itself. Top-k and top-p shape which token is drawn but not the
+number reported (nor the top log-probs listed), so a trainer's teacher-forced pass (which knows
+T but neither top_k nor top_p) reproduces it exactly. Greedy rows (T = 0) take the argmax and
+report log_softmax(logits), i.e. T = 1. Logits the caller set to -inf (a grammar's mask) are
+simply impossible tokens: the distribution is the policy renormalised over the rest, top-k
+ranks the rest only (a row with fewer than k of them keeps them all; a cut never brings a
+masked token back), and they are never listed among the top log-probs.
 
 Cost: everything is batched over (rows, vocab) except one uniform number drawn per row from
 the row's own generator (so a seeded row's tokens do not depend on its neighbours). A draw is
@@ -17,7 +25,8 @@ an inverse-CDF lookup (cumsum + searchsorted) rather than one ``torch.multinomia
 (~1.3 ms per row on a 49k vocabulary, one CPU thread). Nucleus rows look for their nucleus among
 their ``NUCLEUS_CANDIDATES`` most likely tokens (one batched ``topk``), widening the window and
 sorting the whole vocabulary only when it does not reach ``top_p``: a full sort costs ~4 ms per
-row per step on a 49k vocabulary, about as much as a small model's forward pass.
+row per step on a 49k vocabulary, about as much as a small model's forward pass. Top-k costs one
+batched ``topk`` over the rows that ask for it; rows without it skip it.
 """
 
 from __future__ import annotations
@@ -40,13 +49,17 @@ def choose_tokens(
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
+    top_logprobs: Sequence[int] | None = None,
     top_ks: Sequence[int] | None = None,
 ) -> tuple[list[int], list[float], list[TopLogprobs]]:
     """Pick one token per row of ``logits`` (rows, vocab); return the ids, their log-probs, and
-    for each row the ``top_ks[i]`` most likely ids with their log-probs (empty when 0).
+    for each row the ``top_logprobs[i]`` most likely ids with their log-probs (empty when 0).
 
     Row ``i`` is greedy when ``temperatures[i] == 0``; otherwise it samples at that temperature
-    from its top-``top_ps[i]`` nucleus with ``generators[i]`` (None: torch's global generator).
+    from its ``top_ks[i]`` most likely tokens (0, at least the vocabulary's size, or no
+    ``top_ks``: all of them), cut to their top-``top_ps[i]`` nucleus, with ``generators[i]``
+    (None: torch's global generator). Log-probs, the chosen token's and the listed ones, are of
+    the tempered distribution before the top-k and top-p cuts (see the module docstring).
     """
     logits = logits.float()
     rows = logits.shape[0]
@@ -61,18 +74,22 @@ def choose_tokens(
     picks = torch.empty(rows, dtype=torch.long, device=logits.device)
     greedy = [i for i, t in enumerate(temperatures) if t <= 0]
     if greedy:
+        # The argmax is among any top-k: a greedy row's top_k changes nothing.
         picks[greedy] = _rows(logits, greedy).argmax(dim=-1)
     sampled = [i for i, t in enumerate(temperatures) if t > 0]
     if sampled:
         picks[sampled] = draw_rows(
-            _rows(logp, sampled), [top_ps[i] for i in sampled], [generators[i] for i in sampled]
+            _rows(logp, sampled),
+            [top_ps[i] for i in sampled],
+            [generators[i] for i in sampled],
+            None if top_ks is None else [top_ks[i] for i in sampled],
         )
     chosen = logp.gather(1, picks[:, None]).squeeze(1)
     tops: list[TopLogprobs] = [() for _ in temperatures]
-    k = max(top_ks or [0])
+    k = max(top_logprobs or [0])
     if k > 0:
         values, ids = logp.topk(k, dim=-1)
-        for i, row_k in enumerate(top_ks or []):
+        for i, row_k in enumerate(top_logprobs or []):
             pairs = zip(ids[i, :row_k].tolist(), values[i, :row_k].tolist(), strict=True)
             # Tokens masked to -inf (a grammar forbids them) cannot be drawn: not alternatives.
             tops[i] = tuple((int(t), float(v)) for t, v in pairs if v != float("-inf"))
@@ -86,9 +103,14 @@ def _rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
 
 
 def draw_rows(
-    logp: torch.Tensor, top_ps: Sequence[float], generators: Sequence[torch.Generator | None]
+    logp: torch.Tensor,
+    top_ps: Sequence[float],
+    generators: Sequence[torch.Generator | None],
+    top_ks: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Sample one id per row of ``logp`` (rows, vocab) from exp(logp) cut to its top-p nucleus.
+    """Sample one id per row of ``logp`` (rows, vocab) from exp(logp) cut to its ``top_ks[j]``
+    most likely tokens (0, at least ``vocab``, or no ``top_ks``: no cut) and then to the top-p
+    nucleus of what is left, renormalised.
 
     Returns the ids (rows,) on ``logp``'s device.
     """
@@ -99,6 +121,13 @@ def draw_rows(
     uniforms = torch.stack(
         [torch.rand((), dtype=torch.float64, device=probs.device, generator=g) for g in generators]
     )
+    # The mass each nucleus must reach: top_p of what the top-k cut keeps (all of it without one).
+    limits = torch.tensor(list(top_ps), dtype=probs.dtype, device=probs.device)
+    cut = [j for j, k in enumerate(top_ks or ()) if 0 < k < vocab]
+    if cut:
+        kept = _rows(probs, cut).masked_fill(~_top_k(_rows(logp, cut), [top_ks[j] for j in cut]), 0.0)
+        probs[cut] = kept  # probs is this call's own tensor
+        limits[cut] = limits[cut] * kept.sum(dim=-1)
     picks = torch.empty(rows, dtype=torch.long, device=probs.device)
     whole = [j for j, p in enumerate(top_ps) if p >= 1.0]
     if whole:
@@ -110,9 +139,9 @@ def draw_rows(
         # topk gives each row's k most likely tokens, most likely first: the head of the order a
         # full sort gives (k == vocab is the full sort), so the nucleus is the one it would find.
         top_probs, top_ids = probs[pending].topk(k, dim=-1)
-        limit = torch.tensor([top_ps[j] for j in pending], dtype=probs.dtype, device=probs.device)
-        # The nucleus ends inside the window iff the window's mass reaches top_p: then the mass
-        # before token k + 1 is at least top_p and it, and all after it, are cut.
+        limit = limits[pending]
+        # The nucleus ends inside the window iff the window's mass reaches its limit: then the
+        # mass before token k + 1 is at least the limit and it, and all after it, are cut.
         complete = [True] * len(pending) if k == vocab else (top_probs.sum(dim=-1) >= limit).tolist()
         done = [r for r, ok in enumerate(complete) if ok]
         if done:
@@ -124,17 +153,30 @@ def draw_rows(
     return picks
 
 
-def draw_top_p(logp: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Sample one token id (a 0-d tensor) from exp(logp) (vocab,), cut to its top-p nucleus."""
-    return draw_rows(logp[None, :], [top_p], [generator])[0]
+def draw_top_p(
+    logp: torch.Tensor, top_p: float, generator: torch.Generator | None, top_k: int = 0
+) -> torch.Tensor:
+    """Sample one token id (a 0-d tensor) from exp(logp) (vocab,), cut to its ``top_k`` most
+    likely tokens (0: all) and then to the top-p nucleus of those."""
+    return draw_rows(logp[None, :], [top_p], [generator], [top_k])[0]
 
 
-def _nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
+def _top_k(logp: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """Which tokens of each row of ``logp`` (rows, vocab) are among its ``ks[i]`` (1 <= k <
+    vocab) most likely: those at least as likely as the k-th, so ties with it stay, as in
+    vLLM's and Hugging Face's top-k. One ``topk`` up to the largest k serves every row."""
+    values = logp.topk(max(ks), dim=-1).values
+    index = torch.tensor([k - 1 for k in ks], device=logp.device)[:, None]
+    return logp >= values.gather(1, index)
+
+
+def _nucleus(sorted_probs: torch.Tensor, limit: torch.Tensor | float) -> torch.Tensor:
     """Zero all but the smallest prefix of ``sorted_probs`` (descending along the last dim)
-    whose mass reaches ``top_p``: a token stays if the mass strictly before it is below top_p,
-    so the most likely one always stays. The draw renormalises what is left."""
+    whose mass reaches ``limit`` (top_p times the mass of the distribution, 1 unless top-k cut
+    it): a token stays if the mass strictly before it is below the limit, so the most likely
+    one always stays. The draw renormalises what is left."""
     before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    return sorted_probs.masked_fill(before >= top_p, 0.0)
+    return sorted_probs.masked_fill(before >= limit, 0.0)
 
 
 def _windows(vocab: int) -> list[int]:

@@ -879,7 +879,8 @@ class TorchEngine:
             [p.temperature for p in params],
             [max(p.top_p, MIN_TOP_P) for p in params],
             [r.generator for r in rows],
-            [p.top_logprobs for p in params],
+            top_logprobs=[p.top_logprobs for p in params],
+            top_ks=[p.top_k for p in params],
         )
         now = time.monotonic()
         for row, token, logprob, top in zip(rows, tokens, logprobs, tops, strict=True):

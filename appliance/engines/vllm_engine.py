@@ -18,12 +18,13 @@ fail fast with the retryable ``EngineUnavailable``. Launching and stopping the p
 What vLLM 0.32 returns, measured on the tiny model (float32, CPU): the completion's ids include
 a sampled stop id (so ``finish_reason == "stop"`` ends with it, as the contract wants); the
 per-token log-probs depend on the server's ``--logprobs-mode``. ``raw_logprobs`` (the default)
-gives log_softmax of the raw logits, i.e. the temperature-1 distribution before top-p: equal to a
-teacher-forced float32 pass within ~3e-6 when the temperature is 1 (or greedy) whatever the
-top-p, but untempered otherwise. ``processed_logprobs`` gives them after temperature *and*
-top-k/top-p (renormalised over the nucleus): exact for any temperature when top_p is 1. So the
-factory picks ``raw_logprobs`` when training samples at temperature 1 and ``processed_logprobs``
-otherwise; vLLM has no mode for "tempered, not truncated".
+gives log_softmax of the raw logits, i.e. the temperature-1 distribution before top-k and top-p:
+equal to a teacher-forced float32 pass within ~3e-6 when the temperature is 1 (or greedy)
+whatever the top-k and top-p, but untempered otherwise. ``processed_logprobs`` gives them after
+temperature *and* top-k/top-p (renormalised over what they keep): exact for any temperature when
+top_p is 1 and top_k is off. So the factory picks ``raw_logprobs`` when training samples at
+temperature 1 and ``processed_logprobs`` otherwise; vLLM has no mode for "tempered, not
+truncated".
 
 Invariants: a weight push or a sleep waits until no generation runs, and generations wait while
 one is in progress, so every token carries the version that sampled it; the version changes only

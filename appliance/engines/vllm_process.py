@@ -429,6 +429,9 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
     Explicit stop ids replace the model's end-of-sequence ids (``ignore_eos``), as in the engine
     contract; ids outside the vocabulary (the contract's "never stop" id) are left out, since no
     sampled token can equal them. ``return_tokens_as_token_ids`` keys the top log-probs by id.
+    ``top_k`` is always sent, 0 when off (vLLM 0.32's "off", which it prefers to the -1 of older
+    releases; a top_k of at least the vocabulary's size is off too): left out, vLLM would take
+    the one in the model's ``generation_config.json``, which the torch engine never applies.
     """
     params = request.params
     stop = [t for t in params.stop_token_ids if 0 <= t < vocab_size]
@@ -438,6 +441,7 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k < vocab_size else 0,
         "logprobs": params.top_logprobs,
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,

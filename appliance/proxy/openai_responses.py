@@ -46,6 +46,8 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 #: Fields that refer to state stored by OpenAI; this proxy stores none.
 STATEFUL = ("previous_response_id", "conversation")
+#: The ``include`` value that asks for the output text's log-probs.
+LOGPROBS = "message.output_text.logprobs"
 
 
 def _text(value: Any, where: str) -> str:
@@ -214,10 +216,18 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
     messages = messages_from_input(body.get("instructions"), body.get("input"))
     tools = tools_from_responses(body.get("tools"))
     max_output = positive_int(body, "max_output_tokens")
-    top_logprobs(body, "top_logprobs")  # accepted, not returned (output_text logprobs stay empty)
+    top = top_logprobs(body, "top_logprobs")
+    logprobs = LOGPROBS in _include(body.get("include"))
     temperature = number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = number(body, "top_p", 1.0, 0.0, 1.0)
-    params = sampling_for(settings, max_tokens=max_output, temperature=temperature, top_p=top_p, seed=None)
+    params = sampling_for(
+        settings,
+        max_tokens=max_output,
+        temperature=temperature,
+        top_p=top_p,
+        seed=None,
+        top_logprobs=(top or 0) if logprobs else 0,
+    )
     echo = {
         "created_at": int(time.time()),
         "model": model,
@@ -230,6 +240,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         "tools": [_function_tool(t) for t in body.get("tools") or []],
         "text": {"format": fmt},
         "max_output_tokens": max_output,
+        "top_logprobs": top,
         "truncation": body.get("truncation") or "disabled",
         "previous_response_id": None,
         "reasoning": None,
@@ -244,18 +255,47 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         params=params,
         body=body,
         stream=stream,
+        logprobs=logprobs,
         options={"echo": echo},
         structure=forced_tool(tool_choice) or output_format(fmt, fmt, "text"),
     )
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_text_part(text)]
+def _message_item(
+    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _include(value: Any) -> list[str]:
+    """``include``: a list of strings (what else to return); only ``LOGPROBS`` changes anything
+    here (the other values name outputs of OpenAI's hosted tools, which the proxy has none of)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest("'include' must be an array of strings", param="include")
+    return value
+
+
+def _logprobs(answer: Answer, *, with_bytes: bool = True) -> list[dict[str, Any]]:
+    """The sampled tokens' log-probs in the Responses shape (``include`` asked for them): an
+    output text part's entries carry each token's UTF-8 ``bytes``, a text event's do not."""
+
+    def entry(token: str, logprob: float | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"token": token, "logprob": logprob}
+        if with_bytes:
+            out["bytes"] = list(token.encode())
+        return out
+
+    return [
+        {**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+        for e in answer.logprobs or ()
+    ]
 
 
 def _call_item(item_id: str, call: ToolCall, arguments: str, status: str) -> dict[str, Any]:
@@ -276,7 +316,7 @@ def _shows_message(answer: Answer) -> bool:
 
 def _output(answer: Answer) -> list[dict[str, Any]]:
     message = answer.message
-    items = [_message_item("msg_" + answer.call_id, message.content, "completed")]
+    items = [_message_item("msg_" + answer.call_id, message.content, "completed", _logprobs(answer))]
     calls = [
         _call_item(f"fc_{answer.call_id}_{i}", c, c.arguments, "completed")
         for i, c in enumerate(message.tool_calls)
@@ -406,9 +446,13 @@ class ResponseEvents:
             if content.startswith(self.sent) and len(content) > len(self.sent):
                 events += self._delta(content[len(self.sent) :])
             where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-            events.append(self._event("response.output_text.done", **where, text=content, logprobs=[]))
-            events.append(self._event("response.content_part.done", **where, part=_text_part(content)))
-            output.append(_message_item(self.message_id, content, "completed"))
+            # Every log-prob arrives with the text's end (the deltas carry none).
+            logprobs = _logprobs(answer)
+            plain = _logprobs(answer, with_bytes=False)
+            events.append(self._event("response.output_text.done", **where, text=content, logprobs=plain))
+            part = _text_part(content, logprobs)
+            events.append(self._event("response.content_part.done", **where, part=part))
+            output.append(_message_item(self.message_id, content, "completed", logprobs))
             events.append(self._event("response.output_item.done", output_index=0, item=output[-1]))
         for i, call in enumerate(answer.message.tool_calls):
             index, item_id = len(output), f"fc_{answer.call_id}_{i}"

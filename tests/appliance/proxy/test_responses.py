@@ -389,3 +389,42 @@ async def test_tools_come_back_as_function_tools(app: Appliance, active: ActiveR
     raw = response.model_dump(mode="json", exclude_unset=True)["tools"][1]
     assert raw == {"type": "function", "name": "now", "parameters": None, "strict": True}
     assert FunctionTool.model_validate(raw) == now
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_include_output_text_logprobs_returns_the_sampled_logprobs(
+    app: Appliance, active: ActiveRollout, stream: bool
+) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the output text part
+    carries each sampled token's log-prob (the ones recorded) and its alternatives."""
+    kwargs: dict[str, Any] = {
+        "model": "m",
+        "input": "Count: 1, 2,",
+        "max_output_tokens": 6,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    async with client(app, active) as oai:
+        if stream:
+            events = [e async for e in await oai.responses.create(**kwargs, stream=True)]
+            done = [e for e in events if e.type == "response.output_text.done"]
+            assert len(done) == 1
+            streamed = [(lp.token, lp.logprob) for lp in done[0].logprobs]
+            final = [e for e in events if e.type in ("response.completed", "response.incomplete")]
+            response = final[-1].response
+        else:
+            response = await oai.responses.create(**kwargs)
+        assert response.top_logprobs == 2
+    message = next(item for item in response.output if item.type == "message")
+    part = message.content[0]
+    assert part.type == "output_text" and part.logprobs is not None
+    (call,) = await recorded(app)
+    assert [lp.logprob for lp in part.logprobs] == pytest.approx(list(call.response_logprobs), abs=1e-6)
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    if stream:
+        assert streamed == [(lp.token, lp.logprob) for lp in part.logprobs]
+    # Without ``include`` nothing is returned, as OpenAI answers.
+    async with client(app, active) as oai:
+        plain = await oai.responses.create(model="m", input="Count:", max_output_tokens=3, top_logprobs=2)
+    item = next(i for i in plain.output if i.type == "message")
+    assert item.content[0].type == "output_text" and not item.content[0].logprobs
