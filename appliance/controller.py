@@ -69,13 +69,21 @@ class RolloutController:
         return group
 
     async def start_validation(
-        self, group: str, tasks: Sequence[Task], *, temperature: float, max_tokens: int
+        self,
+        group: str,
+        tasks: Sequence[Task],
+        *,
+        temperature: float,
+        max_tokens: int | None,
+        purpose: str = "validation",
     ) -> list[str]:
-        """Start one validation rollout per task, served with the evaluation sampling
-        (``temperature``, ``max_tokens``); returns their ids once they are durable."""
+        """Start one rollout per task, served with the evaluation sampling (``temperature``,
+        ``max_tokens``, None: the agent's); returns their ids once they are durable. ``purpose``:
+        "validation" (a round between steps) or "evaluation" (``lightning-appliance eval``);
+        neither is ever trained on."""
         rollouts = [(f"{group}-t{j:03d}", task) for j, task in enumerate(tasks)]
         actives = await self._launch(
-            group, rollouts, purpose="validation", temperature=temperature, max_tokens=max_tokens
+            group, rollouts, purpose=purpose, temperature=temperature, max_tokens=max_tokens
         )
         return [active.rollout for active in actives]
 

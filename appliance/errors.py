@@ -182,6 +182,20 @@ class EngineUnavailable(ApplianceError):
     retry_after_s = 1
 
 
+class NothingToClaim(ApplianceError):
+    """No rollout was offered to external runners within a claim's wait (the scheduler is
+    training, or the staleness bound or a pause holds new groups back); nothing was recorded
+    for the claim, and it may be retried after ``retry_after_s``."""
+
+    status = 503
+    error_type = "server_error"
+    code = "no_rollout_offered"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s: int | None = retry_after_s
+
+
 class StopForced(ApplianceError):
     """A stop was forced (a second signal, or the stop's deadline) before the appliance was up."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,11 @@ class ActiveRollout:
     #: calls are served with, whatever the client or the training rules ask (None: no override).
     temperature_override: float | None = None
     max_tokens_override: int | None = None
+    #: Signs of life of whoever runs the rollout (an external runner's lease reads them): when an
+    #: authorised request on its routes last started or a model call of it last ended
+    #: (``time.monotonic()``), and its model calls in flight now.
+    last_seen: float = field(default_factory=time.monotonic)
+    busy: int = 0
 
 
 #: Rollout id of calls on the plain ``/v1`` prefix; no ``RolloutCreated`` event names it.
@@ -106,4 +112,5 @@ class RolloutRegistry:
             raise NotFound(f"rollout {rollout!r} does not exist or has already finished")
         if not token or not hmac.compare_digest(token.encode(), active.token.encode()):
             raise Unauthorized(f"the API key is not valid for rollout {rollout!r}")
+        active.last_seen = time.monotonic()
         return active

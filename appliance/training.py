@@ -15,7 +15,9 @@ full checkpoint instead (model + optimizer + trainer state, ``CheckpointSaved`` 
 the same append). A restart loads the last published version's weights with the optimizer state
 of the last full checkpoint (``RunState.last_checkpoint``): the step count, the policy and the
 rollouts consumed are exactly the log's; only the optimizer's moments may be up to
-``checkpoint_every - 1`` steps old.
+``checkpoint_every - 1`` steps old. Each published version is also kept as bf16 safetensors
+(``checkpoints/published/``, single-file stores); once a version is published the files no
+restart needs are pruned (:meth:`TrainingService._retain`).
 
 Order matters for crash safety: files on disk -> events durable -> engine updated. A crash
 before the append leaves the old version current (its files are still kept, and the files the
@@ -53,9 +55,9 @@ from store.events import (
     TrainStepCompleted,
 )
 from store.eventstore import EventStore
-from store.projections import RolloutView, RunState
+from store.projections import RolloutView, RunState, reward_mean
 from trainer.advantage import AdvantageMode, compute_advantages
-from trainer.checkpoints import CheckpointStore, WeightsStore
+from trainer.checkpoints import CheckpointStore, PublishedWeights, WeightsStore
 from trainer.items import Trainer, TrainItem
 from trainer.rank_rpc import TrainerRankFailed
 from trainer.samples import Sample, build_samples
@@ -79,6 +81,7 @@ class TrainingService:
         advantage: str = "grpo",
         checkpoint_every: int = 0,
         push_bucket_bytes: int = 256 << 20,
+        keep_versions: int = 2,
         weights_dtype: torch.dtype | None = None,
         push_dtype: torch.dtype | None = None,
         weight_group: str | None = None,
@@ -101,12 +104,20 @@ class TrainingService:
         self.advantage = advantage
         self.checkpoints = checkpoints
         self.weights: WeightsStore | ShardedWeightsStore
+        #: bf16 copies of the newest ``keep_versions`` published versions (single-file stores).
+        self.published: PublishedWeights | None = None
         if isinstance(checkpoints, ShardedStore):
+            # The ranks prune a sharded store as they save, before the step's events are
+            # durable: two versions of each, so the one the log names outlives the save.
+            checkpoints.keep = max(checkpoints.keep, 2)
             self.weights = ShardedWeightsStore(
                 checkpoints.directory / "weights", checkpoints.keep, dtype=weights_dtype
             )
         else:
-            self.weights = WeightsStore(checkpoints.directory / "weights", keep=checkpoints.keep)
+            self.published = PublishedWeights(checkpoints.directory / "published", keep=keep_versions)
+            checkpoints.published = self.published
+            # fp32 weights only for the version a restart resumes from (:meth:`_retain`).
+            self.weights = WeightsStore(checkpoints.directory / "weights", keep=1, published=self.published)
         self.checkpoint_every = checkpoint_every
         self.store = store
         self.engine = engine
@@ -127,12 +138,38 @@ class TrainingService:
         it. Files of versions the log never published are deleted first.
         """
         version = state.policy_version
-        for store in (self.checkpoints, self.weights):
+        stores: list[CheckpointStore | ShardedStore | PublishedWeights] = [self.checkpoints, self.weights]
+        if self.published is not None:
+            stores.append(self.published)
+        for store in stores:
             if discarded := store.discard_after(version):
                 log.info("discarded unpublished versions %s in %s", discarded, store.directory)
         await self._load_trainer(state)
         await self.push(version)
+        last = state.last_checkpoint
+        self._retain(version, state.checkpoint, last.policy_version if last is not None else None)
         return state.step
+
+    def _retain(self, version: int, checkpoint: str | None, last_full: int | None) -> None:
+        """Once ``version`` is published (its file ``checkpoint``, the last full checkpoint at
+        ``last_full``), keep what a restart loads and the newest published versions, delete the
+        rest: the newest ``keep`` full checkpoints and always ``last_full`` (whose optimizer
+        state a restart takes), the fp32 weights of ``version`` if that is what it names, and the
+        newest ``keep_versions`` bf16 copies. Until the next call these stay ``needed``, so the
+        next step's saves cannot prune them before its events are durable. Sharded stores (the
+        ranks prune them as they save) are left alone."""
+        if (
+            self.published is None
+            or not isinstance(self.checkpoints, CheckpointStore)
+            or not isinstance(self.weights, WeightsStore)
+        ):
+            return
+        in_weights = bool(checkpoint) and (self.run_dir / str(checkpoint)).parent == self.weights.directory
+        self.checkpoints.needed = {last_full} if last_full is not None else set()
+        self.weights.needed = {version} if in_weights else set()
+        removed = [*self.checkpoints.prune(), *self.weights.prune(keep=0), *self.published.prune(version)]
+        if removed:
+            log.debug("pruned versions %s once version %d was published", removed, version)
 
     async def _load_trainer(self, state: RunState) -> None:
         """The trainer at ``state``'s published version (from ``model_dir`` at version 0)."""
@@ -235,6 +272,7 @@ class TrainingService:
             ts=time.time(), step=state.step, policy_version=version, path=self._relative(path), reason=reason
         )
         await self.store.append([saved])
+        self._retain(version, state.checkpoint, version)
         return saved
 
     async def export(self, state: RunState, directory: Path) -> ModelExported:
@@ -307,7 +345,9 @@ class TrainingService:
                         ts=time.time(), step=step, policy_version=version, path=relative, reason="periodic"
                     )
                 )
-        metrics["reward_mean"] = sum(rewards) / len(rewards) if rewards else 0.0
+        # The rule every view of a step's reward shares (rollouts without calls count too).
+        step_reward = reward_mean(views)
+        metrics["reward_mean"] = 0.0 if step_reward is None else step_reward
         metrics["rollouts_failed"] = float(sum(1 for v in views if v.status == "failed"))
         metrics["stale_tokens"] = float(stale_tokens)
         metrics["stale_tokens_dropped"] = float(dropped)
@@ -326,6 +366,8 @@ class TrainingService:
         await self.store.append([completed, *events])
         if version is not None:
             self._published = replace(state, step=step, policy_version=version, checkpoint=relative)
+            last = state.last_checkpoint
+            self._retain(version, relative, version if periodic else (last.policy_version if last else None))
         return TrainedStep(completed=completed, version=version)
 
     async def push(self, version: int) -> None:

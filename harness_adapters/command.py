@@ -63,6 +63,10 @@ class ProcessOptions(BaseModel):
     """Extra environment variables for the agent (values may use ``{field}`` placeholders)."""
     passthrough_env: list[str] = Field(default_factory=list)
     """Names of variables copied from the appliance's own environment (e.g. a license key)."""
+    home_files: dict[str, Path] = Field(default_factory=dict)
+    """Copied into the rollout's fresh HOME before the agent starts: path inside HOME -> a file
+    or directory (``~`` expands), e.g. ``{".config/mini-swe-agent" = "~/.config/mini-swe-agent"}``,
+    so a harness finds its own config there. Each rollout gets its own copy."""
     python_on_path: bool = True
     """Put the appliance's Python first on PATH, so ``python`` is the interpreter it runs on."""
     workdir_root: Path | None = None
@@ -218,7 +222,13 @@ class CommandAdapter:
             return await self._run(task, client)
 
     async def _run(self, task: Task, client: ClientConfig) -> float | None:
-        rdir = await create_rollout_dir(self._root, task, client.rollout_id, source=self.snapshot(task))
+        rdir = await create_rollout_dir(
+            self._root,
+            task,
+            client.rollout_id,
+            source=self.snapshot(task),
+            home_files={k: v.expanduser() for k, v in self.config.home_files.items()},
+        )
         failed = True
         try:
             result = await run_process(

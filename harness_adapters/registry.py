@@ -33,6 +33,7 @@ ADAPTERS: dict[str, str] = {
     "python": "harness_adapters.python:PythonAdapter",
     "mini-swe-agent": "harness_adapters.mini_swe:MiniSweAgentAdapter",
     "kubernetes": "harness_adapters.kubernetes:KubernetesAdapter",
+    "external": "harness_adapters.external:ExternalAdapter",
 }
 #: Other spellings people will type.
 ALIASES = {"mini_swe_agent": "mini-swe-agent", "mini": "mini-swe-agent", "k8s": "kubernetes"}

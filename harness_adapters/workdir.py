@@ -5,7 +5,9 @@ there. Layout (``<root>/<rollout id>-<random>/``)::
 
     work/           the agent's working directory: a copy of the task's repo snapshot (a
                     directory, or a .tar/.tar.gz/.zip archive unpacked), else empty
-    home/  tmp/     HOME and TMPDIR of every process of the rollout
+    home/  tmp/     HOME and TMPDIR of every process of the rollout; ``home`` starts with
+                    copies of the files and directories the config names (``home_files``: a
+                    harness's own config, which a fresh HOME would otherwise hide)
     task.json       {"id": ..., "data": {...}}: the whole task, for agents that want it
     reward          an agent may write its reward here (a float), see ``LA_REWARD_FILE``
     agent.stdout    agent.stderr    verifier.stdout    verifier.stderr
@@ -21,6 +23,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -78,7 +81,17 @@ def copy_snapshot(source: Path, dest: Path) -> None:
         raise FileNotFoundError(f"repo snapshot {str(source)!r} is neither a directory nor an archive")
 
 
-def _create(root: Path, task: Task, rollout_id: str, source: Path | None) -> RolloutDir:
+def _home_target(home: Path, relative: str) -> Path:
+    """``relative`` inside ``home``; a path that would leave it is refused."""
+    target = (home / relative).resolve()
+    if Path(relative).is_absolute() or not target.is_relative_to(home.resolve()):
+        raise ValueError(f"home_files target {relative!r} must be a path inside HOME")
+    return target
+
+
+def _create(
+    root: Path, task: Task, rollout_id: str, source: Path | None, home_files: Mapping[str, Path]
+) -> RolloutDir:
     root.mkdir(parents=True, exist_ok=True)
     rdir = RolloutDir(Path(tempfile.mkdtemp(prefix=_safe_name(rollout_id) + "-", dir=root)))
     try:
@@ -87,6 +100,13 @@ def _create(root: Path, task: Task, rollout_id: str, source: Path | None) -> Rol
         else:
             rdir.work.mkdir()
         rdir.home.mkdir()
+        for relative, origin in home_files.items():
+            target = _home_target(rdir.home, relative)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if origin.is_dir():
+                shutil.copytree(origin, target, symlinks=True)
+            else:
+                shutil.copy2(origin, target)
         rdir.tmp.mkdir()
         rdir.task_json.write_text(json.dumps({"id": task.id, "data": task.data}, default=str))
     except BaseException:
@@ -96,12 +116,18 @@ def _create(root: Path, task: Task, rollout_id: str, source: Path | None) -> Rol
 
 
 async def create_rollout_dir(
-    root: Path, task: Task, rollout_id: str, *, source: Path | None = None
+    root: Path,
+    task: Task,
+    rollout_id: str,
+    *,
+    source: Path | None = None,
+    home_files: Mapping[str, Path] | None = None,
 ) -> RolloutDir:
-    """A new rollout directory (with the task's snapshot copied in); ``InfraError`` on failure."""
+    """A new rollout directory (with the task's snapshot copied in, and ``home_files``: HOME
+    path -> file or directory copied there); ``InfraError`` on failure."""
     try:
-        return await asyncio.to_thread(_create, root, task, rollout_id, source)
-    except OSError as exc:
+        return await asyncio.to_thread(_create, root, task, rollout_id, source, home_files or {})
+    except (OSError, ValueError) as exc:
         raise InfraError(f"could not create the rollout directory under {str(root)!r}: {exc}") from exc
 
 

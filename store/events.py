@@ -267,6 +267,24 @@ class ValidationCompleted(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EvaluationCompleted(Event):
+    """An evaluation (``lightning-appliance eval``) ended: every task of ``split`` run ``repeat``
+    times on the policy at ``policy_version``, with no training."""
+
+    step: int
+    policy_version: int
+    split: str
+    repeat: int
+    rollouts: tuple[str, ...]
+    #: Mean and standard deviation of the rewards of the rollouts that finished with one.
+    reward_mean: float
+    reward_std: float
+    #: Rollouts that failed or reported no reward (counted, not averaged in).
+    failed: int
+    sampling: JsonObject = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointSaved(Event):
     """A full checkpoint (model, optimizer, trainer state) is durable on disk."""
 

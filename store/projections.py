@@ -29,6 +29,7 @@ from store.events import (
     CallRewardReported,
     CheckpointSaved,
     ControlRequested,
+    EvaluationCompleted,
     Event,
     JsonObject,
     LLMCallCompleted,
@@ -60,6 +61,19 @@ def one_line(error: str, limit: int = 300) -> str:
     if len(rest) > room:
         rest = "..." + rest[-(room - 3) :]
     return f"{head}: {rest}" if rest else head
+
+
+def reward_mean(views: Iterable[RolloutView]) -> float | None:
+    """The mean reward of ``views`` that finished cleanly with a reward (:meth:`RunState.trainable`),
+    whether or not they called the model; None when none did.
+
+    The one rule behind every reward a training step shows: the recorded ``reward_mean`` metric,
+    the progress line of ``up`` and ``status``. A rollout that answered without a model call (it
+    has nothing to train on) still counts: it is what the agent scored. Failed rollouts do not
+    (``rollouts_failed`` counts them).
+    """
+    rewards = [float(v.reward) for v in views if RunState.trainable(v) and v.reward is not None]
+    return fmean(rewards) if rewards else None
 
 
 @dataclass
@@ -104,6 +118,7 @@ class RunState:
     rollouts: dict[str, RolloutView] = field(default_factory=dict)
     steps: list[TrainStepCompleted] = field(default_factory=list)
     validations: list[ValidationCompleted] = field(default_factory=list)
+    evaluations: list[EvaluationCompleted] = field(default_factory=list)
     #: True between an operator's "pause" and "resume".
     paused: bool = False
     #: The last full checkpoint saved (relative path), if any.
@@ -168,6 +183,8 @@ class RunState:
                     view.call_rewards.append(event)
             case ValidationCompleted():
                 self.validations.append(event)
+            case EvaluationCompleted():
+                self.evaluations.append(event)
             case CheckpointSaved():
                 self.last_checkpoint = event
                 if event.reason == "requested":
@@ -237,17 +254,15 @@ class RunState:
         """A rollout can be trained on once it finished cleanly and has a reward."""
         return view.status == "finished" and view.reward is not None
 
+    def step_reward(self, step: TrainStepCompleted) -> float | None:
+        """The mean reward of the rollouts ``step`` consumed, by :func:`reward_mean`'s rule."""
+        return reward_mean(self.rollouts[r] for r in step.rollouts if r in self.rollouts)
+
     def summary(self) -> dict[str, Any]:
         """Headline numbers for the CLI ``status`` command and the dashboard."""
         counts = dict.fromkeys(STATUSES, 0)
         for view in self.rollouts.values():
             counts[view.status] = counts.get(view.status, 0) + 1
-        last_rewards: list[float] = []
-        if self.steps:
-            for rollout in self.steps[-1].rollouts:
-                trained = self.rollouts.get(rollout)
-                if trained is not None and trained.reward is not None:
-                    last_rewards.append(trained.reward)
         calls = [call for view in self.rollouts.values() for call in view.calls]
         return {
             "run_id": self.run_id,
@@ -256,7 +271,7 @@ class RunState:
             "step": self.step,
             "steps": len(self.steps),
             "rollouts": counts,
-            "mean_reward": fmean(last_rewards) if last_rewards else None,
+            "mean_reward": self.step_reward(self.steps[-1]) if self.steps else None,
             "validation_reward": self.validations[-1].reward_mean if self.validations else None,
             "paused": self.paused,
             "calls": len(calls),

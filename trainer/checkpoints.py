@@ -7,11 +7,19 @@ final Hugging Face model directory (:func:`export_hf_model`). It does not own wh
 state dicts (the trainers) nor the event that announces a version (``PolicyVersionPublished``,
 whose ``checkpoint`` field is :meth:`CheckpointStore.relative_path`).
 
-Two kinds of files, both in the trainers' own format so a trainer's ``save``/``load`` serve
-both: full checkpoints (:class:`CheckpointStore`, ``checkpoints/v*.pt``) and per-version
+Three kinds of files. Two in the trainers' own format, fp32, so a trainer's ``save``/``load``
+serve both: full checkpoints (:class:`CheckpointStore`, ``checkpoints/v*.pt``) and per-version
 weights (:class:`WeightsStore`, ``checkpoints/weights/v*.pt``), which leave out the optimizer's
 per-parameter state (for Adam, two more copies of the model). Loading from a ``WeightsStore``
-puts a full checkpoint's optimizer state under the version's weights.
+puts a full checkpoint's optimizer state under the version's weights. These are what training
+resumes from. The third, :class:`PublishedWeights` (``checkpoints/published/v*.safetensors``),
+holds each published version's weights in bf16 safetensors (a quarter of a full checkpoint's
+size), for serving, loading into an engine or another tool, and backups; a store given one
+writes it beside each version it saves.
+
+What is kept is the training service's decision (``appliance.training``): a store never prunes
+a version in :attr:`CheckpointStore.needed` (the ones a restart of the run loads), so a version
+written by a step whose events are not durable yet never costs the one the log names.
 
 Invariant: a file named ``v*.pt`` is always complete. It is written to a temporary file in the
 same directory, flushed and fsynced, renamed over its final name (``os.replace`` is atomic on
@@ -37,6 +45,7 @@ if TYPE_CHECKING:
     from appliance.engines.buckets import WeightBucket
 
 _NAME = re.compile(r"^v(\d{6,})\.pt$")
+_PUBLISHED_NAME = re.compile(r"^v(\d{6,})\.safetensors$")
 _TMP_SUFFIX = ".tmp"
 _KEYS = ("version", "step", "model", "optimizer")
 #: Size of the safetensors shards of an export written from buckets (``buckets_to_hf``).
@@ -88,13 +97,18 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
 
 class CheckpointStore:
-    """A directory of checkpoints ``v{version:06d}.pt``; keeps the newest ``keep`` versions."""
+    """A directory of checkpoints ``v{version:06d}.pt``; keeps the newest ``keep`` versions and
+    every version in :attr:`needed`. With ``published``, each version saved is also written
+    there, in bf16 safetensors."""
 
-    def __init__(self, directory: Path, keep: int = 3) -> None:
+    def __init__(self, directory: Path, keep: int = 3, *, published: PublishedWeights | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.directory = Path(directory)
         self.keep = keep
+        self.published = published
+        #: Versions never pruned (those a restart loads; set by the training service).
+        self.needed: set[int] = set()
         self.directory.mkdir(parents=True, exist_ok=True)
         # Leftovers of a write interrupted by a crash: never complete, never referenced.
         for leftover in self.directory.glob(f".v*{_TMP_SUFFIX}"):
@@ -145,6 +159,8 @@ class CheckpointStore:
         if trainer_state is not None:
             payload["trainer"] = trainer_state
         write_checkpoint(path, payload)
+        if self.published is not None:
+            self.published.save(version, model_state)
         self._prune(protect=version)
         return path
 
@@ -167,12 +183,20 @@ class CheckpointStore:
             _fsync_directory(self.directory)
         return newer
 
-    def _prune(self, protect: int) -> None:
-        stale = [v for v in self.versions()[: -self.keep] if v != protect]
+    def prune(self, keep: int | None = None) -> list[int]:
+        """Delete all but the newest ``keep`` (None: :attr:`keep`; 0: none) versions and those
+        in :attr:`needed`; returns the deleted."""
+        return self._prune(protect=None, keep=keep)
+
+    def _prune(self, protect: int | None, keep: int | None = None) -> list[int]:
+        versions = self.versions()
+        older = versions[: max(len(versions) - (self.keep if keep is None else keep), 0)]
+        stale = [v for v in older if v != protect and v not in self.needed]
         for version in stale:
             self.path(version).unlink(missing_ok=True)
         if stale:
             _fsync_directory(self.directory)
+        return stale
 
 
 class WeightsStore(CheckpointStore):
@@ -184,8 +208,15 @@ class WeightsStore(CheckpointStore):
     ``Trainer.load(weights_store, version)`` restores a version saved between full checkpoints.
     """
 
-    def __init__(self, directory: Path, keep: int = 3, optimizer_from: Path | None = None) -> None:
-        super().__init__(directory, keep)
+    def __init__(
+        self,
+        directory: Path,
+        keep: int = 3,
+        optimizer_from: Path | None = None,
+        *,
+        published: PublishedWeights | None = None,
+    ) -> None:
+        super().__init__(directory, keep, published=published)
         self.optimizer_from = optimizer_from
 
     def save(
@@ -207,6 +238,103 @@ class WeightsStore(CheckpointStore):
         if self.optimizer_from is not None:
             payload["optimizer"] = read_checkpoint(self.optimizer_from)["optimizer"]
         return payload
+
+
+class PublishedWeights:
+    """Each published version's weights as one file ``v{version:06d}.safetensors``, cast to
+    ``dtype`` (bf16: half of fp32), under the trainer's parameter names (Hugging Face's, for
+    both backends' full state dicts); a tied weight is stored once, under its first name.
+
+    Written atomically like a checkpoint. Keeps the newest ``keep`` versions at or below the
+    last published one (:meth:`prune`); newer ones belong to a step whose events are not durable
+    yet, and a restart removes them (:meth:`discard_after`). Training never resumes from these
+    files: they lose fp32's low bits.
+    """
+
+    def __init__(self, directory: Path, keep: int = 2, dtype: torch.dtype = torch.bfloat16) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.dtype = dtype
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for leftover in self.directory.glob(f".v*{_TMP_SUFFIX}"):
+            leftover.unlink(missing_ok=True)
+
+    def path(self, version: int) -> Path:
+        if version < 0:
+            raise ValueError(f"a policy version is >= 0, got {version}")
+        return self.directory / f"v{version:06d}.safetensors"
+
+    def versions(self) -> list[int]:
+        """Versions with a complete file on disk, ascending."""
+        found = (_PUBLISHED_NAME.match(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found if m is not None)
+
+    def save(self, version: int, model_state: Mapping[str, Any]) -> Path:
+        """Write ``version``'s weights unless they are on disk already (a version's weights never
+        change: a full checkpoint of a version published as weights writes nothing new)."""
+        from safetensors.torch import save_file
+
+        path = self.path(version)
+        if path.is_file():
+            return path
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, int, tuple[int, ...]]] = set()
+        for name, value in model_state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            key = (value.untyped_storage().data_ptr(), int(value.storage_offset()), tuple(value.shape))
+            if key in seen:  # tied to a weight already stored (the LM head to the embeddings)
+                continue
+            seen.add(key)
+            cast = value.detach().to(device="cpu", dtype=self.dtype if value.is_floating_point() else None)
+            tensors[name] = cast.contiguous()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
+        try:
+            save_file(tensors, str(tmp), metadata={"format": "pt", "policy_version": str(version)})
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_directory(self.directory)
+        return path
+
+    def load(self, version: int) -> dict[str, torch.Tensor]:
+        """``version``'s weights; ``CheckpointError`` if they are missing or unreadable."""
+        from safetensors.torch import load_file
+
+        path = self.path(version)
+        if not path.is_file():
+            raise CheckpointError(f"published weights {path} do not exist")
+        try:
+            return load_file(str(path))
+        except Exception as exc:
+            raise CheckpointError(f"published weights {path} are corrupt or unreadable: {exc}") from exc
+
+    def prune(self, published: int) -> list[int]:
+        """Delete all but the newest ``keep`` versions at or below ``published``; returns them."""
+        kept = [v for v in self.versions() if v <= published]
+        stale = kept[: max(len(kept) - self.keep, 0)]
+        for version in stale:
+            self.path(version).unlink(missing_ok=True)
+        if stale:
+            _fsync_directory(self.directory)
+        return stale
+
+    def discard_after(self, version: int) -> list[int]:
+        """Delete the versions newer than ``version`` (never published)."""
+        newer = [v for v in self.versions() if v > version]
+        for stale in newer:
+            self.path(stale).unlink(missing_ok=True)
+        if newer:
+            _fsync_directory(self.directory)
+        return newer
 
 
 #: Files of a model directory that hold weights: never copied by :func:`export_hf_model` (the

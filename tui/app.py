@@ -22,7 +22,8 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
-from textual.widgets import Header, TabbedContent, TabPane
+from textual.widget import Widget
+from textual.widgets import Header, Input, TabbedContent, TabPane
 
 from tui.detail import Decoder, rollout_detail, tokenizer_decoder
 from tui.messages import ControlFailed, ControlSent, EventsApplied, RolloutSelected, SourceFailed
@@ -74,6 +75,16 @@ class DashboardApp(App[None]):
         Binding("s", "control('stop')", "stop"),
         Binding("question_mark", "help", "help"),
         Binding("q", "quit", "quit"),
+        # A filter box takes every printable key as text ("1", "q", "ControlRequested"): escape
+        # leaves it, and ctrl+c quits from anywhere (ctrl+q too, Textual's own priority binding).
+        Binding("escape", "leave_filter", show=False),
+        Binding("ctrl+c", "quit", show=False, priority=True),
+    ]
+    #: The key line while a filter box has focus: what works there.
+    FILTER_KEYS: ClassVar[list[BindingType]] = [
+        Binding("escape", "leave_filter", "leave filter (then 1-4, q, ...)"),
+        Binding("tab", "focus_next", "next field"),
+        Binding("ctrl+q", "quit", "quit"),
     ]
 
     def __init__(
@@ -122,9 +133,10 @@ class DashboardApp(App[None]):
                 yield RolloutsPanel(id="rollouts-panel")
             with TabPane("4 Events", id="events"):
                 yield EventLogPanel(id="events-panel")
-        yield KeyBar(self.BINDINGS, id="keys")
+        yield KeyBar(self.BINDINGS, id="keys", in_input=self.FILTER_KEYS)
 
     async def on_mount(self) -> None:
+        self.watch(self.screen, "focused", self._focus_moved)
         self.usage = await asyncio.to_thread(self.sampler)
         self._follow()
         if self.usage_interval_s > 0:
@@ -200,7 +212,23 @@ class DashboardApp(App[None]):
     def on_resize(self) -> None:
         self.call_after_refresh(self.redraw)
 
+    def _focus_moved(self, focused: Widget | None) -> None:
+        """The key line says what works where the focus now is (a filter box, or anywhere else)."""
+        with contextlib.suppress(NoMatches):
+            self.query_one("#keys", KeyBar).show_keys(in_input=isinstance(focused, Input))
+
     # --- actions -----------------------------------------------------------------------------
+
+    def action_leave_filter(self) -> None:
+        """Escape in a filter box: its text stays applied, the focus moves on (to the rollouts
+        table, or nowhere), so that the dashboard's keys work again."""
+        focused = self.screen.focused
+        if not isinstance(focused, Input):
+            return
+        if self.query_one("#tabs", TabbedContent).active == "rollouts":
+            self.query_one("#rollouts-table").focus()
+        else:
+            self.screen.set_focus(None)
 
     def action_show_tab(self, tab: str) -> None:
         if tab in TABS:

@@ -121,13 +121,15 @@ def draw_rows(
     uniforms = torch.stack(
         [torch.rand((), dtype=torch.float64, device=probs.device, generator=g) for g in generators]
     )
-    # The mass each nucleus must reach: top_p of what the top-k cut keeps (all of it without one).
-    limits = torch.tensor(list(top_ps), dtype=probs.dtype, device=probs.device)
-    cut = [j for j, k in enumerate(top_ks or ()) if 0 < k < vocab]
+    ks = top_ks or ()
+    cut = [j for j, k in enumerate(ks) if 0 < k < vocab]
+    # Each row's mass after its top-k cut, when some row has one: its nucleus is top_p of that.
+    masses: torch.Tensor | None = None
     if cut:
-        kept = _rows(probs, cut).masked_fill(~_top_k(_rows(logp, cut), [top_ks[j] for j in cut]), 0.0)
+        kept = _rows(probs, cut).masked_fill(~_top_k(_rows(logp, cut), [ks[j] for j in cut]), 0.0)
         probs[cut] = kept  # probs is this call's own tensor
-        limits[cut] = limits[cut] * kept.sum(dim=-1)
+        masses = torch.ones(rows, dtype=probs.dtype, device=probs.device)
+        masses[cut] = kept.sum(dim=-1)
     picks = torch.empty(rows, dtype=torch.long, device=probs.device)
     whole = [j for j, p in enumerate(top_ps) if p >= 1.0]
     if whole:
@@ -139,7 +141,9 @@ def draw_rows(
         # topk gives each row's k most likely tokens, most likely first: the head of the order a
         # full sort gives (k == vocab is the full sort), so the nucleus is the one it would find.
         top_probs, top_ids = probs[pending].topk(k, dim=-1)
-        limit = limits[pending]
+        limit = torch.tensor([top_ps[j] for j in pending], dtype=probs.dtype, device=probs.device)
+        if masses is not None:
+            limit = limit * masses[pending]
         # The nucleus ends inside the window iff the window's mass reaches its limit: then the
         # mass before token k + 1 is at least the limit and it, and all after it, are cut.
         complete = [True] * len(pending) if k == vocab else (top_probs.sum(dim=-1) >= limit).tolist()

@@ -13,7 +13,7 @@ sent back verbatim keys to the turn that was sampled and is spliced token for to
 ``tool_result`` becomes a ``tool`` message, ahead of the turn's text. ``thinking`` blocks carry
 a reasoning format's ``<think>`` text (not part of a turn's key). Other blocks are refused.
 
-Accepted and ignored: ``top_k`` (the engine samples with temperature and top-p only),
+``top_k`` is honoured (the k most likely tokens, then top-p). Accepted and ignored:
 ``metadata`` and ``cache_control``. ``tool_choice`` ``any`` (one or more calls of any tool) and
 ``tool`` (one call of the named tool) are enforced by constrained decoding; ``none`` hides the
 tools. A
@@ -196,7 +196,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
     max_tokens = validate.positive_int(body, "max_tokens")
     if max_tokens is None:
         raise BadRequest("'max_tokens' is required (a positive integer)", param="max_tokens")
-    validate.optional_int(body, "top_k", 0, SEED_MAX)  # accepted, not used
+    top_k = validate.optional_int(body, "top_k", 0, SEED_MAX) or 0
     if not isinstance(body.get("stop_sequences", []), list):
         raise BadRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
     if not isinstance(body.get("metadata", {}), Mapping):
@@ -208,6 +208,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         temperature=validate.number(body, "temperature", 1.0, 0.0, 1.0),
         top_p=validate.number(body, "top_p", 1.0, 0.0, 1.0),
         seed=None,
+        top_k=top_k,
     )
     choice = body.get("tool_choice") or {}
     forced = None

@@ -111,7 +111,7 @@ class CallService:
         store: EventStore,
         tokenizer: Tokenizer,
         gate: ServingGate,
-        max_tokens_default: int,
+        max_tokens_default: int | None,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -131,17 +131,22 @@ class CallService:
         user_agent: str,
         stop: tuple[str, ...] = (),
         prompt_logprobs: int | None = None,
+        fit_context: bool = False,
     ) -> PreparedCall:
         """Validate a rendered prompt's call; raises before anything is generated or recorded.
 
         ``params.max_tokens`` 0 samples nothing (nothing is recorded); with ``prompt_logprobs``
-        the prompt is still scored."""
+        the prompt is still scored. ``fit_context``: the client set no length, so the call may
+        generate up to what the context leaves, if that is less than ``params.max_tokens``."""
         started = time.perf_counter()
         if rollout.temperature_override is not None:
             params = replace(params, temperature=rollout.temperature_override)
         if rollout.max_tokens_override is not None:
             params = replace(params, max_tokens=rollout.max_tokens_override)
         prompt_len = len(rendered.prompt_ids)
+        room = self.engine.max_context - prompt_len
+        if fit_context and room >= 1 and params.max_tokens > room:
+            params = replace(params, max_tokens=room)
         if (
             prompt_len + max(params.max_tokens, 1 if prompt_logprobs is not None else 0)
             > self.engine.max_context

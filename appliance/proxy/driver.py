@@ -99,6 +99,7 @@ def prepare(
                 user_agent=agent,
                 stop=request.stop,
                 prompt_logprobs=request.prompt_logprobs,
+                fit_context=request.fit_context,
             )
             prepared.append((call, index))
     return prepared

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import json
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     model_name: str
-    max_tokens_default: int
+    #: Completion length of a call that asks for none (None: what the context leaves, capped).
+    max_tokens_default: int | None
     max_tokens_cap: int
     #: The temperature used for training samples whatever the client asks (None: the client's).
     temperature_override: float | None
@@ -215,7 +217,15 @@ def add_post(app: web.Application, path: str, handler: Handler) -> None:
         admission = request.app[ADMISSION]
         admission.enter()
         try:
-            return await handler(request)
+            # A call in flight keeps its rollout alive (an external runner's lease), however
+            # long it waits at the closed gate; its end is a sign of life too.
+            active = rollout_of(request)
+            active.busy += 1
+            try:
+                return await handler(request)
+            finally:
+                active.busy -= 1
+                active.last_seen = time.monotonic()
         finally:
             admission.leave()
 

@@ -22,6 +22,7 @@ from appliance.proxy.driver import handler
 from appliance.proxy.http import ProxySettings, add_post
 from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started, TokenLogprob
 from appliance.proxy.validate import (
+    fits_context,
     flag,
     forced_tool,
     include_usage,
@@ -34,6 +35,7 @@ from appliance.proxy.validate import (
     seed,
     shown,
     stop_strings,
+    top_k,
     top_logprobs,
 )
 
@@ -67,14 +69,16 @@ class ChatSurface:
         )
         messages = messages_from_openai(body.get("messages"))
         tools = [] if tool_choice == "none" else declared
-        max_tokens = positive_int(body, "max_tokens")  # deprecated by OpenAI; still checked
+        legacy = positive_int(body, "max_tokens")  # deprecated by OpenAI; still checked
+        max_tokens = positive_int(body, "max_completion_tokens") or legacy
         params = sampling_for(
             settings,
-            max_tokens=positive_int(body, "max_completion_tokens") or max_tokens,
+            max_tokens=max_tokens,
             temperature=number(body, "temperature", 1.0, 0.0, 2.0),
             top_p=number(body, "top_p", 1.0, 0.0, 1.0),
             seed=seed(body),
             top_logprobs=(top or 0) if logprobs else 0,
+            top_k=top_k(body),
         )
         return CallRequest(
             surface=SURFACE,
@@ -88,6 +92,7 @@ class ChatSurface:
             logprobs=logprobs,
             include_usage=usage,
             structure=structure,
+            fit_context=fits_context(settings, max_tokens),
         )
 
     def whole(self, request: CallRequest, answers: Sequence[Answer]) -> dict[str, Any]:

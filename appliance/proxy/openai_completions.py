@@ -22,6 +22,7 @@ from appliance.proxy.driver import handler
 from appliance.proxy.http import ProxySettings, add_post
 from appliance.proxy.pipeline import Answer, CallRequest, Event, Started, TextPrompt, TokenLogprob
 from appliance.proxy.validate import (
+    fits_context,
     flag,
     include_usage,
     number,
@@ -32,6 +33,7 @@ from appliance.proxy.validate import (
     sampling_for,
     seed,
     stop_strings,
+    top_k,
 )
 
 SURFACE = "openai.completions"
@@ -113,6 +115,7 @@ class CompletionsSurface:
             top_p=number(body, "top_p", 1.0, 0.0, 1.0),
             seed=seed(body),
             top_logprobs=logprobs or 0,
+            top_k=top_k(body),
         )
         return CallRequest(
             surface=SURFACE,
@@ -127,6 +130,7 @@ class CompletionsSurface:
             prompt_logprobs=logprobs if echo and logprobs is not None else None,
             include_usage=usage,
             options={"echo": echo},
+            fit_context=fits_context(settings, max_tokens),
         )
 
     def whole(self, request: CallRequest, answers: Sequence[Answer]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from appliance.proxy.driver import handler
 from appliance.proxy.http import ProxySettings, add_post
 from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started
 from appliance.proxy.validate import (
+    fits_context,
     flag,
     forced_tool,
     number,
@@ -257,6 +258,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         stream=stream,
         logprobs=logprobs,
         options={"echo": echo},
+        fit_context=fits_context(settings, max_output),
         structure=forced_tool(tool_choice) or output_format(fmt, fmt, "text"),
     )
 

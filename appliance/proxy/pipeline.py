@@ -66,6 +66,9 @@ class CallRequest:
     include_usage: bool = False
     #: The output's required form, if any (the driver turns it into the engine's grammar).
     structure: Structure | None = None
+    #: The client set no completion length (and the config sets no default): a prompt that
+    #: leaves less room than ``params.max_tokens`` gets what room there is instead of a 400.
+    fit_context: bool = False
     #: What only this surface's shapes need (Completions' ``echo``, the fields a Responses object
     #: repeats), passed back to it untouched.
     options: Mapping[str, Any] = field(default_factory=dict)

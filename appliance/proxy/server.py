@@ -5,7 +5,8 @@ no surface (models, rewards, health, admin), and one middleware that turns ``App
 and malformed input into OpenAI-shaped ``{"error": {...}}`` bodies with the right status
 (Anthropic's shape for Anthropic clients: ``ApplianceError.to_openai`` / ``to_anthropic``).
 Harness routes live under the rollout's base URL ``/rollouts/<rollout_id>/v1`` and under a
-plain ``/v1`` for rollout-less use with the admin token.
+plain ``/v1`` for rollout-less use with the admin token; external runners claim rollouts and end
+them through ``appliance.proxy.runners``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from appliance.proxy import (
     openai_chat,
     openai_completions,
     openai_responses,
+    runners,
 )
 from appliance.proxy.calls import CallService
 from appliance.proxy.http import (
@@ -203,6 +205,7 @@ def build_app(
     app.router.add_get("/admin/status", admin_status)
     admin_feed.add_routes(app)
     control.add_routes(app)
+    runners.add_routes(app)
     return app
 
 

@@ -167,6 +167,19 @@ def stop_strings(body: dict[str, Any], name: str) -> tuple[str, ...]:
     return tuple(v for v in values if v)
 
 
+def top_k(body: dict[str, Any]) -> int:
+    """``top_k``: sample among the k most likely tokens (Anthropic's field; on the OpenAI surfaces
+    the extension vLLM and other servers accept). 0 or absent is off, as is vLLM's -1."""
+    value = optional_int(body, "top_k", -1, SEED_MAX)
+    return 0 if value is None or value < 0 else value
+
+
+def fits_context(settings: ProxySettings, max_tokens: int | None) -> bool:
+    """Whether a call that asked for ``max_tokens`` (None: no limit given) gets what the context
+    leaves: it gave none and the config sets no default."""
+    return max_tokens is None and settings.max_tokens_default is None
+
+
 def sampling_for(
     settings: ProxySettings,
     *,
@@ -175,6 +188,7 @@ def sampling_for(
     top_p: float,
     seed: int | None,
     top_logprobs: int = 0,
+    top_k: int = 0,
 ) -> SamplingParams:
     if 0.0 < temperature < MIN_TEMPERATURE:
         raise BadRequest(
@@ -184,7 +198,8 @@ def sampling_for(
     return SamplingParams(
         # Any size the client asks is capped (Python ints do not overflow; the cap is an int).
         max_tokens=min(
-            settings.max_tokens_default if max_tokens is None else max_tokens, settings.max_tokens_cap
+            (settings.max_tokens_default or settings.max_tokens_cap) if max_tokens is None else max_tokens,
+            settings.max_tokens_cap,
         ),
         temperature=temperature if settings.temperature_override is None else settings.temperature_override,
         # top_p 0 (the spec allows it) keeps only the most likely token, as the smallest top_p
@@ -192,6 +207,7 @@ def sampling_for(
         top_p=max(top_p, MIN_TOP_P),
         seed=seed,
         top_logprobs=top_logprobs,
+        top_k=top_k,
     )
 
 

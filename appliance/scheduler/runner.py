@@ -164,7 +164,8 @@ class Validation:
 
     tasks: Sequence[Task]
     temperature: float = 0.0
-    max_tokens: int = 16
+    #: Completion length of every call (None: what the agent asks, else what the context leaves).
+    max_tokens: int | None = None
 
     def sampling(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "max_tokens": self.max_tokens}

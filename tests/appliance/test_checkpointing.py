@@ -14,7 +14,7 @@ from harness_adapters.base import ClientConfig, Task
 from harness_adapters.python import PythonAdapter
 from store.events import CheckpointSaved, Event, ModelExported, PolicyVersionPublished
 from tests.support import make_config
-from trainer.checkpoints import read_checkpoint
+from trainer.checkpoints import PublishedWeights, read_checkpoint
 from trainer.policy import PolicyTrainer
 
 
@@ -65,9 +65,21 @@ async def test_weights_every_step_full_checkpoint_every_n_and_export_at_shutdown
         ("shutdown", 3, 3, "checkpoints/v000003.pt"),
     ]
     # Weight files leave the optimizer's moments out; full checkpoints keep them.
-    assert read_checkpoint(run_dir / published[1])["optimizer"]["state"] == {}
-    assert read_checkpoint(run_dir / published[2])["optimizer"]["state"] != {}
+    assert read_checkpoint(run_dir / published[3])["optimizer"]["state"] == {}
+    assert read_checkpoint(run_dir / "checkpoints/v000003.pt")["optimizer"]["state"] != {}
     assert read_checkpoint(run_dir / "checkpoints/v000003.pt")["step"] == 3
+    # Kept by default: the latest full checkpoint, the fp32 weights of the version the log
+    # names last, and bf16 copies of the latest 2 published versions.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("v*.pt")) == ["v000003.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints/weights").iterdir()) == ["v000003.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints/published").iterdir()) == [
+        "v000002.safetensors",
+        "v000003.safetensors",
+    ]
+    bf16 = PublishedWeights(run_dir / "checkpoints/published").load(3)
+    assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
+    for name, tensor in bf16.items():
+        assert torch.equal(tensor, final[name].to(torch.bfloat16)), name
 
     (exported,) = [e for e in log if isinstance(e, ModelExported)]
     assert (exported.step, exported.policy_version) == (3, 3)

@@ -44,6 +44,9 @@ async def test_status_reports_trainer_ranks_and_disk_bytes(
     shards = sum(_write(run / "checkpoints" / "v2" / f"model-{r}-of-2.safetensors", 3000) for r in range(2))
     shards += _write(run / "checkpoints" / "v2" / "optim" / "rank0.pt", 500)
     shards += _write(run / "checkpoints" / "weights-v3.safetensors", 700)
+    # Per-version fp32 weights and the bf16 copies of published versions, each its own kind.
+    weights = _write(run / "checkpoints" / "weights" / "v000003.pt", 900)
+    published = sum(_write(run / "checkpoints" / "published" / f"v00000{v}.safetensors", 450) for v in (2, 3))
     export = _write(run / "export" / "model.safetensors", 2048)
     models = _write(run / "models" / "tiny" / "config.json", 10)
     other = _write(run / "admin_token", 33) + _write(run / "logs" / "vllm.log", 100)
@@ -56,10 +59,12 @@ async def test_status_reports_trainer_ranks_and_disk_bytes(
     assert disk == {
         "log": log,
         "checkpoints": shards,
+        "weights": weights,
+        "published": published,
         "export": export,
         "models": models,
         "other": other,
-        "total": log + shards + export + models + other,
+        "total": log + shards + weights + published + export + models + other,
     }
 
     assert main(["status", "--data-dir", str(run)]) == 0
@@ -68,6 +73,7 @@ async def test_status_reports_trainer_ranks_and_disk_bytes(
     disk_line = next(line for line in out.splitlines() if line.startswith("disk "))
     assert disk_line.startswith(f"disk {human_bytes(disk['total'])} (log ")
     assert "checkpoints 7.0 KiB" in disk_line and "export 2.0 KiB" in disk_line
+    assert "weights 900 B" in disk_line and "published 900 B" in disk_line
 
 
 @pytest.mark.parametrize("shape", ["flat", "nested"])
@@ -103,7 +109,7 @@ def test_an_appliance_started_written_before_trainer_ranks_decodes_with_one() ->
 
 def test_disk_usage_counts_nothing_for_a_missing_directory(tmp_path: Path) -> None:
     assert disk_usage(tmp_path / "nowhere") == dict.fromkeys(
-        ("log", "checkpoints", "export", "models", "other", "total"), 0
+        ("log", "checkpoints", "weights", "published", "export", "models", "other", "total"), 0
     )
 
 

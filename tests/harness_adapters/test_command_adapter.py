@@ -213,3 +213,36 @@ async def test_max_concurrency(tmp_path: Path) -> None:
         sum(1 for start, end in spans if start <= t < end) for t in itertools.chain.from_iterable(spans)
     )
     assert overlap <= 2
+
+
+async def test_home_files_are_copied_into_each_rollouts_home(tmp_path: Path) -> None:
+    """A harness finds its own config in the fresh HOME: each rollout gets a copy of it."""
+    config_dir = tmp_path / "mine" / "agent-config"
+    config_dir.mkdir(parents=True)
+    (config_dir / "settings.yaml").write_text("model: local\n")
+    rc = tmp_path / "mine" / "agentrc"
+    rc.write_text("verbose = 1\n")
+    adapter = CommandAdapter(
+        command="""sh -c 'cat "$HOME/.config/agent/settings.yaml" "$HOME/.agentrc" > seen.txt; \
+echo changed > "$HOME/.agentrc"'""",
+        workdir_root=tmp_path / "rollouts",
+        keep_workdirs="always",
+        home_files={".config/agent": str(config_dir), ".agentrc": str(rc)},
+    )
+    for i in range(2):
+        assert await adapter.run(Task(f"t{i}", {}), client_config(f"r{i}")) is None
+    dirs = rollout_dirs(tmp_path / "rollouts")
+    assert [(d / "work" / "seen.txt").read_text() for d in dirs] == ["model: local\nverbose = 1\n"] * 2
+    # The rollout changed its copy, not the original.
+    assert rc.read_text() == "verbose = 1\n"
+
+
+async def test_a_home_file_outside_home_is_an_infra_error(tmp_path: Path) -> None:
+    source = tmp_path / "f"
+    source.write_text("x")
+    adapter = CommandAdapter(
+        command="true", workdir_root=tmp_path / "r", home_files={"../escape": str(source)}
+    )
+    with pytest.raises(InfraError, match="inside HOME"):
+        await adapter.run(Task("t", {}), client_config())
+    assert not (tmp_path / "r" / "escape").exists()

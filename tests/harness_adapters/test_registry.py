@@ -55,7 +55,7 @@ def test_by_dotted_path() -> None:
         (
             "commnad",
             {},
-            "unknown adapter 'commnad'; valid names: command, kubernetes, mini-swe-agent, python",
+            "unknown adapter 'commnad'; valid names: command, external, kubernetes, mini-swe-agent, python",
         ),
         ("command", {"comand": "x"}, "adapter 'command': command: Field required; comand: Extra inputs"),
         ("command", {"command": "x", "max_concurrency": 0}, "max_concurrency: Input should be greater"),
@@ -85,4 +85,4 @@ def test_default_workdir_root_goes_only_where_it_is_used(tmp_path: Path) -> None
 
 
 def test_every_registered_name_loads() -> None:
-    assert set(ADAPTERS) == {"command", "python", "mini-swe-agent", "kubernetes"}
+    assert set(ADAPTERS) == {"command", "python", "mini-swe-agent", "kubernetes", "external"}

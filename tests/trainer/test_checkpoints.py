@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from appliance.errors import ApplianceError
-from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model
+from trainer.checkpoints import CheckpointError, CheckpointStore, PublishedWeights, export_hf_model
 
 
 def state(value: float) -> dict[str, Any]:
@@ -157,3 +157,55 @@ def test_export_hf_model_copies_the_tokenizer_and_replaces_atomically(tmp_path: 
     # The earlier export is intact and no temporary directory is left behind.
     assert (out / "model.safetensors").read_bytes() == b"new weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "model"]
+
+
+def test_needed_versions_are_never_pruned(tmp_path: Path) -> None:
+    # The version the log names stays while a newer one is written (a crash before its events
+    # leaves a run that still restores), and goes once the newer one is published.
+    store = CheckpointStore(tmp_path, keep=1)
+    save(store, 1)
+    store.needed = {1}
+    save(store, 2)
+    save(store, 3)
+    assert store.versions() == [1, 3]
+    store.needed = {3}
+    assert store.prune() == [1]
+    assert store.prune(keep=0) == [] and store.versions() == [3]
+    store.needed = set()
+    assert store.prune(keep=0) == [3] and store.versions() == []
+
+
+def test_published_weights_are_bf16_safetensors_kept_per_published_version(tmp_path: Path) -> None:
+    published = PublishedWeights(tmp_path / "published", keep=2)
+    store = CheckpointStore(tmp_path / "checkpoints", published=published)
+    embed = torch.linspace(-1, 1, 12).reshape(4, 3)
+    for version in (1, 2, 3):
+        model = {"embed.weight": embed * version, "lm_head.weight": None, "steps": torch.tensor([version])}
+        model["lm_head.weight"] = model["embed.weight"]  # tied: stored once
+        store.save(version, step=version, model_state=model, optimizer_state={})
+    assert published.versions() == [1, 2, 3]
+    assert not list(published.directory.glob(".*"))  # no temporary files left
+    weights = published.load(3)
+    assert set(weights) == {"embed.weight", "steps"}
+    assert weights["embed.weight"].dtype == torch.bfloat16
+    assert torch.equal(weights["embed.weight"], (embed * 3).to(torch.bfloat16))
+    assert weights["steps"].dtype == torch.int64  # only floating point tensors are cast
+    fp32 = store.path(3).stat().st_size
+    assert published.path(3).stat().st_size < fp32 * 0.75
+    # Version 3 is written but not published yet: the 2 newest at or below version 2 stay.
+    assert published.prune(2) == [] and published.versions() == [1, 2, 3]
+    assert published.discard_after(2) == [3]
+    store.save(3, step=3, model_state={"embed.weight": embed}, optimizer_state={})
+    assert published.prune(3) == [1] and published.versions() == [2, 3]
+
+
+def test_published_weights_are_written_once_per_version(tmp_path: Path) -> None:
+    published = PublishedWeights(tmp_path)
+    first = published.save(4, {"w": torch.ones(2)})
+    # A full checkpoint of a version published as weights: the same weights, nothing rewritten.
+    assert published.save(4, {"w": torch.zeros(2)}) == first
+    assert torch.equal(published.load(4)["w"], torch.ones(2, dtype=torch.bfloat16))
+    with pytest.raises(CheckpointError, match="do not exist"):
+        published.load(5)
+    with pytest.raises(ValueError):
+        PublishedWeights(tmp_path, keep=0)

@@ -15,13 +15,14 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("1 2 3 4", "overview, curves, rollouts, event log"),
     ("tab / shift+tab", "move focus (filters, table)"),
     ("enter", "open the selected rollout"),
-    ("escape", "back from a rollout / close this help"),
+    ("escape", "back from a rollout / close this help / leave a filter"),
     ("p", "pause training (asks first)"),
     ("u", "resume training (asks first)"),
     ("k", "save a checkpoint now (asks first)"),
     ("s", "stop the run gracefully (asks first)"),
     ("?", "this help"),
     ("q", "quit the dashboard"),
+    ("ctrl+q / ctrl+c", "quit, also from a filter (which takes 1-4 and q as text)"),
 )
 
 

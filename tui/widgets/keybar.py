@@ -1,8 +1,10 @@
 """The key hints at the bottom of each screen.
 
-Owns :class:`KeyBar`: one fixed line built once from a screen's bindings. Textual's ``Footer``
-recomposes itself on every focus change (each tab switch), which cost most of a key press's
-redraw time; the bindings here never change while a screen is shown, so one line is enough.
+Owns :class:`KeyBar`: a line built once from a screen's bindings, and a second one for while a
+text box (a filter) has the focus. Textual's ``Footer`` recomposes itself on every focus change
+(each tab switch), which cost most of a key press's redraw time; the bindings here never change
+while a screen is shown, so two fixed lines are enough, swapped only when the focus moves into
+or out of a text box.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def key_hints(bindings: Iterable[BindingType]) -> str:
 
 
 class KeyBar(Static):
-    """One line of key hints, docked at the bottom."""
+    """One line of key hints, docked at the bottom: the screen's keys, or, while a text box has
+    the focus (it takes every printable key as text), the keys that work there (``in_input``)."""
 
     DEFAULT_CSS = """
     KeyBar {
@@ -44,5 +47,20 @@ class KeyBar(Static):
     }
     """
 
-    def __init__(self, bindings: Iterable[BindingType], *, id: str | None = None) -> None:
-        super().__init__(key_hints(bindings), id=id)
+    def __init__(
+        self,
+        bindings: Iterable[BindingType],
+        *,
+        id: str | None = None,
+        in_input: Iterable[BindingType] | None = None,
+    ) -> None:
+        self.hints = key_hints(bindings)
+        self.input_hints = key_hints(in_input) if in_input is not None else self.hints
+        self.in_input = False
+        super().__init__(self.hints, id=id)
+
+    def show_keys(self, *, in_input: bool) -> None:
+        """Show the keys of a text box (``in_input``) or the screen's; redrawn only on a change."""
+        if in_input != self.in_input:
+            self.in_input = in_input
+            self.update(self.input_hints if in_input else self.hints)

@@ -198,6 +198,52 @@ class EngineContract:
         assert sampled.logprobs == pytest.approx(argmax.logprobs, abs=self.logprob_atol)
         assert all(lp < -1e-3 for lp in sampled.logprobs)
 
+    async def test_top_k_one_is_greedy(self, engine: Engine) -> None:
+        """Top-k 1 keeps the most likely token alone, whatever the temperature and top-p, in a
+        batch with rows that sample freely; the log-probs reported are the uncut policy's."""
+        stop = await unsampled_id(engine, PROMPTS[6], 8)
+        cut = [
+            SamplingParams(max_tokens=8, temperature=1.0, top_k=1, seed=5, stop_token_ids=(stop,)),
+            SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=1, stop_token_ids=(stop,)),
+        ]
+        free = SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop_token_ids=(stop,))
+        *sampled, unfiltered = await asyncio.gather(
+            *(generate(engine, PROMPTS[6], params) for params in cut), generate(engine, PROMPTS[6], free)
+        )
+        argmax = await generate(engine, PROMPTS[6], greedy(8, [stop]))
+        for result in sampled:
+            assert result.token_ids == argmax.token_ids
+            assert result.logprobs == pytest.approx(argmax.logprobs, abs=self.logprob_atol)
+        assert all(lp < -1e-3 for lp in argmax.logprobs)
+        assert unfiltered.token_ids != argmax.token_ids  # the same seed without the cut: not greedy
+
+    async def test_top_k_samples_among_the_k_most_likely(self, engine: Engine, reference_model: Any) -> None:
+        """Every token sampled with top_k 3 is among the reference model's three most likely
+        there, and its log-prob is the temperature-1 policy's before the cut."""
+        k = 3
+        params = [
+            SamplingParams(
+                max_tokens=16, temperature=1.0, top_k=k, seed=i, stop_token_ids=(self.unreachable_stop_id,)
+            )
+            for i in range(6)
+        ]
+        prompts = [PROMPTS[i] for i in (1, 7, 0, 6, 3, 5)]
+        results = await asyncio.gather(
+            *(generate(engine, q, p) for q, p in zip(prompts, params, strict=True))
+        )
+        ranks: list[int] = []
+        for prompt, result in zip(prompts, results, strict=True):
+            ids = torch.tensor([[*prompt, *result.token_ids]])
+            with torch.no_grad():
+                logits = reference_model(ids).logits[0, len(prompt) - 1 : -1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            chosen = logp.gather(1, torch.tensor(result.token_ids)[:, None]).squeeze(1)
+            # Within the engines' float tolerance of the k-th most likely: among the top k.
+            assert bool((chosen >= logp.topk(k).values[:, -1] - self.logprob_atol).all())
+            assert result.logprobs == pytest.approx(chosen.tolist(), abs=self.logprob_atol)
+            ranks += (logp > chosen[:, None]).sum(dim=-1).tolist()
+        assert set(ranks) == {0, 1, 2}  # it does sample, not just take the argmax
+
     async def test_cancel_stops_generation(self, engine: Engine) -> None:
         short = greedy(8, [await unsampled_id(engine, PROMPTS[3], 8)])
         expected = await generate(engine, PROMPTS[3], short)

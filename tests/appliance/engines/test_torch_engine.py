@@ -56,6 +56,8 @@ class TestTorchEngine(EngineContract):
             SamplingParams(top_p=0.0),
             SamplingParams(top_p=1.5),
             SamplingParams(top_p=float("nan")),
+            SamplingParams(top_k=-1),
+            SamplingParams(top_k=2.5),  # type: ignore[arg-type]
             SamplingParams(temperature=float("inf")),
             SamplingParams(temperature=1e-7),  # overflows float32 logits; 0 is greedy
             SamplingParams(seed=2**63),
@@ -625,6 +627,8 @@ def extreme_cases(vocab: int, context: int, *, validated: bool) -> st.SearchStra
         "max_tokens": [1, 3],
         "temperature": [0.0, -0.0, 1e-5, 0.7, 2.0, 1e308],
         "top_p": [5e-324, 1e-300, 1e-45, 0.3, 1.0],
+        # 0 and values of at least the vocabulary's size are off.
+        "top_k": [0, 1, 2, vocab - 1, vocab, 2**63],
         # Ids outside the vocabulary are the contract's "never stop".
         "stop_token_ids": [(), (NEVER,), (0,), (vocab - 1,), (vocab,), (2**63,)],
         "seed": [None, -(2**63), -1, 0, 2**63 - 1],
@@ -635,6 +639,7 @@ def extreme_cases(vocab: int, context: int, *, validated: bool) -> st.SearchStra
         "max_tokens": [-(2**63) - 1, -1, 0, True, 2.5, context, 2**63, 10**30],
         "temperature": [5e-324, 1e-7, INF, -INF, NAN, -1.0, True, None],
         "top_p": [0.0, -0.0, 1.0000001, INF, NAN, True, None],
+        "top_k": [-1, -(2**63), 1.5, True, None, NAN],
         "stop_token_ids": [(True,), (1.5,), (None,)],
         "seed": [-(2**63) - 1, 2**63, 2**64, True, 1.5, NAN],
         "top_logprobs": [21, -1, vocab + 1, 2**63, True, NAN],

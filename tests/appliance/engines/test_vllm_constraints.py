@@ -91,6 +91,21 @@ async def test_greedy_agrees_with_the_torch_engine(
     ]
 
 
+@pytest.mark.parametrize("name", ["json_schema", "forced"])
+async def test_top_k_one_is_greedy_in_both_engines(
+    vllm: VLLMEngine, torch_engine: TorchEngine, prompt: list[int], tokenizer: Tokenizer, name: str
+) -> None:
+    """Top-k 1 at temperature 1 takes each engine's argmax of what the grammar allows (the cut
+    never brings a forbidden token back), so both agree with greedy decoding and each other."""
+    greedy = request(prompt, tokenizer, CONSTRAINTS[name], temperature=0.0)
+    cut = request(prompt, tokenizer, CONSTRAINTS[name], temperature=1.0, top_k=1, seed=9)
+    expected = await torch_engine.generate(greedy)
+    for result in (await vllm.generate(cut), await torch_engine.generate(cut)):
+        assert result.token_ids == expected.token_ids
+        assert result.finish_reason == "stop"
+        assert result.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+
+
 async def test_sampled_outputs_always_match(
     vllm: VLLMEngine, prompt: list[int], tokenizer: Tokenizer
 ) -> None:

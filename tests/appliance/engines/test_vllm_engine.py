@@ -498,6 +498,7 @@ async def test_appliance_trains_through_vllm(tmp_path: Path, tiny_model_dir: Pat
         SamplingParams(temperature=float("inf")),
         SamplingParams(temperature=1e-7),
         SamplingParams(top_p=float("nan")),
+        SamplingParams(top_k=-1),
         SamplingParams(max_tokens=2**70),
         SamplingParams(stop_token_ids=(1.5,)),  # type: ignore[arg-type]
     ],
@@ -507,7 +508,9 @@ async def test_values_outside_the_contract_are_refused_before_sending(params: Sa
     with pytest.raises(BadRequest):
         validate_request(request, max_context=2048, vocab_size=1002)
     # The edges of the ranges pass.
-    edges = SamplingParams(seed=-(2**63), temperature=1e-5, top_logprobs=20, stop_token_ids=(-1, 2**63))
+    edges = SamplingParams(
+        seed=-(2**63), temperature=1e-5, top_logprobs=20, top_k=2**63, stop_token_ids=(-1, 2**63)
+    )
     validate_request(GenerateRequest(prompt_ids=PROMPTS[1], params=edges), max_context=2048, vocab_size=1002)
 
 

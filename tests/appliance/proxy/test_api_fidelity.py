@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import anthropic
@@ -16,7 +17,7 @@ from anthropic import AsyncAnthropic
 
 from appliance.app import Appliance
 from appliance.rollouts import ActiveRollout
-from tests.support import make_config
+from tests.support import make_config, recorded_calls
 from tests.support import openai_client as sdk
 from tests.support import register_rollout as rollout
 from tests.support import rollout_base as base
@@ -167,3 +168,61 @@ async def test_anthropic_surface_words_an_overflow_as_anthropic_does(
     prompt, limit = map(int, match.groups())
     assert limit == 2048 and prompt > limit - 100
     assert litellm_recognises is None or litellm_recognises(caught.value.message)
+
+
+async def test_a_call_that_asks_for_no_length_gets_what_the_context_leaves(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """No ``max_tokens`` in the request and none configured: up to ``max_tokens_cap``, and no more
+    than the prompt leaves of the context (never a 400 for want of room, never a cut at 16)."""
+    config = make_config(tmp_path, tiny_model_dir, max_tokens=None, max_tokens_cap=40)
+    async with Appliance(config) as app:
+        active = rollout(app)
+        room = 7
+        ids = [5] * (app.engine.max_context - room)
+        async with sdk(app, active) as client:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            await client.completions.create(model="m", prompt=ids)
+            await client.responses.create(model="m", input="hi")
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.completions.create(model="m", prompt=ids, max_tokens=room + 1)
+            assert caught.value.code == "context_length_exceeded"
+        calls = await recorded_calls(app)
+        assert [c.sampling["max_tokens"] for c in calls] == [40, room, 40]
+
+
+async def test_top_k_is_honoured_on_every_surface_that_takes_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Anthropic's ``top_k`` (and the same extension on the OpenAI surfaces, as vLLM takes it):
+    top-k 1 at temperature 1 samples what greedy decoding does, and the call records it."""
+    # The client's temperature is served (the training default forces 1).
+    async with Appliance(make_config(tmp_path, tiny_model_dir, temperature="none")) as app:
+        await _top_k_calls(app)
+
+
+async def _top_k_calls(app: Appliance) -> None:
+    active = rollout(app)
+    ask: Any = [{"role": "user", "content": "Say something long."}]
+    async with sdk(app, active) as client:
+        greedy = await client.chat.completions.create(model="m", messages=ask, max_tokens=12, temperature=0)
+        for seed in range(3):
+            top1 = await client.chat.completions.create(
+                model="m", messages=ask, max_tokens=12, temperature=1, seed=seed, extra_body={"top_k": 1}
+            )
+            assert top1.choices[0].message.content == greedy.choices[0].message.content
+        completion = await client.completions.create(model="m", prompt="abc", max_tokens=8, temperature=0)
+        top1_text = await client.completions.create(
+            model="m", prompt="abc", max_tokens=8, temperature=1, seed=5, extra_body={"top_k": 1}
+        )
+        assert top1_text.choices[0].text == completion.choices[0].text
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="m", messages=ask, extra_body={"top_k": 1.5})
+        assert caught.value.param == "top_k"
+    claude = anthropic_sdk(app, active)
+    kwargs: dict[str, Any] = {"model": "m", "max_tokens": 12, "messages": ask, "stream": False}
+    # This SDK release no longer has typed sampling parameters; they travel in the body.
+    cold = await claude.messages.create(**kwargs, extra_body={"temperature": 0})
+    warm = await claude.messages.create(**kwargs, extra_body={"temperature": 1, "top_k": 1})
+    assert warm.content == cold.content
+    await claude.close()
+    calls = await recorded_calls(app)
+    assert [c.sampling["top_k"] for c in calls] == [0, 1, 1, 1, 0, 1, 0, 1]

@@ -1,0 +1,350 @@
+"""External runners: rollouts offered to harnesses the appliance did not start, and their leases.
+
+Owns the board between the rollout controller and runners elsewhere (another machine, a
+cluster's job system, a notebook). With the ``external`` adapter nothing is started here: the
+adapter's ``run`` is ``RunnerBoard.run``, which offers the rollout and waits until its runner
+finishes it, fails it, or goes silent. The proxy's routes (``appliance.proxy.runners``) claim
+offers, take heartbeats and finishes. The board also owns the tasks runners bring: a task queued
+by a claim goes ahead of the task set, so the next group the scheduler starts is on it.
+
+It decides nothing about scheduling: the scheduler still decides when groups start (the
+staleness bound, batch composition, pauses); a claim only takes what was offered, waiting at
+most ``runner_claim_wait_s`` for it. What it keeps true:
+
+* an offer is claimed at most once, oldest first; a claim whose client went away before its
+  answer puts the offer back at the front;
+* a claim that times out leaves nothing behind: its waiter is withdrawn, and a task it queued is
+  withdrawn too unless a group already started on it (whose rollouts stay claimable);
+* a claimed rollout whose runner shows no sign of life (an authorised request on the rollout's
+  routes: a model call, a reward, a heartbeat; a model call in flight counts throughout, see
+  ``ActiveRollout.last_seen`` / ``busy``) for ``runner_lease_s`` is failed with a reason saying
+  so, so the scheduler never waits on a vanished runner. Unclaimed offers wait for a runner
+  until the controller's ``rollout_timeout_s`` or the stop cancels them, like any rollout.
+
+The event log is untouched here: the controller records ``RolloutCreated`` before an offer
+and ``RolloutFinished`` when ``run`` returns or raises (``AgentFailed`` with the reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from appliance.errors import Conflict, NothingToClaim
+from appliance.rollouts import RolloutRegistry
+from harness_adapters.base import AgentFailed, ClientConfig, HarnessAdapter, Task
+from harness_adapters.external import ExternalAdapter
+
+if TYPE_CHECKING:
+    from appliance.config import HarnessConfig
+    from appliance.scheduler.live import LiveState
+
+log = logging.getLogger(__name__)
+
+#: Task id fields a runner's task may carry (as task sets name them); else one is derived.
+ID_FIELDS = ("id", "instance_id", "task_id")
+#: Ended rollouts remembered, so finishing one twice is a 409 rather than a 404.
+REMEMBERED = 4096
+#: Seconds a finish waits for its ``RolloutFinished`` to be folded into the live state.
+RECORD_WAIT_S = 30.0
+
+
+@dataclass(eq=False, slots=True)
+class Offer:
+    """One rollout waiting for, or held by, an external runner."""
+
+    task: Task
+    client: ClientConfig
+    #: How the rollout ended: (status, reason), set once.
+    ended: asyncio.Future[tuple[str, str]]
+    #: ``time.monotonic()`` when a runner claimed it (None: not claimed yet).
+    claimed_at: float | None = None
+    #: Set when something the lease watch must look at changed (a claim).
+    poke: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """A claim for a task it brought: the first rollout offered of that task is its."""
+
+    task: Task
+    claim: asyncio.Future[Offer]
+    #: Whether the controller has drawn the task for a group.
+    drawn: bool = False
+
+
+def task_from(data: dict[str, Any]) -> Task:
+    """A runner's task: its own id (``id``, ``instance_id`` or ``task_id``), else one derived
+    from its content."""
+    for name in ID_FIELDS:
+        value = data.get(name)
+        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
+            return Task(id=str(value), data=data)
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    return Task(id=f"external-{digest[:12]}", data=data)
+
+
+class RunnerBoard:
+    def __init__(
+        self,
+        registry: RolloutRegistry,
+        *,
+        lease_s: float,
+        claim_wait_s: float,
+        live: Callable[[], LiveState] | None = None,
+    ) -> None:
+        """``registry``: the proxy's live rollouts (their signs of life); ``live``: the live
+        projection, for a finish to wait until its rollout's end is recorded."""
+        self._registry = registry
+        self.lease_s = lease_s
+        self.claim_wait_s = claim_wait_s
+        self._live = live
+        #: Unclaimed offers, oldest first; every offer not ended, by rollout id.
+        self._pool: deque[Offer] = deque()
+        self._offers: dict[str, Offer] = {}
+        #: ``{}`` claims waiting for an offer, oldest first.
+        self._waiters: deque[asyncio.Future[Offer]] = deque()
+        #: Tasks claims brought, not yet drawn; drawn ones waiting for their first offer.
+        self._queued: deque[Reservation] = deque()
+        self._drawn: list[Reservation] = []
+        #: Ended rollouts: id -> (its key, status), the newest ``REMEMBERED``.
+        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
+
+    @property
+    def offered(self) -> int:
+        """Rollouts offered and not claimed yet."""
+        return len(self._pool)
+
+    @property
+    def queued(self) -> int:
+        """Tasks claims brought that no group has started on yet."""
+        return len(self._queued)
+
+    # --- the controller's side -------------------------------------------------------------------
+
+    def tasks(self, stream: Iterator[Task]) -> Iterator[Task]:
+        """``stream`` with the tasks claims brought ahead of it (the controller draws from this)."""
+        while True:
+            if self._queued:
+                reservation = self._queued.popleft()
+                reservation.drawn = True
+                self._drawn.append(reservation)
+                yield reservation.task
+                continue
+            try:
+                task = next(stream)
+            except StopIteration:
+                return
+            yield task
+
+    async def run(self, task: Task, client: ClientConfig) -> float | None:
+        """Offer the rollout and wait until it ends: None when its runner finished it (its reward
+        came over HTTP); ``AgentFailed`` with the reason when the runner failed it or its lease
+        ran out. Cancelling (the rollout's timeout, the stop) withdraws the offer."""
+        offer = Offer(task=task, client=client, ended=asyncio.get_running_loop().create_future())
+        rollout = client.rollout_id
+        self._offers[rollout] = offer
+        self._hand_out(offer)
+        try:
+            status, reason = await self._until_end(offer)
+        finally:
+            self._offers.pop(rollout, None)
+            with contextlib.suppress(ValueError):
+                self._pool.remove(offer)
+            done = offer.ended.done() and not offer.ended.cancelled()
+            self._remember(rollout, client.api_key, offer.ended.result()[0] if done else "failed")
+        if status == "failed":
+            raise AgentFailed(reason)
+        return None
+
+    def _hand_out(self, offer: Offer) -> None:
+        """To the claim that brought its task, else the oldest waiting claim, else the pool."""
+        for reservation in self._drawn:
+            if reservation.task is offer.task:
+                self._drawn.remove(reservation)
+                if not reservation.claim.done():
+                    self._claimed(offer)
+                    reservation.claim.set_result(offer)
+                    return
+                break
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._claimed(offer)
+                waiter.set_result(offer)
+                return
+        self._pool.append(offer)
+
+    def _claimed(self, offer: Offer) -> None:
+        offer.claimed_at = time.monotonic()
+        offer.poke.set()
+
+    async def _until_end(self, offer: Offer) -> tuple[str, str]:
+        """Wait for the rollout's end, failing it once its claimed runner is silent too long."""
+        while not offer.ended.done():
+            timeout = None
+            if offer.claimed_at is not None:
+                idle = self._idle_s(offer)
+                if idle >= self.lease_s:
+                    reason = (
+                        f"its external runner showed no sign of life for {self.lease_s:g} s (no model "
+                        "call, reward or heartbeat; runner_lease_s): it is taken to be gone"
+                    )
+                    offer.ended.set_result(("failed", reason))
+                    log.warning("rollout %s: %s", offer.client.rollout_id, reason)
+                    break
+                timeout = self.lease_s - idle
+            offer.poke.clear()
+            poked = asyncio.ensure_future(offer.poke.wait())
+            try:
+                await asyncio.wait((offer.ended, poked), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                poked.cancel()
+        return offer.ended.result()
+
+    def _idle_s(self, offer: Offer) -> float:
+        """Seconds since the claimed rollout's last sign of life (0 while a call is in flight)."""
+        assert offer.claimed_at is not None
+        active = self._registry.get(offer.client.rollout_id)
+        if active is not None and active.busy:
+            return 0.0
+        seen = max(offer.claimed_at, active.last_seen) if active is not None else offer.claimed_at
+        return time.monotonic() - seen
+
+    def _remember(self, rollout: str, key: str, status: str) -> None:
+        self._ended[rollout] = (key, status)
+        while len(self._ended) > REMEMBERED:
+            self._ended.popitem(last=False)
+
+    # --- the runners' side (the proxy's routes) ---------------------------------------------------
+
+    async def claim(self, task: Task | None = None) -> Offer:
+        """The oldest offered rollout, or (with ``task``) one of a group on that task, queued
+        ahead of the task set; waits at most ``claim_wait_s``, then ``NothingToClaim``."""
+        loop = asyncio.get_running_loop()
+        claim: asyncio.Future[Offer] = loop.create_future()
+        reservation = None
+        if task is not None:
+            reservation = Reservation(task=task, claim=claim)
+            self._queued.append(reservation)
+        elif self._pool:
+            offer = self._pool.popleft()
+            self._claimed(offer)
+            return offer
+        else:
+            self._waiters.append(claim)
+        try:
+            await asyncio.wait_for(asyncio.shield(claim), self.claim_wait_s)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:  # the client went away: what it was handed goes back
+            if claim.done() and not claim.cancelled():
+                self.release(claim.result())
+            claim.cancel()
+            self._withdraw(claim, reservation)
+            raise
+        if claim.done():
+            return claim.result()
+        claim.cancel()
+        started = self._withdraw(claim, reservation)
+        raise NothingToClaim(self._nothing_message(reservation, started=started))
+
+    def _withdraw(self, claim: asyncio.Future[Offer], reservation: Reservation | None) -> bool:
+        """Forget a claim that got nothing; whether a group had started on its task."""
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(claim)
+        if reservation is None:
+            return False
+        if reservation in self._queued:
+            self._queued.remove(reservation)
+            return False
+        with contextlib.suppress(ValueError):
+            self._drawn.remove(reservation)
+        return reservation.drawn
+
+    def _nothing_message(self, reservation: Reservation | None, *, started: bool) -> str:
+        waited = f"within {self.claim_wait_s:g} s (runner_claim_wait_s)"
+        if reservation is None:
+            return (
+                f"no rollout was offered {waited}: the scheduler starts groups when its batch and "
+                "staleness bound allow (it may be training or paused); retry later"
+            )
+        if started:
+            return (
+                f"a group on task {reservation.task.id!r} started but none of its rollouts was offered "
+                f"{waited}; they stay claimable with an empty body"
+            )
+        return (
+            f"no group started on task {reservation.task.id!r} {waited} (the scheduler may be training "
+            "or paused); the task was withdrawn and nothing was recorded; retry later"
+        )
+
+    def release(self, offer: Offer) -> None:
+        """Put a claimed offer back at the front (its claim's answer never reached the runner)."""
+        if offer.ended.done() or offer.client.rollout_id not in self._offers:
+            return
+        offer.claimed_at = None
+        offer.poke.set()
+        self._hand_back(offer)
+
+    def _hand_back(self, offer: Offer) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._claimed(offer)
+                waiter.set_result(offer)
+                return
+        self._pool.appendleft(offer)
+
+    def offer_of(self, rollout: str) -> Offer | None:
+        """The live offer of ``rollout`` (None: not an external runner's, or ended)."""
+        return self._offers.get(rollout)
+
+    def ended(self, rollout: str) -> tuple[str, str] | None:
+        """(key, status) of a rollout that ended here, while it is remembered."""
+        return self._ended.get(rollout)
+
+    def finish(self, offer: Offer, status: str, reason: str) -> None:
+        """End a claimed rollout as its runner says; ``Conflict`` when it has already ended."""
+        rollout = offer.client.rollout_id
+        if offer.ended.done():
+            raise Conflict(f"rollout {rollout!r} has already ended ({offer.ended.result()[0]})")
+        if offer.claimed_at is None:
+            raise Conflict(f"rollout {rollout!r} has not been claimed", param="rollout")
+        offer.ended.set_result((status, reason))
+
+    async def recorded(self, rollout: str) -> None:
+        """Return once the rollout's ``RolloutFinished`` is in the live state (bounded)."""
+        if self._live is None:
+            return
+        live = self._live()
+
+        async def until_ended() -> None:
+            while (view := live.state.rollouts.get(rollout)) is None or view.status == "running":
+                await live.wait_change(live.position)
+
+        try:
+            await asyncio.wait_for(until_ended(), RECORD_WAIT_S)
+        except TimeoutError:
+            log.warning("rollout %s: its end was not recorded within %g s", rollout, RECORD_WAIT_S)
+
+
+def attach(
+    adapter: HarnessAdapter, registry: RolloutRegistry, harness: HarnessConfig, live: Callable[[], LiveState]
+) -> RunnerBoard | None:
+    """The board of an ``external`` adapter (attached to it), or None for any other adapter."""
+    if not isinstance(adapter, ExternalAdapter):
+        return None
+    board = RunnerBoard(
+        registry, lease_s=harness.runner_lease_s, claim_wait_s=harness.runner_claim_wait_s, live=live
+    )
+    adapter.board = board
+    return board
