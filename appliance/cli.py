@@ -597,6 +597,19 @@ def status_report(data_dir: Path) -> dict[str, Any]:
         }
         for v in state.validations
     ]
+    summary["evaluations"] = [
+        {
+            "split": e.split,
+            "repeat": e.repeat,
+            "step": e.step,
+            "policy_version": e.policy_version,
+            "rollouts": len(e.rollouts),
+            "failed": e.failed,
+            "reward_mean": e.reward_mean,
+            "reward_std": e.reward_std,
+        }
+        for e in state.evaluations
+    ]
     return summary
 
 
@@ -704,6 +717,12 @@ def _print_status(summary: dict[str, Any]) -> None:
             f"  validation at step {v['step']:>4}  policy v{v['policy_version']}  "
             f"rollouts {v['rollouts']:>3}  failed {v['failed']}  "
             f"reward {v['reward_mean']:.3f} +- {v['reward_std']:.3f}"
+        )
+    for e in summary.get("evaluations", []):
+        print(
+            f"  eval {e['split']} at step {e['step']:>4}  policy v{e['policy_version']}  "
+            f"rollouts {e['rollouts']:>3} ({e['repeat']}x)  failed {e['failed']}  "
+            f"reward {e['reward_mean']:.3f} +- {e['reward_std']:.3f}"
         )
 
 

@@ -47,9 +47,17 @@ def evaluation_tasks(config: ApplianceConfig, split: str) -> list[Task]:
             if len(seen) == wanted:
                 break
         return list(seen.values())
-    taskset = TaskSet.load(
-        harness.tasks, split=split, validation_fraction=harness.validation_fraction, seed=config.seed
-    )
+    try:
+        taskset = TaskSet.load(
+            harness.tasks, split=split, validation_fraction=harness.validation_fraction, seed=config.seed
+        )
+    except ConfigError as exc:
+        if split != "validation":
+            raise
+        raise ConfigError(
+            f'{exc.message} (mark held-out tasks with "split": "validation", set '
+            "validation_fraction, or evaluate the training tasks with --split train)"
+        ) from None
     return [taskset.task_at(i, seed=config.seed) for i in range(len(taskset))]
 
 

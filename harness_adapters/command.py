@@ -60,7 +60,8 @@ class ProcessOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     env: dict[str, str] = Field(default_factory=dict)
-    """Extra environment variables for the agent (values may use ``{field}`` placeholders)."""
+    """Extra environment variables for the agent (values may use ``{field}`` placeholders, and
+    ``{api_key}``, the rollout's key, for a harness that reads it under another name)."""
     passthrough_env: list[str] = Field(default_factory=list)
     """Names of variables copied from the appliance's own environment (e.g. a license key)."""
     home_files: dict[str, Path] = Field(default_factory=dict)
@@ -195,7 +196,8 @@ class CommandAdapter:
         }
         if client is not None:
             extra |= endpoint_env(client) | {"LA_ROLLOUT_ID": client.rollout_id}
-            values = self._values(task, client, rdir)
+            # The key only here, never in an argv (which any process on the machine can read).
+            values = self._values(task, client, rdir) | {"api_key": client.api_key}
             extra |= {k: render_argv([v], values, task_id=task.id)[0] for k, v in self.config.env.items()}
         env = scrubbed_env(extra, passthrough=self.config.passthrough_env, home=rdir.home)
         if self.config.python_on_path:

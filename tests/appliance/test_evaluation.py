@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from appliance.app import Appliance
-from appliance.config import load_config
+from appliance.cli import _config_from, _parser
+from appliance.config import ApplianceConfig, load_config
 from appliance.errors import ConfigError
 from appliance.evaluation import evaluation_tasks
 from store.events import EvaluationCompleted, RolloutCreated, RolloutFinished, TrainStepCompleted
@@ -98,7 +99,29 @@ def test_the_eval_command_prints_and_records_the_result(
         s.event for s in read_events_sync(data / "events.sqlite") if isinstance(s.event, EvaluationCompleted)
     ]
     assert printed["reward_mean"] == pytest.approx(recorded.reward_mean)
+    status = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "status", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "eval train at step    0  policy v0  rollouts   5 (1x)" in status.stdout
     bad = subprocess.run(
         [*command[:-3], "--split", "test"], capture_output=True, text=True, timeout=60, check=False
     )
     assert bad.returncode == 2 and "split must be one of" in bad.stderr
+
+
+def test_up_takes_the_harness_from_flags(tmp_path: Path, taskset: Path) -> None:
+    def config(*flags: str) -> ApplianceConfig:
+        return _config_from(_parser().parse_args(["up", "--data-dir", str(tmp_path), *flags]))
+
+    table = config(
+        "--adapter", '{"adapter": "command", "command": "my-agent {question}"}', "--tasks", str(taskset)
+    )
+    assert table.harness.adapter == {"adapter": "command", "command": "my-agent {question}"}
+    assert table.harness.tasks == taskset
+    assert config("--adapter", "external").harness.adapter == {"adapter": "external"}
+    with pytest.raises(ConfigError, match="--adapter is neither"):
+        config("--adapter", "{not json")

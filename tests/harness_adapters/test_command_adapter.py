@@ -246,3 +246,20 @@ async def test_a_home_file_outside_home_is_an_infra_error(tmp_path: Path) -> Non
     with pytest.raises(InfraError, match="inside HOME"):
         await adapter.run(Task("t", {}), client_config())
     assert not (tmp_path / "r" / "escape").exists()
+
+
+async def test_env_values_may_name_the_rollouts_key_and_the_command_may_not(tmp_path: Path) -> None:
+    """A harness that reads its key under another name gets it through ``env``; a command line
+    never holds it (any process on the machine can read an argv)."""
+    adapter = CommandAdapter(
+        command="""sh -c 'printf "%s" "$OTHER_API_KEY" > key.txt'""",
+        workdir_root=tmp_path,
+        keep_workdirs="always",
+        env={"OTHER_API_KEY": "{api_key}"},
+    )
+    client = client_config()
+    assert await adapter.run(Task("t", {}), client) is None
+    (rdir,) = rollout_dirs(tmp_path)
+    assert (rdir / "work" / "key.txt").read_text() == client.api_key
+    with pytest.raises(ConfigError, match="no field 'api_key'"):
+        await CommandAdapter(command="my-agent {api_key}", workdir_root=tmp_path).run(Task("t", {}), client)
