@@ -4,9 +4,12 @@ Drives the scheduler's own ``decide`` in the discrete-event simulator
 (``appliance/scheduler/simulate.py``) for a SWE-agent-like long-tailed workload and a uniform one,
 in sync mode and async mode at each staleness bound, and prints one table. With ``--split N``
 it compares the placements instead: every GPU collocated (sync, async) against N GPUs
-generating while the others train (split), side by side. The cost model defaults to a 9B model
-on one H200 (per GPU); give measured figures with the flags or a JSON file whose keys are the
-fields of ``CostModel`` (``docs/scheduler.md``: what to measure, and where).
+generating while the others train (split), side by side. Either way a second table says where
+each run's time goes (seconds per step: the step, the switches, idle GPUs, the straggler tail,
+re-prefill, the critical rollout's life) and the floor that the staleness bound puts under it.
+The cost model defaults to a 9B model on one H200 (per GPU); give measured figures with the
+flags or a JSON file whose keys are the fields of ``CostModel`` (``docs/scheduler.md``: what to
+measure, and where).
 
     .venv/bin/python scripts/simulate.py [--steps 20] [--batch-groups 8] [--group-size 8]
         [--switch-s 12] [--train-step-s 30] [--tokens-per-s 8000] [--b-half 48] [--cost-json F]
@@ -26,6 +29,7 @@ from appliance.scheduler.simulate import (
     Layout,
     compare,
     compare_placements,
+    format_breakdown,
     format_placements,
     format_table,
 )
@@ -64,6 +68,19 @@ parser.add_argument(
     "--keep-kv", action="store_true", help="running rollouts keep their KV cache over a switch or a push"
 )
 args = parser.parse_args()
+
+BREAKDOWN_LEGEND = """
+floor     fewest s/step any schedule within this eta allows these critical rollouts
+          (docs/scheduler.md, "Where the time goes")
+train     the step (collocated: every GPU; split: the training GPUs)
+pause     generation stands still: switches (collocated) or pushes (split)
+idle      generating GPUs serving with nothing to decode or prefill
+tail      serving while a batch is ready but an older group still runs (the straggler tail)
+reprefill prefill recomputing context a switch or a push dropped from the KV cache
+critical  each step's critical rollout (the last of its groups to end): admission to end,
+tool      of which in tools,
+held      mid-call while the engine did not serve (a switch, a step, a push),
+served    and alive while the engine served"""
 
 cost = CostModel()
 if args.cost_json is not None:
@@ -125,6 +142,9 @@ batch    mean sequences decoding at once per replica
 KV drop  cached context tokens a switch or push discarded per step (prefilled again afterwards)
 speedup  collocated sync s/step over this row's"""
     )
+    print("\nWhere the time goes (seconds per step)\n")
+    print(format_breakdown(placed))
+    print(BREAKDOWN_LEGEND)
     raise SystemExit(0)
 print(format_table(results))
 print(
@@ -137,3 +157,6 @@ batch    mean sequences decoding at once
 KV drop  cached context tokens a switch discarded per step (prefilled again afterwards)
 speedup  sync s/step over this row's; tokens: this row's trained tokens/s over sync's"""
 )
+print("\nWhere the time goes (seconds per step)\n")
+print(format_breakdown(results))
+print(BREAKDOWN_LEGEND)

@@ -27,6 +27,20 @@ length, then only the new suffix. :func:`decode` rebuilds the field from the ear
 :func:`prefix_source` (the store resolves the reference, see :func:`shared_prefix_ref`). Blobs
 written before this existed never set the flag (counts stay below 2**31).
 
+Request sharing: a call's ``request`` usually repeats the previous call's conversation (its
+``messages``, or a Responses ``input`` list) and adds the newest turns, so storing it whole makes a
+conversation of n turns cost O(n^2) bytes. :func:`share_request` stores such a request with only
+the new messages, and ``data`` gets a first key :data:`REQUEST_REF` = [earlier call's position,
+conversation key, shared message count]; :func:`decode` rebuilds the list from the earlier call's
+decoded request (the store resolves the reference, see :func:`shared_ref`). Decoded requests may
+share message objects with earlier decoded calls: events are values, never mutate them.
+
+JSON: written with orjson (compact, UTF-8). A payload whose values orjson would store differently
+from the standard library (NaN or infinities, which orjson turns into ``null``, so any text with
+``null``; integers beyond 64 bits; non-string keys) is written by ``json.dumps``, as before;
+reads take the standard library for the texts orjson would read differently. Either way the
+stored values are the standard library's (only the spelling of some floats differs).
+
 Row checksums: :func:`chain_digest` hashes a row's columns together with the previous row's
 digest (BLAKE2b, 16 bytes), so each digest covers the whole log up to its row.
 """
@@ -36,13 +50,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import struct
 import sys
 import typing
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from appliance.errors import StoreError
 from store import events as _events
@@ -61,6 +78,19 @@ _REF = struct.Struct("<QI")
 MIN_SHARED_TOKENS = 8
 #: The one packed field stored with a shared prefix, per event type.
 _SHARED_FIELD = {LLMCallCompleted.type: "prompt_ids"}
+#: First key of a ``data`` whose request shares its conversation with an earlier call (not a
+#: field name: fields are identifiers).
+REQUEST_REF = "@request"
+_REQUEST_REF_HEAD = '{"' + REQUEST_REF + '":['
+#: Request keys that hold a conversation as a list of messages.
+_CONVERSATION_KEYS = ("messages", "input")
+#: Texts orjson reads differently from the standard library: NaN/Infinity (refused), integers
+#: of 19 digits or more (those beyond 64 bits become floats).
+_STDLIB_JSON = re.compile(r"NaN|Infinity|\d{19}")
+#: Types orjson would write but ``json.dumps`` writes differently or refuses: left to the latter.
+_ORJSON_STRICT = (
+    orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
 _DIGEST_SIZE = 16
 _ROW_HEADER = struct.Struct("<qqdIiII")
 _TYPECODES = {"TokenIds": "i", "Floats": "f"}  # int32 / float32 on every platform we run on
@@ -95,6 +125,22 @@ class _Layout:
     packed: tuple[tuple[str, str], ...]  # (field name, typecode), in declared order
     json_fields: tuple[str, ...]
     tuple_fields: frozenset[str]  # JSON fields to turn back from lists into tuples
+
+    def payload(self, event: Event) -> dict[str, Any]:
+        """The JSON fields of ``event`` (``data`` before encoding), in declared order."""
+        return {name: getattr(event, name) for name in self.json_fields}
+
+    def pack(self, event: Event) -> bytes:
+        """The blob of ``event`` with nothing shared (the common case of :func:`_pack`)."""
+        parts: list[bytes] = []
+        for name, code in self.packed:
+            values = array(code, getattr(event, name))
+            if len(values) >= SHARED_FLAG:
+                raise ValueError(f"field {name!r} has too many values ({len(values)})")
+            if _SWAP:
+                values.byteswap()
+            parts += (_COUNT.pack(len(values)), values.tobytes())
+        return b"".join(parts)
 
 
 _LAYOUTS: dict[type[Event], _Layout] = {}
@@ -151,17 +197,32 @@ def register_upcaster(type_name: str, from_version: int) -> Callable[[Upcaster],
 def encode(event: Event) -> EncodedEvent:
     """Split ``event`` into the columns of a row. Raises StoreError if it cannot be stored."""
     layout = _layout(type(event))
-    payload = {name: getattr(event, name) for name in layout.json_fields}
     try:
+        data = _dumps(layout.payload(event))
+        (event.rollout_id or "").encode("utf-8")
+        blob = layout.pack(event)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise StoreError(f"cannot encode {event.type} event: {exc}") from exc
+    return EncodedEvent(event.type, event.version, event.rollout_id, event.ts, data, blob)
+
+
+def _dumps(payload: JsonObject) -> str:
+    """Compact JSON of ``payload``, exactly as ``json.dumps`` writes it where the two differ."""
+    try:
+        raw = orjson.dumps(payload, option=_ORJSON_STRICT)
+    except TypeError:  # big integers, non-string keys, lone surrogates...: the standard library's way
+        raw = None
+    if raw is None or b"null" in raw:  # orjson writes NaN and infinities as null
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
         # SQLite text and the checksum are UTF-8: a lone surrogate must fail here, before the
         # row is queued, not in the writer.
         data.encode("utf-8")
-        (event.rollout_id or "").encode("utf-8")
-        blob = _pack(event, layout.packed, None)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise StoreError(f"cannot encode {event.type} event: {exc}") from exc
-    return EncodedEvent(event.type, event.version, event.rollout_id, event.ts, data, blob)
+        return data
+    return raw.decode()
+
+
+def _loads(data: str) -> Any:
+    return json.loads(data) if _STDLIB_JSON.search(data) else orjson.loads(data)
 
 
 def prefix_source(event: Event) -> TokenIds | None:
@@ -187,6 +248,40 @@ def share_prefix(row: EncodedEvent, event: Event, position: int, source: TokenId
     return dataclasses.replace(row, blob=blob)
 
 
+def share_request(row: EncodedEvent, event: Event, position: int, earlier: JsonObject) -> EncodedEvent:
+    """``row`` with its request's conversation stored as the messages after those it shares with
+    ``earlier`` (the request of the call at ``position``); unchanged when they share none."""
+    if not isinstance(event, LLMCallCompleted):
+        return row
+    request = event.request
+    for key in _CONVERSATION_KEYS:
+        messages, before = request.get(key), earlier.get(key)
+        if isinstance(messages, list) and isinstance(before, list):
+            break
+    else:
+        return row
+    shared = _common_prefix(messages, before)
+    if shared == 0:
+        return row
+    layout = _layout(type(event))
+    payload: dict[str, Any] = {REQUEST_REF: [position, key, shared]}
+    payload.update((name, getattr(event, name)) for name in layout.json_fields)
+    payload["request"] = {**request, key: messages[shared:]}
+    return dataclasses.replace(row, data=_dumps(payload))
+
+
+def shared_ref(type_name: str, data: str, blob: bytes) -> int | None:
+    """The position of the earlier call a row shares tokens or its request with, or None.
+
+    A row refers to at most one earlier call (its rollout's previous one).
+    """
+    ref = shared_prefix_ref(type_name, blob)
+    if ref is None and data.startswith(_REQUEST_REF_HEAD):
+        start = len(_REQUEST_REF_HEAD)
+        ref = int(data[start : data.index(",", start)])
+    return ref
+
+
 def shared_prefix_ref(type_name: str, blob: bytes) -> int | None:
     """The position of the earlier event a row's shared field refers to, or None."""
     name = _SHARED_FIELD.get(type_name)
@@ -210,23 +305,28 @@ def chain_digest(previous: bytes, position: int, row: EncodedEvent) -> bytes:
     type_bytes = row.type.encode()
     rollout = b"" if row.rollout is None else row.rollout.encode()
     data = row.data.encode()
-    digest = hashlib.blake2b(previous, digest_size=_DIGEST_SIZE)
     header = _ROW_HEADER.pack(
         position, row.version, row.ts, len(type_bytes), -1 if row.rollout is None else len(rollout),
         len(data), len(row.blob),
     )  # fmt: skip
-    for part in (header, type_bytes, rollout, data, row.blob):
-        digest.update(part)
-    return digest.digest()
+    # One call over the concatenation: the same digest as updating part by part.
+    message = b"".join((previous, header, type_bytes, rollout, data, row.blob))
+    return hashlib.blake2b(message, digest_size=_DIGEST_SIZE).digest()
 
 
 def decode(
-    type_name: str, version: int, ts: float, data: str, blob: bytes, prefix: TokenIds | None = None
+    type_name: str,
+    version: int,
+    ts: float,
+    data: str,
+    blob: bytes,
+    prefix: TokenIds | None = None,
+    request: JsonObject | None = None,
 ) -> Event:
     """Rebuild the event stored in a row, upcasting its payload to the current class version.
 
-    ``prefix`` is :func:`prefix_source` of the event :func:`shared_prefix_ref` names, when it
-    names one.
+    ``prefix`` is :func:`prefix_source` and ``request`` the request of the event
+    :func:`shared_ref` names, when it names one. A shared request is rebuilt before upcasting.
     """
     cls = EVENT_TYPES.get(type_name)
     if cls is None:
@@ -238,7 +338,9 @@ def decode(
         )
     layout = _layout(cls)
     try:
-        fields: dict[str, Any] = json.loads(data)
+        fields: dict[str, Any] = _loads(data)
+        if REQUEST_REF in fields:
+            fields["request"] = _rebuild_request(fields.pop(REQUEST_REF), fields["request"], request)
         for v in range(version, cls.version):
             upcaster = UPCASTERS.get((type_name, v))
             if upcaster is None:
@@ -250,6 +352,15 @@ def decode(
         return cls(ts=ts, **fields)
     except (TypeError, ValueError, KeyError, struct.error) as exc:
         raise StoreError(f"cannot decode {type_name} v{version}: {exc}") from exc
+
+
+def _rebuild_request(ref: list[Any], stored: JsonObject, earlier: JsonObject | None) -> JsonObject:
+    position, key, shared = ref
+    before = None if earlier is None else earlier.get(key)
+    if not isinstance(before, list) or len(before) < shared:
+        raise ValueError(f"the request shares {shared} messages with the event at {position}")
+    stored[key] = before[:shared] + stored[key]
+    return stored
 
 
 def _pack(event: Event, packed: tuple[tuple[str, str], ...], shared: tuple[str, int, int] | None) -> bytes:
@@ -270,7 +381,7 @@ def _pack(event: Event, packed: tuple[tuple[str, str], ...], shared: tuple[str, 
     return b"".join(parts)
 
 
-def _common_prefix(values: TokenIds, source: TokenIds) -> int:
+def _common_prefix(values: Sequence[Any], source: Sequence[Any]) -> int:
     """Length of the longest common prefix, by bisection over slice comparisons (done in C)."""
     limit = min(len(values), len(source))
     if values[:limit] == source[:limit]:

@@ -1,8 +1,9 @@
 """The event store: an append-only log of events in one SQLite file.
 
-Owns the SQL schema, the single writer (one connection, one task, group commit) and the reader
-connection that serves ``read`` and ``subscribe``. It does not own how an event becomes a row
-(``store.codec``) nor what the events mean (``store.projections``).
+Owns the SQL schema, opening (creating, migrating, verifying) a store, and the reader connection
+that serves ``read`` and ``subscribe``. It does not own the writer thread and its transactions
+(``store.writer``), how an event becomes a row (``store.codec``) nor what the events mean
+(``store.projections``).
 
 Invariants:
 
@@ -13,9 +14,9 @@ Invariants:
   ``synchronous=FULL``): an acknowledged event survives a crash or power loss. The events of one
   ``append`` call are committed together or not at all.
 * Appends that queue up while a commit is in flight are committed together in the next
-  transaction (group commit): one fsync serves many callers. If that transaction fails, every
-  caller in it gets :class:`StoreError` (:class:`StoreFull` when the disk is full) and nothing
-  of the batch is in the log.
+  transaction (group commit), run whole by one writer thread: one fsync serves many callers.
+  If that transaction fails, every caller in it gets :class:`StoreError` (:class:`StoreFull`
+  when the disk is full) and nothing of the batch is in the log.
 * Every row carries ``chain``, the checksum of its columns chained over the previous row's
   (``store.codec.chain_digest``). Opening a store for writing verifies the whole chain
   (:func:`verify_log`) and refuses a log that was changed, truncated inside, or has a gap
@@ -24,15 +25,15 @@ Invariants:
   file alone then holds every event, so copying ``events.sqlite`` copies the run's log (a live
   store is copied with ``appliance.backup``).
 * A call's prompt that starts with the previous call of its rollout is stored as a reference to
-  that call plus the new suffix (``store.codec.share_prefix``); reads rebuild it, so the events
-  read back are the events appended.
+  that call plus the new suffix (``store.codec.share_prefix``), and its request's conversation as
+  the messages after those of that call's request (``store.codec.share_request``); reads rebuild
+  both, so the events read back are the events appended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import sqlite3
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
@@ -43,18 +44,10 @@ from typing import Any, Self
 
 import aiosqlite
 
-from appliance.errors import StoreCorrupted, StoreError, StoreFull
-from store.codec import (
-    EncodedEvent,
-    StoredEvent,
-    chain_digest,
-    decode,
-    encode,
-    prefix_source,
-    share_prefix,
-    shared_prefix_ref,
-)
-from store.events import Event, LLMCallCompleted, RolloutFinished, TokenIds
+from appliance.errors import StoreCorrupted, StoreError
+from store.codec import EncodedEvent, StoredEvent, chain_digest, decode, encode, prefix_source, shared_ref
+from store.events import Event, JsonObject, LLMCallCompleted, TokenIds
+from store.writer import MAX_BATCH_EVENTS, Pending, Writer, store_error
 
 __all__ = [
     "MAX_BATCH_EVENTS",
@@ -67,26 +60,19 @@ __all__ = [
     "verify_log",
 ]
 
-log = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: The first schema version whose rows carry checksums.
 _CHAINED_VERSION = 2
-#: Most events committed in one transaction (a single larger ``append`` still goes in one piece).
-MAX_BATCH_EVENTS = 1024
+#: The first schema version whose calls may share their request with an earlier call (older
+#: appliances cannot read those rows, so they must refuse the store).
+_SHARED_REQUEST_VERSION = 3
 #: Events fetched per query by ``subscribe``.
 _PAGE = 512
 #: A read-only store sees other processes' commits only by looking again, this often (seconds).
 _READONLY_POLL_S = 0.5
-#: Rollouts whose last call the writer remembers for prefix sharing (running ones; LRU beyond).
-_SHARING_ROLLOUTS = 4096
-#: Tokens (of recent calls) a reader keeps to rebuild later calls' shared prefixes: ~8 bytes each.
+#: Tokens (of recent calls) a reader keeps to rebuild later calls' shared prefixes: ~8 bytes each
+#: (their requests are kept along, the messages shared with the next call's).
 _DECODED_TOKENS = 4_000_000
-#: A clean close checkpoints the WAL into the main file: tries, each waiting this long for
-#: readers (milliseconds), with this pause between them (seconds).
-_CHECKPOINT_TRIES = 5
-_CHECKPOINT_BUSY_MS = 200
-_CHECKPOINT_PAUSE_S = 0.1
 #: ``max_page_count`` meaning "no cap" (SQLite clamps it to its own largest).
 _NO_CAP_PAGES = 0xFFFF_FFFE
 
@@ -99,14 +85,12 @@ _SCHEMA = (
     f"INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', '{SCHEMA_VERSION}')",
 )
 _COLUMNS = "position, type, version, rollout, ts, data, blob"
-_INSERT = f"INSERT INTO events ({_COLUMNS}, chain) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 _CALLS_BETWEEN = (
     f"SELECT {_COLUMNS} FROM events WHERE rollout = ? AND type = ? AND position >= ? AND position < ?"
     " ORDER BY position"
 )
 _CHAINED = f"SELECT {_COLUMNS}, chain FROM events WHERE position > ? ORDER BY position LIMIT ?"
 _TAIL = "SELECT position, chain FROM events ORDER BY position DESC LIMIT 1"
-_HEAD = "SELECT COALESCE(MAX(position), 0) FROM events"
 _HAS_META = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
 _GET_VERSION = "SELECT value FROM meta WHERE key = 'schema_version'"
 _BUSY_TIMEOUT = "PRAGMA busy_timeout = 5000"
@@ -123,22 +107,13 @@ class ChainReport:
     digest: bytes
 
 
-@dataclass(slots=True)
-class _Pending:
-    """One ``append`` call waiting for the writer."""
-
-    events: Sequence[Event]
-    rows: list[EncodedEvent]
-    future: asyncio.Future[list[int]]
-
-
 class EventStore:
     """Append-only event log over SQLite. Build it with ``await EventStore.open(path)``."""
 
     def __init__(
         self,
         path: Path,
-        writer: aiosqlite.Connection | None,
+        writer: sqlite3.Connection | None,
         reader: aiosqlite.Connection,
         tail: ChainReport,
         *,
@@ -146,22 +121,32 @@ class EventStore:
     ) -> None:
         self.path = path
         self.readonly = writer is None
-        #: Transactions committed by this instance (one per group commit).
-        self.commits = 0
-        self._writer = writer
         self._reader = reader
         self._head = tail.events
-        self._digest = tail.digest
-        self._share_prefixes = share_prefixes
-        #: rollout -> (position, prompt + response) of its last call, for prefix sharing.
-        self._last_call: OrderedDict[str, tuple[int, TokenIds]] = OrderedDict()
         self._decoder = _Decoder()
-        self._queue: asyncio.Queue[_Pending | None] = asyncio.Queue()
-        self._committed = asyncio.Condition()
+        #: Set (and replaced) at every commit and at close: what subscribers wait on.
+        self._committed = asyncio.Event()
         self._accepting = writer is not None
         self._closed = False
         self._close_task: asyncio.Future[None] | None = None
-        self._writer_task = asyncio.create_task(self._write_loop()) if writer is not None else None
+        self._writer: Writer | None = None
+        #: Appends of this turn of the event loop, not yet handed to the writer.
+        self._outbox: list[Pending] = []
+        if writer is not None:
+            self._writer = Writer(
+                writer, path, tail.events, tail.digest, share=share_prefixes, on_commit=self._on_commit
+            )
+            self._writer.start()
+
+    @property
+    def commits(self) -> int:
+        """Transactions committed by this instance (one per group commit)."""
+        return 0 if self._writer is None else self._writer.commits
+
+    @property
+    def writer_seconds(self) -> tuple[float, float]:
+        """Seconds the writer thread spent (preparing batches, in their SQL), for benchmarks."""
+        return (0.0, 0.0) if self._writer is None else (self._writer.prepare_s, self._writer.sql_s)
 
     @classmethod
     async def open(
@@ -177,7 +162,7 @@ class EventStore:
 
         A writer first verifies the checksum chain of the whole log unless ``verify`` is False
         (readers never do; they call :meth:`verify`). ``share_prefixes=False`` stores every
-        call's tokens whole. ``max_bytes`` caps the database file: appends that would grow it
+        call's tokens and request whole. ``max_bytes`` caps the database file: appends that would grow it
         further fail with :class:`StoreFull`, as on a full disk.
         """
         if readonly and not await asyncio.to_thread(Path(path).is_file):
@@ -186,11 +171,8 @@ class EventStore:
             try:
                 writer = None
                 if not readonly:
-                    writer = await aiosqlite.connect(path, isolation_level=None)
-                    stack.push_async_callback(writer.close)
-                    await _prepare_writer(writer, path)
-                    if max_bytes is not None:
-                        await _cap_size(writer, max_bytes)
+                    writer = await asyncio.to_thread(_connect_writer, path, max_bytes)
+                    stack.callback(writer.close)
                 reader = await aiosqlite.connect(_readonly_uri(path), uri=True, isolation_level=None)
                 stack.push_async_callback(reader.close)
                 await reader.execute(_BUSY_TIMEOUT)
@@ -201,7 +183,7 @@ class EventStore:
                 else:
                     tail = await _tail(reader)
             except sqlite3.Error as exc:
-                raise _store_error(f"cannot open event store {path}", exc) from exc
+                raise store_error(f"cannot open event store {path}", exc) from exc
             stack.pop_all()
         return cls(path, writer, reader, tail, share_prefixes=share_prefixes)
 
@@ -213,7 +195,7 @@ class EventStore:
         if self._writer is None or not self._accepting:
             raise StoreError(f"event store {self.path} is not open for writing: cannot cap its size")
         try:
-            await _cap_size(self._writer, max_bytes)
+            await self._writer.call(lambda conn: _cap_size(conn, max_bytes))
         except sqlite3.Error as exc:
             raise StoreError(f"cannot cap the size of event store {self.path}: {exc}") from exc
 
@@ -239,9 +221,12 @@ class EventStore:
             raise StoreError(f"event store {self.path} is closed: cannot append")
         if not events:
             return []
+        assert self._writer is not None
         rows = [encode(e) for e in events]
-        pending = _Pending(events, rows, asyncio.get_running_loop().create_future())
-        self._queue.put_nowait(pending)
+        pending = Pending(events, rows, asyncio.get_running_loop().create_future())
+        self._outbox.append(pending)
+        if len(self._outbox) == 1:  # hand this turn's appends to the writer together, after it
+            asyncio.get_running_loop().call_soon(self._flush)
         # A caller cancelled from here on does not withdraw its events: they may still commit.
         return await pending.future
 
@@ -322,201 +307,84 @@ class EventStore:
 
     async def _close(self) -> None:
         self._accepting = False
-        if self._writer_task is not None:
-            self._queue.put_nowait(None)
-            try:
-                await self._writer_task
-            except Exception:
-                log.exception("event store writer failed")
+        if self._writer is not None:
+            self._flush()
+            await self._writer.stop()
         self._closed = True
-        async with self._committed:
-            self._committed.notify_all()
+        self._signal()
         try:
             await self._reader.close()
             if self._writer is not None:
-                await self._checkpoint()
-                await self._writer.close()
+                await asyncio.to_thread(self._writer.close)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot close event store {self.path}: {exc}") from exc
 
-    async def _checkpoint(self) -> None:
-        """Copy every committed page into the main file and empty the WAL, so that the main
-        file alone holds the whole log (a user may copy just ``events.sqlite``).
+    def _flush(self) -> None:
+        if self._outbox and self._writer is not None:
+            self._writer.submit(self._outbox)
+            self._outbox = []
 
-        A reader in the middle of a read (``status``, the dashboard) holds the WAL: retry
-        briefly, then leave it; the next writer's open or close checkpoints it.
-        """
-        assert self._writer is not None
-        for _ in range(_CHECKPOINT_TRIES):
-            try:
-                await self._writer.execute(f"PRAGMA busy_timeout = {_CHECKPOINT_BUSY_MS}")
-                (busy, _wal_pages, _copied) = await _fetchone(self._writer, "PRAGMA wal_checkpoint(TRUNCATE)")
-            except sqlite3.Error as exc:  # e.g. a full disk: the WAL still holds every event
-                log.warning("event store %s: could not checkpoint the WAL on close: %s", self.path, exc)
-                return
-            if not busy:
-                return
-            await asyncio.sleep(_CHECKPOINT_PAUSE_S)
-        log.warning(
-            "event store %s: readers kept its WAL busy at close; its -wal file still holds events", self.path
-        )
+    def _on_commit(self, head: int) -> None:
+        """In the event loop, after the writer committed a batch ending at ``head``."""
+        self._head = head
+        self._signal()
+
+    def _signal(self) -> None:
+        self._committed.set()
+        self._committed = asyncio.Event()
 
     async def _wait_past(self, position: int) -> None:
-        def ready() -> bool:
-            return self._closed or self._head > position
-
-        async with self._committed:
-            if not self.readonly:
-                await self._committed.wait_for(ready)
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._committed.wait_for(ready), _READONLY_POLL_S)
-
-    async def _write_loop(self) -> None:
-        """Take everything queued (up to MAX_BATCH_EVENTS) and commit it in one transaction."""
-        carry: _Pending | None = None
-        try:
-            while True:
-                first = carry if carry is not None else await self._queue.get()
-                carry = None
-                if first is None:
-                    return
-                batch, size, stop = [first], len(first.rows), False
-                while not self._queue.empty():
-                    item = self._queue.get_nowait()
-                    if item is None:
-                        stop = True
-                        break
-                    if size + len(item.rows) > MAX_BATCH_EVENTS:
-                        carry = item
-                        break
-                    batch.append(item)
-                    size += len(item.rows)
-                await self._commit(batch)
-                if stop:
-                    return
-        finally:  # only reached with work left if the task is cancelled or crashes
-            left: list[_Pending | None] = [carry]
-            while not self._queue.empty():
-                left.append(self._queue.get_nowait())
-            for pending in left:
-                if pending is not None and not pending.future.done():
-                    pending.future.set_exception(StoreError(f"event store {self.path} writer stopped"))
-
-    async def _commit(self, batch: list[_Pending]) -> None:
-        assert self._writer is not None
-        start = position = self._head
-        digest = self._digest
-        sharing: dict[str, tuple[int, TokenIds] | None] = {}  # changes to _last_call if it commits
-        rows: list[tuple[Any, ...]] = []
-        positions: list[list[int]] = []
-        for pending in batch:
-            ids = list(range(position + 1, position + 1 + len(pending.rows)))
-            for i, event, row in zip(ids, pending.events, pending.rows, strict=True):
-                if self._share_prefixes:
-                    row = self._shared(i, event, row, sharing)
-                digest = chain_digest(digest, i, row)
-                rows.append((i, row.type, row.version, row.rollout, row.ts, row.data, row.blob, digest))
-            positions.append(ids)
-            position += len(ids)
-        try:
-            await self._writer.execute("BEGIN IMMEDIATE")
-            try:
-                head = (await _fetchone(self._writer, _HEAD))[0]
-                if head != start:
-                    raise StoreError(
-                        f"another process wrote to event store {self.path} (log ends at {head},"
-                        f" this writer expected {start}); only one appliance may use a store"
-                    )
-                await self._writer.executemany(_INSERT, rows)
-                await self._writer.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error, ValueError):  # COMMIT may have rolled back
-                    await self._writer.execute("ROLLBACK")
-                raise
-        except BaseException as exc:
-            for pending in batch:  # the counter stays at ``start``: nothing of the batch exists
-                if not pending.future.done():
-                    error = _store_error(f"could not commit {len(rows)} events to {self.path}", exc)
-                    error.__cause__ = exc
-                    pending.future.set_exception(exc if isinstance(exc, StoreError) else error)
-            if not isinstance(exc, Exception):
-                raise  # cancelled: the callers were told, let the task end
+        if self.readonly:  # other processes' commits show only by looking again
+            if not self._closed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._committed.wait(), _READONLY_POLL_S)
             return
-        self._head = position
-        self._digest = digest
-        self.commits += 1
-        for rollout, last in sharing.items():
-            self._last_call.pop(rollout, None)
-            if last is not None:
-                self._last_call[rollout] = last
-        while len(self._last_call) > _SHARING_ROLLOUTS:
-            self._last_call.popitem(last=False)
-        for pending, ids in zip(batch, positions, strict=True):
-            if not pending.future.done():
-                pending.future.set_result(ids)
-        async with self._committed:
-            self._committed.notify_all()
-
-    def _shared(
-        self, position: int, event: Event, row: EncodedEvent, sharing: dict[str, tuple[int, TokenIds] | None]
-    ) -> EncodedEvent:
-        """``row`` with its prompt shared with the rollout's previous call; note this call."""
-        rollout = row.rollout
-        if rollout is None:
-            return row
-        if isinstance(event, LLMCallCompleted):
-            earlier = sharing[rollout] if rollout in sharing else self._last_call.get(rollout)
-            if earlier is not None:
-                row = share_prefix(row, event, *earlier)
-            source = prefix_source(event)
-            sharing[rollout] = None if source is None else (position, source)
-        elif isinstance(event, RolloutFinished):
-            sharing[rollout] = None
-        return row
+        while not (self._closed or self._head > position):
+            await self._committed.wait()
 
 
 class _Decoder:
-    """Rows -> events, rebuilding shared prefixes from earlier calls (kept in an LRU cache)."""
+    """Rows -> events, rebuilding shared prefixes and requests from earlier calls (an LRU cache)."""
 
     def __init__(self) -> None:
-        self._sources: OrderedDict[int, TokenIds] = OrderedDict()
+        self._sources: OrderedDict[int, tuple[TokenIds, JsonObject]] = OrderedDict()
         self._tokens = 0  # held in ``_sources``
 
     def missing(self, rows: Sequence[Row]) -> tuple[str, str, int, int] | None:
         """(rollout, type, from, to) of the earlier calls to fetch for ``rows``, or None."""
         seen: set[int] = set()
-        for position, type_name, _version, rollout, _ts, _data, blob in rows:
-            ref = shared_prefix_ref(type_name, bytes(blob))
+        for position, type_name, _version, rollout, _ts, data, blob in rows:
+            ref = shared_ref(type_name, data, bytes(blob))
             if ref is not None and ref not in seen and ref not in self._sources:
                 return (rollout, type_name, ref, position)
             seen.add(position)
         return None
 
-    def _remember(self, position: int, source: TokenIds) -> None:
+    def _remember(self, position: int, source: tuple[TokenIds, JsonObject]) -> None:
         old = self._sources.pop(position, None)
-        self._tokens += len(source) - (0 if old is None else len(old))
+        self._tokens += len(source[0]) - (0 if old is None else len(old[0]))
         self._sources[position] = source
         while self._tokens > _DECODED_TOKENS and len(self._sources) > 1:
-            self._tokens -= len(self._sources.popitem(last=False)[1])
+            self._tokens -= len(self._sources.popitem(last=False)[1][0])
 
     def decode(self, rows: Sequence[Row]) -> list[StoredEvent]:
         """Decode ``rows`` (in position order, each reference among them or in the cache)."""
-        local: dict[int, TokenIds] = {}
-        for row in rows:  # take from the cache before decoding adds to (and evicts from) it
-            ref = shared_prefix_ref(row[1], bytes(row[6]))
+        local: dict[int, tuple[TokenIds, JsonObject]] = {}
+        refs = [shared_ref(row[1], row[5], bytes(row[6])) for row in rows]
+        for ref in refs:  # take from the cache before decoding adds to (and evicts from) it
             if ref is not None and ref in self._sources:
                 local[ref] = self._sources[ref]
                 self._sources.move_to_end(ref)
         out: list[StoredEvent] = []
-        for position, type_name, version, _rollout, ts, data, blob in rows:
-            blob = bytes(blob)
-            ref = shared_prefix_ref(type_name, blob)
-            event = decode(type_name, version, ts, data, blob, None if ref is None else local.get(ref))
+        for (position, type_name, version, _rollout, ts, data, blob), ref in zip(rows, refs, strict=True):
+            earlier = None if ref is None else local.get(ref)
+            tokens, request = (None, None) if earlier is None else earlier
+            event = decode(type_name, version, ts, data, bytes(blob), tokens, request)
             source = prefix_source(event)
             if source is not None:
-                local[position] = source
-                self._remember(position, source)
+                assert isinstance(event, LLMCallCompleted)
+                local[position] = (source, event.request)
+                self._remember(position, local[position])
             out.append(StoredEvent(position, event))
         return out
 
@@ -594,46 +462,64 @@ def _select_sync(path: Path, sql: str, params: tuple[Any, ...]) -> list[StoredEv
     return [s for s in decoder.decode(merged) if s.position in wanted]
 
 
-async def _prepare_writer(conn: aiosqlite.Connection, path: Path) -> None:
+def _connect_writer(path: Path, max_bytes: int | None) -> sqlite3.Connection:
+    """The writer connection, prepared (see ``_prepare_writer``) and capped at ``max_bytes``.
+
+    Used by the writer thread only once the store is open (it is made in another thread).
+    """
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        _prepare_writer(conn, path)
+        if max_bytes is not None:
+            _cap_size(conn, max_bytes)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _prepare_writer(conn: sqlite3.Connection, path: Path) -> None:
     """Switch to WAL with full fsync and create the schema, migrate an older one, or refuse a newer one."""
-    (mode,) = await _fetchone(conn, "PRAGMA journal_mode = WAL")
+    (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
     if str(mode).lower() != "wal":
         raise StoreError(f"event store {path} cannot use WAL mode (journal mode is {mode!r})")
-    await conn.execute("PRAGMA synchronous = FULL")
-    await conn.execute(_BUSY_TIMEOUT)
-    await conn.execute("BEGIN IMMEDIATE")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute(_BUSY_TIMEOUT)
+    conn.execute("BEGIN IMMEDIATE")
     try:
         version = SCHEMA_VERSION
-        if await conn.execute_fetchall(_HAS_META):
-            version = _check_version(path, list(await conn.execute_fetchall(_GET_VERSION)))
+        if conn.execute(_HAS_META).fetchall():
+            version = _check_version(path, conn.execute(_GET_VERSION).fetchall())
         if version < _CHAINED_VERSION:
-            await _add_checksums(conn)
+            _add_checksums(conn)
         for statement in _SCHEMA:
-            await conn.execute(statement)
-        await conn.execute("COMMIT")
+            conn.execute(statement)
+        if version < _SHARED_REQUEST_VERSION:  # nothing to change in the rows: they stay readable
+            conn.execute(f"UPDATE meta SET value = '{SCHEMA_VERSION}' WHERE key = 'schema_version'")
+        conn.execute("COMMIT")
     except BaseException:
-        await conn.execute("ROLLBACK")
+        conn.execute("ROLLBACK")
         raise
 
 
-async def _cap_size(conn: aiosqlite.Connection, max_bytes: int | None) -> None:
-    (page_size,) = await _fetchone(conn, "PRAGMA page_size")
+def _cap_size(conn: sqlite3.Connection, max_bytes: int | None) -> None:
+    (page_size,) = conn.execute("PRAGMA page_size").fetchone()
     pages = _NO_CAP_PAGES if max_bytes is None else max(1, max_bytes // page_size)
-    await conn.execute(f"PRAGMA max_page_count = {pages}")
+    conn.execute(f"PRAGMA max_page_count = {pages}")
 
 
-async def _add_checksums(conn: aiosqlite.Connection) -> None:
+def _add_checksums(conn: sqlite3.Connection) -> None:
     """Schema 1 -> 2 (inside the caller's transaction): give every existing row its checksum."""
-    await conn.execute("ALTER TABLE events ADD COLUMN chain BLOB")
+    conn.execute("ALTER TABLE events ADD COLUMN chain BLOB")
     digest, after = b"", 0
-    while rows := list(await conn.execute_fetchall(_CHAINED, (after, _PAGE * 8))):
+    while rows := conn.execute(_CHAINED, (after, _PAGE * 8)).fetchall():
         updates = []
         for position, type_name, version, rollout, ts, data, blob, _chain in rows:
             digest = chain_digest(digest, position, EncodedEvent(type_name, version, rollout, ts, data, blob))
             updates.append((digest, position))
-        await conn.executemany("UPDATE events SET chain = ? WHERE position = ?", updates)
+        conn.executemany("UPDATE events SET chain = ? WHERE position = ?", updates)
         after = rows[-1][0]
-    await conn.execute(f"UPDATE meta SET value = '{_CHAINED_VERSION}' WHERE key = 'schema_version'")
+    conn.execute(f"UPDATE meta SET value = '{_CHAINED_VERSION}' WHERE key = 'schema_version'")
 
 
 def _check_version(path: Path, rows: list[Any]) -> int:
@@ -647,11 +533,6 @@ def _check_version(path: Path, rows: list[Any]) -> int:
             f" ({SCHEMA_VERSION}); upgrade the appliance to open it"
         )
     return version
-
-
-async def _fetchone(conn: aiosqlite.Connection, sql: str) -> Any:
-    rows = list(await conn.execute_fetchall(sql))
-    return rows[0]
 
 
 async def _tail(conn: aiosqlite.Connection) -> ChainReport:
@@ -673,18 +554,9 @@ def _check_progress(
 ) -> None:
     if need == last:
         raise StoreCorrupted(
-            f"event store {path} is corrupted: the event at {need[3]} shares tokens with a call at"
-            f" {need[2]} that is not in the log"
+            f"event store {path} is corrupted: the event at {need[3]} shares tokens with a call"
+            f" at {need[2]} that is not in the log"
         )
-
-
-def _store_error(message: str, exc: BaseException) -> StoreError:
-    """``StoreFull`` for a full disk (or size cap), else ``StoreError``."""
-    if isinstance(exc, sqlite3.Error) and (exc.sqlite_errorcode & 0xFF) == sqlite3.SQLITE_FULL:
-        return StoreFull(
-            f"{message}: the disk (or the store's size cap) is full; free space and retry ({exc})"
-        )
-    return StoreError(f"{message}: {exc!r}")
 
 
 def _readonly_uri(path: Path) -> str:

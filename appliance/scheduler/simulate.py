@@ -1,8 +1,9 @@
 """A discrete-event simulator of the scheduler, driving the same ``decide`` on a simulated clock.
 
 Owns the cost model (:class:`CostModel`), the rollout workloads (:class:`Workload`: ``SWE`` and
-``UNIFORM``), the event loop (:class:`Simulator`) and the comparison table that
-``scripts/simulate.py`` prints. Nothing here touches an engine, a store or the wall clock: it
+``UNIFORM``), the event loop (:class:`Simulator`), where each step's time goes
+(:class:`Breakdown`, with the floor that the staleness bound puts under any schedule) and the
+tables that ``scripts/simulate.py`` prints. Nothing here touches an engine, a store or the wall clock: it
 predicts seconds per training step, GPU busy fraction and the staleness of trained tokens, for
 ``sync``, ``async`` and ``split`` scheduling on a machine of one or more GPUs (:class:`Layout`),
 from a handful of measured figures. ``docs/scheduler.md`` documents the model and how to
@@ -320,6 +321,54 @@ class SimResult:
     replicas: int = 1
     #: Fraction of the generating GPUs' time spent decoding or prefilling.
     gen_busy_fraction: float = 0.0
+    #: Where each step's time goes, in seconds per step (:class:`Breakdown`).
+    breakdown: Breakdown | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """Seconds per step, over the measured window. ``idle`` and ``reprefill`` are the generating
+    GPUs' (GPU-seconds over their count); the rest are wall-clock seconds. They overlap:
+    ``idle`` and ``order_wait`` are generation time, ``reprefill`` part of the GPUs' busy time."""
+
+    #: The engine serves (collocated: between switches; split: but for the pushes).
+    generate: float
+    #: Generating GPUs serving with nothing to decode or prefill (every rollout in a tool or
+    #: waiting on none), while the engine serves.
+    idle: float
+    #: Prefill that recomputes context a switch or a push dropped from the KV cache.
+    reprefill: float
+    #: Serving while ``batch_groups`` groups are ready but an older group still runs (training
+    #: in admission order waits for it).
+    order_wait: float
+    #: Switches (collocated) or pushes (split): generation stands still.
+    pause: float
+    #: The step itself (collocated: the whole machine; split: the training GPUs).
+    train: float
+    #: The step's critical rollout (the last of its groups to end): admission to end, of which
+    #: in tools, and mid-call while the engine did not serve it (held by a switch, a step or a
+    #: push); the rest it spent prefilling, decoding or queued for them. ``critical_served``:
+    #: of its life, the seconds the engine served (not switching, training or pushing).
+    critical: float
+    critical_tool: float
+    critical_held: float
+    critical_served: float
+
+    def floor(self, mode: str, eta: int) -> float:
+        """The fewest seconds per step that these critical rollouts allow, within the staleness
+        bound: a group admitted under version ``v`` is trained by step ``v + eta + 1``, so its
+        life fits in ``eta + 1`` generation phases (and the ``eta`` steps between them).
+
+        Collocated, the engine serves only between steps, so ``eta + 1`` generation phases
+        must hold the critical rollout's serving time: ``pause + train + critical_served /
+        (eta + 1)`` (sync: ``eta = 0``). Split, generation goes on beside the step, but a
+        group admitted once a step's weights serve waits ``train + pause`` of the ``eta + 1``
+        periods: ``(critical + train + pause) / (eta + 1)``, and never less than a step and
+        its push. A bound on what reordering the same work could give, not a prediction."""
+        eta = 0 if mode == "sync" else eta
+        if mode == "split":
+            return max(self.train + self.pause, (self.critical + self.train + self.pause) / (eta + 1))
+        return self.pause + self.train + self.critical_served / (eta + 1)
 
 
 @dataclass(slots=True, eq=False)
@@ -355,6 +404,13 @@ class _Rollout:
     to_decode: float = 0.0  # tokens still to sample in the current call
     seg_start: float = 0.0  # virtual decode clock when its current decode segment began
     sampled: dict[int, float] = field(default_factory=dict)  # sampled tokens by policy version
+    admitted_at: float = 0.0
+    ended_at: float = 0.0
+    serving_at_admission: float = 0.0  # the serving clock (``_Meter.serving``) when admitted
+    served: float = 0.0  # seconds alive while the engine served, from admission to end
+    recompute: float = 0.0  # context tokens a switch or a push dropped, not prefilled again yet
+    held_since: float | None = None  # mid-call while the engine does not serve it, since
+    held: float = 0.0  # seconds mid-call while the engine did not serve it (switch, step, push)
 
 
 @dataclass(slots=True)
@@ -365,6 +421,16 @@ class _Meter:
     gen_busy: float = 0.0  # GPU-seconds of replicas decoding or prefilling
     switch: float = 0.0  # seconds generation stood still for a switch or a push
     train: float = 0.0  # seconds a step ran
+    serving: float = 0.0  # seconds the engine served (generate phase): the serving clock
+    gen_idle: float = 0.0  # GPU-seconds the generating GPUs served with nothing to decode or prefill
+    reprefill: float = 0.0  # GPU-seconds of prefill recomputing context a switch or a push dropped
+    order_wait: float = 0.0  # seconds serving with a batch ready but an older group still running
+    # The critical rollout of each step (the last of its groups to end), summed over steps:
+    # admission to end, of which in tools, and mid-call while the engine did not serve it.
+    critical: float = 0.0
+    critical_tool: float = 0.0
+    critical_held: float = 0.0
+    critical_served: float = 0.0
     decoding: float = 0.0  # replica-seconds with at least one sequence decoding
     decode_seq_s: float = 0.0  # integral of the number of decoding sequences over time
     dropped_kv: float = 0.0
@@ -410,6 +476,7 @@ class Simulator:
         self.dirty = True  # the observation changed since decide last answered
         self.running: dict[int, _Rollout] = {}  # by id(), in admission order
         self.training: list[_Group] = []
+        self.order_wait = False  # a batch is ready but an older group still runs (decide's view)
         self.stop_reason: str | None = None
         self.events: list[tuple[float, int, str, _Rollout | None]] = []
         self.seq = 0
@@ -450,7 +517,12 @@ class Simulator:
             if self.phase != "generate" and not self.split:
                 return
             self.dirty = False
-            actions = decide(self.policy, self.observe())
+            observation = self.observe()
+            batch = self.policy.batch_groups
+            self.order_wait = (
+                len(observation.ready_groups) >= batch and (observation.ready_in_order or 0) < batch
+            )
+            actions = decide(self.policy, observation)
             if not actions:
                 return
             for action in actions:
@@ -503,10 +575,15 @@ class Simulator:
     def _advance(self, t: float) -> None:
         dt, m = t - self.now, self.meter
         if self.phase == "generate":
+            m.serving += dt
+            if self.order_wait:
+                m.order_wait += dt
             for replica in self.replicas:
                 b = len(replica.decoding)
                 if b or replica.prefill_job is not None:
                     m.gen_busy += replica.gpus * dt
+                else:
+                    m.gen_idle += replica.gpus * dt
                 if b:
                     m.decoding += dt
                     m.decode_seq_s += b * dt
@@ -552,7 +629,9 @@ class Simulator:
         for calls in self.workload.draw_group(rng, self.policy.group_size):
             replica = min(self.replicas, key=lambda r: r.assigned)  # the least loaded, first on ties
             replica.assigned += 1
-            rollout = _Rollout(group, calls, replica)
+            rollout = _Rollout(
+                group, calls, replica, admitted_at=self.now, serving_at_admission=self.meter.serving
+            )
             group.rollouts.append(rollout)
             self.running[id(rollout)] = rollout
             self._begin_call(rollout)
@@ -564,6 +643,8 @@ class Simulator:
         call = rollout.calls[rollout.call]
         rollout.context += call.prompt_tokens
         rollout.to_decode = call.gen_tokens
+        if self.phase != "generate":
+            rollout.held_since = self.now  # it waits for the engine to serve again
         rollout.replica.prefill_queue.append(rollout)
         self._serve_prefill(rollout.replica)
 
@@ -576,6 +657,9 @@ class Simulator:
                 self._start_decode(rollout)
                 continue
             rate = self.cost.prefill_tokens_per_s * replica.speed
+            recomputed = min(rollout.recompute, tokens)
+            rollout.recompute -= recomputed
+            self.meter.reprefill += recomputed / rate * replica.gpus
             job = self._schedule(self.now + tokens / rate, "prefill", rollout)
             replica.prefill_job = (job, rollout, self.now, tokens)
 
@@ -604,6 +688,8 @@ class Simulator:
                 self._schedule(self.now + call.tool_s, "tool", rollout)
             else:
                 del self.running[id(rollout)]
+                rollout.ended_at = self.now
+                rollout.served = self.meter.serving - rollout.serving_at_admission
                 replica.assigned -= 1
                 rollout.group.running -= 1
                 if rollout.group.running == 0:
@@ -652,9 +738,13 @@ class Simulator:
                 preempted.insert(0, rollout)
                 replica.prefill_job = None
             replica.prefill_queue.extendleft(reversed(preempted))
+            for rollout in replica.prefill_queue:
+                if rollout.held_since is None:
+                    rollout.held_since = self.now  # mid-call: it waits for the engine
         if drop_kv:
             for rollout in self.running.values():
                 self.meter.dropped_kv += rollout.cached
+                rollout.recompute += rollout.cached
                 rollout.cached = 0.0
 
     def _finish_train(self) -> None:
@@ -667,6 +757,11 @@ class Simulator:
         # As the training service does: in async and split modes, tokens more than eta versions
         # older than the weights being updated (version step - 1) are masked out of the loss.
         bound = None if self.policy.mode == "sync" else self.policy.eta
+        critical = max((r for g in self.training for r in g.rollouts), key=lambda r: r.ended_at)
+        m.critical += critical.ended_at - critical.admitted_at
+        m.critical_tool += sum(call.tool_s for call in critical.calls)
+        m.critical_held += critical.held
+        m.critical_served += critical.served
         for group in self.training:
             group.trained_step = self.step
             for rollout in group.rollouts:
@@ -703,6 +798,10 @@ class Simulator:
             while t - self.generate_since < self.policy.min_generate_s:
                 t = math.nextafter(t, math.inf)
             self._schedule(t, "wake")
+        for rollout in self.running.values():
+            if rollout.held_since is not None:
+                rollout.held += self.now - rollout.held_since
+                rollout.held_since = None
         for replica in self.replicas:
             # Preempted sequences whose cache survived resume at once; the rest queue.
             for rollout in [r for r in replica.prefill_queue if r.context - r.cached <= _EPS]:
@@ -742,6 +841,18 @@ class Simulator:
             train_gpus=self.train_gpus,
             replicas=len(self.replicas),
             gen_busy_fraction=gen_busy / (self.gen_gpus * span),
+            breakdown=Breakdown(
+                generate=(b.serving - a.serving) / steps,
+                idle=(b.gen_idle - a.gen_idle) / self.gen_gpus / steps,
+                reprefill=(b.reprefill - a.reprefill) / self.gen_gpus / steps,
+                order_wait=(b.order_wait - a.order_wait) / steps,
+                pause=(b.switch - a.switch) / steps,
+                train=train / steps,
+                critical=(b.critical - a.critical) / steps,
+                critical_tool=(b.critical_tool - a.critical_tool) / steps,
+                critical_held=(b.critical_held - a.critical_held) / steps,
+                critical_served=(b.critical_served - a.critical_served) / steps,
+            ),
         )
 
 
@@ -854,5 +965,29 @@ def format_placements(results: Sequence[SimResult]) -> str:
             f"{r.busy_fraction:>6.1%} {r.gen_busy_fraction:>6.1%} {r.train_fraction:>6.1%} "
             f"{r.switch_fraction:>6.1%} {r.mean_staleness:>5.2f} {r.mean_decode_batch:>5.1f} "
             f"{r.dropped_kv_tokens_per_step:>12,.0f} {steps:>6.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def format_breakdown(results: Sequence[SimResult]) -> str:
+    """Where each run's time goes, seconds per step (:class:`Breakdown`), and the floor that its
+    critical rollouts put under any schedule within the same staleness bound."""
+    header = (
+        f"{'workload':<9} {'gpus':>5} {'mode':<6} {'eta':>3} {'s/step':>7} {'floor':>7} {'train':>6} "
+        f"{'pause':>6} {'idle':>6} {'tail':>6} {'reprefill':>9} {'critical':>8} {'tool':>6} {'held':>6} "
+        f"{'served':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        b = r.breakdown
+        if b is None:
+            continue
+        gpus = f"{r.gen_gpus}+{r.train_gpus}" if r.mode == "split" else str(r.gpus)
+        eta = "-" if r.mode == "sync" else str(r.eta)
+        lines.append(
+            f"{r.workload:<9} {gpus:>5} {r.mode:<6} {eta:>3} {r.seconds_per_step:>7.1f} "
+            f"{b.floor(r.mode, r.eta):>7.1f} {b.train:>6.1f} {b.pause:>6.1f} {b.idle:>6.1f} "
+            f"{b.order_wait:>6.1f} {b.reprefill:>9.1f} {b.critical:>8.1f} {b.critical_tool:>6.1f} "
+            f"{b.critical_held:>6.1f} {b.critical_served:>6.1f}"
         )
     return "\n".join(lines)

@@ -10,7 +10,7 @@ import pytest
 from appliance.errors import StoreCorrupted, StoreError, StoreFull
 from store import EventStore, LLMCallCompleted, RewardReported
 from store.codec import encode
-from store.eventstore import read_events_sync, verify_log
+from store.eventstore import SCHEMA_VERSION, read_events_sync, verify_log
 
 
 def reward(i: int, rollout: str = "r") -> RewardReported:
@@ -123,7 +123,9 @@ async def test_a_version_1_store_gets_checksums_when_opened_for_writing(tmp_path
         assert await store.append([reward(9)]) == [5]
     assert verify_log(path).events == 5
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+            str(SCHEMA_VERSION),
+        )
 
 
 async def test_a_full_disk_fails_appends_cleanly_and_the_store_recovers(tmp_path: Path) -> None:

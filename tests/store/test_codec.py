@@ -189,3 +189,30 @@ def test_registering_an_upcaster_twice_fails() -> None:
 def test_encoded_event_is_plain_columns() -> None:
     row = encode(events.ApplianceStopped(ts=2.0, reason="done"))
     assert row == EncodedEvent("ApplianceStopped", 1, None, 2.0, '{"reason":"done"}', b"")
+
+
+@pytest.mark.parametrize(
+    "request_body",
+    [
+        {"messages": [{"role": "user", "content": "hi ünïcode \u2028"}], "n": 1.5e-7},
+        {"seed": 2**70, "neg": -(2**63) - 1, "tools": None},
+        {"temperature": float("inf"), "top_p": float("-inf")},
+        {"content": "a number 12345678901234567890 in text, and NaN"},
+    ],
+)
+def test_json_holds_what_the_standard_library_would_and_reads_back_exactly(
+    request_body: dict[str, Any],
+) -> None:
+    event = _sample(LLMCallCompleted, request=request_body)
+    packed = _packed_fields(LLMCallCompleted)
+    fields = [f.name for f in dataclasses.fields(event) if f.name != "ts" and f.name not in packed]
+    stdlib = json.dumps({name: getattr(event, name) for name in fields})
+    assert json.loads(encode(event).data) == json.loads(stdlib)  # the same values, read by anyone
+    assert _roundtrip(event) == event
+
+
+def test_nan_in_a_payload_reads_back_as_nan() -> None:
+    event = _sample(TrainStepCompleted, metrics={"loss": float("nan")})
+    decoded = _roundtrip(event)
+    assert isinstance(decoded, TrainStepCompleted)
+    assert decoded.metrics["loss"] != decoded.metrics["loss"]  # NaN, not None

@@ -161,15 +161,20 @@ class TestVLLMEngine(EngineContract):
     @pytest.mark.parametrize("stream", [False, True])
     async def test_cancelling_aborts_the_request_in_vllm(self, engine: VLLMEngine, stream: bool) -> None:
         long = greedy(1500, [self.unreachable_stop_id])
-        on_token = (lambda t, lp: None) if stream else None
         cancelled = False
         # The tiny model samples 1500 tokens in a fraction of a second on a quiet machine: a
         # request that ends before the cancel lands is tried again.
         for _attempt in range(5):
+            first_token = asyncio.Event()
+            on_token = (lambda t, lp, seen=first_token: seen.set()) if stream else None
             task = asyncio.create_task(
                 engine.generate(GenerateRequest(prompt_ids=PROMPTS[0], params=long, on_token=on_token))
             )
-            for _ in range(200):  # until vLLM reports it running (slow on a loaded machine)
+            if stream:  # cancel as soon as tokens flow: no polling between the two
+                waiter = asyncio.create_task(first_token.wait())
+                await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            for _ in range(0 if stream else 200):  # until vLLM reports it running (slow when loaded)
                 if task.done() or await running_requests(engine.base_url) == 1:
                     break
                 await asyncio.sleep(0.05)

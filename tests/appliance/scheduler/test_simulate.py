@@ -15,6 +15,7 @@ from appliance.scheduler.decide import Mode, SchedulePolicy
 from appliance.scheduler.simulate import (
     SWE,
     UNIFORM,
+    Breakdown,
     CostModel,
     Layout,
     SimResult,
@@ -22,6 +23,7 @@ from appliance.scheduler.simulate import (
     Workload,
     compare,
     compare_placements,
+    format_breakdown,
     format_placements,
     format_table,
     simulate,
@@ -342,3 +344,94 @@ def test_placement_table_lists_collocated_and_split_side_by_side() -> None:
     assert simulate(SWE, COST, mode="split", eta=1, layout=EIGHT, **SMALL) == simulate(
         SWE, COST, mode="split", eta=1, layout=EIGHT, **SMALL
     )
+
+
+# --- where the time goes -------------------------------------------------------------------------
+
+
+def breakdown(result: SimResult) -> Breakdown:
+    assert result.breakdown is not None
+    return result.breakdown
+
+
+@pytest.mark.parametrize(("mode", "eta"), [("sync", 0), ("async", 1), ("async", 2)])
+def test_collocated_steps_are_generation_switches_and_training(mode: Mode, eta: int) -> None:
+    """Collocated, the machine serves, switches or trains: the three add up to each step."""
+    result = simulate(SWE, COST, mode=mode, eta=eta, **SMALL)
+    b = breakdown(result)
+    assert b.generate + b.pause + b.train == pytest.approx(result.seconds_per_step)
+    assert 0.0 <= b.idle <= b.generate
+    assert 0.0 <= b.order_wait <= b.generate
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_split_steps_are_generation_and_pushes(eta: int) -> None:
+    """Split, generation stops only for the pushes; the step runs beside it."""
+    result = simulate(SWE, COST, mode="split", eta=eta, layout=Layout(gpus=2, split=1), **SMALL)
+    b = breakdown(result)
+    assert b.generate + b.pause == pytest.approx(result.seconds_per_step)
+    assert b.pause == pytest.approx(COST.push_s)
+    assert 0.0 < b.train < result.seconds_per_step
+
+
+def test_sync_critical_rollout_is_never_held_and_sets_the_step() -> None:
+    """Sync: nothing runs across a switch, so the critical rollout is never held, and the
+    generation phase is exactly its life; the floor is the step itself."""
+    result = simulate(SWE, COST, mode="sync", **SMALL)
+    b = breakdown(result)
+    assert b.critical_held == 0.0
+    assert b.critical_served == pytest.approx(b.critical)
+    assert b.generate == pytest.approx(b.critical)
+    assert b.order_wait == 0.0  # a batch is trained as soon as it is ready
+    assert b.floor("sync", 0) == pytest.approx(result.seconds_per_step)
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_async_critical_rollouts_wait_through_steps_and_tools_fit_their_life(eta: int) -> None:
+    """Async on long tails: the critical rollout lives across steps (held mid-call while the
+    machine trains), and its tool time and held time fit in its life."""
+    b = breakdown(simulate(SWE, COST, mode="async", eta=eta, **SMALL))
+    assert b.critical_held > 0.0
+    assert b.critical_tool + b.critical_held <= b.critical + 1e-6
+    assert b.critical_served < b.critical
+    assert b.order_wait > 0.0  # younger batches ready while an older straggler runs
+
+
+def test_reprefill_counts_the_dropped_cache_and_vanishes_when_it_is_kept() -> None:
+    """Re-prefill is the prefill of what switches dropped: none when the cache is kept, and
+    never more tokens than were dropped."""
+    dropped = run(SWE, "async", 1, steps=12).meter  # over the whole run: a window shifts them
+    kept = run(SWE, "async", 1, steps=12, cost=replace(COST, kv_dropped_on_switch=False)).meter
+    assert 0.0 < dropped.reprefill * COST.prefill_tokens_per_s <= dropped.dropped_kv * (1 + 1e-9)
+    assert kept.dropped_kv == kept.reprefill == 0.0
+
+
+def test_floor_formulas() -> None:
+    """Collocated: the step, the switches and the critical rollout's serving time spread over
+    eta + 1 generation phases; split: its whole life plus a step, over eta + 1 periods, and
+    never under a step and its push."""
+    b = Breakdown(
+        generate=0.0,
+        idle=0.0,
+        reprefill=0.0,
+        order_wait=0.0,
+        pause=20.0,
+        train=100.0,
+        critical=700.0,
+        critical_tool=500.0,
+        critical_held=100.0,
+        critical_served=600.0,
+    )
+    assert b.floor("sync", 3) == 720.0  # sync is eta 0 whatever the policy says
+    assert b.floor("async", 1) == 420.0
+    assert b.floor("async", 2) == 320.0
+    assert b.floor("split", 1) == 410.0
+    assert b.floor("split", 20) == 120.0
+
+
+def test_breakdown_table_lists_every_run() -> None:
+    results = compare([SWE], COST, etas=(1,), **SMALL)
+    lines = format_breakdown(results).splitlines()
+    assert lines[0].split()[:6] == ["workload", "gpus", "mode", "eta", "s/step", "floor"]
+    assert [line.split()[2] for line in lines[2:]] == ["sync", "async"]
+    assert lines[3].split()[3] == "1"
