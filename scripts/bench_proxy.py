@@ -18,9 +18,20 @@ streaming and not:
 The upstream answers instantly with fixed token ids (a real model would dominate every column),
 so the figures are each proxy's own cost. Upstream, AGL's gateway and the load generator each
 run in their own process; our proxy runs in this one. The load generator is a plain aiohttp
-client (the same for every column), keep-alive, no retries.
+client (the same for every column), keep-alive, no retries. Next to calls/s and latencies each
+row gives the serving process's CPU time per call (user + system, all threads): ours from this
+process's clock, AGL's gateway's and the upstream's from ``/proc/<pid>/stat``, read when the
+load generator says its measured calls start and end (it waits meanwhile).
 
-    .venv/bin/python scripts/bench_proxy.py [--calls 1000] [--agl-python /work/agl-venv/bin/python]
+``--history`` measures our proxy alone on long conversations: one conversation per history
+length (1k to 30k prompt tokens) grown through the proxy, then calls that each add the last
+answer and a short user turn; the proxy's CPU per call at each length. ``--profile FILE``
+cProfiles this process during the measured calls (by thread CPU time; profiling slows the calls,
+so its figures are shares, not costs).
+
+    .venv/bin/python scripts/bench_proxy.py [--calls 1000] [--clients 1,64,512]
+                                            [--agl-python /work/agl-venv/bin/python] [--profile FILE]
+    .venv/bin/python scripts/bench_proxy.py --history [--calls 30] [--profile FILE]
     .venv/bin/python scripts/bench_proxy.py --tiny   # the tiny model in process vs through the proxy,
                                                      # calls/s and streaming time to first text
 """
@@ -30,14 +41,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +72,16 @@ MAX_TOKENS = 8
 CONCURRENCY = (1, 64, 512)
 AGL_KEY = "agl-bench-key"
 ANSWER = "The answer is 7."
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a column's clients send their calls, and the process that serves them (None: this
+    one, where the appliance runs)."""
+
+    url: str
+    key: str
+    pid: int | None
 
 
 def pct(values: list[float], q: float) -> float:
@@ -201,20 +228,69 @@ async def load(url: str, key: str, concurrency: int, calls: int, stream: bool) -
         ttfts.clear()
         failures.clear()
         remaining = calls
+        mark()
         started = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-    return {"rate": len(latencies) / elapsed, "latencies": latencies, "ttfts": ttfts, "failures": failures}
+        mark()
+    return {
+        "rate": len(latencies) / elapsed,
+        "served": len(latencies),
+        "latencies": latencies,
+        "ttfts": ttfts,
+        "failures": failures,
+    }
 
 
-async def run_load(url: str, key: str, concurrency: int, calls: int, stream: bool) -> dict[str, Any]:
+def mark() -> None:
+    """Tell the parent a measured stretch starts or ends, and wait until it has read the CPU
+    clocks (the servers are idle meanwhile)."""
+    print("mark", flush=True)
+    sys.stdin.readline()
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system, every thread) of process ``pid`` so far; None: this process,
+    where the appliance's proxy runs (read with nanosecond resolution)."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_child(
+    args: list[str], server_pid: int | None, profiler: cProfile.Profile | None = None
+) -> tuple[dict[str, Any], list[float]]:
+    """A load-generator child; the server's CPU seconds at each of its marks, and its result.
+    ``profiler`` (this process's) runs between the first and second mark, the third and fourth..."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--load", url, key, str(concurrency), str(calls),
-        *(["--stream"] if stream else []),
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, _ = await child.communicate()
-    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+        sys.executable, __file__, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None and child.stdin is not None
+    marks: list[float] = []
+    last = b""
+    while line := await child.stdout.readline():
+        if line.strip() == b"mark":
+            if profiler is not None and len(marks) % 2:
+                profiler.disable()
+            marks.append(cpu_seconds(server_pid))
+            if profiler is not None and len(marks) % 2:
+                profiler.enable()
+            child.stdin.write(b"ok\n")
+            await child.stdin.drain()
+        else:
+            last = line
+    await child.wait()
+    result: dict[str, Any] = json.loads(last.decode())
+    return result, marks
+
+
+async def run_load(
+    target: Target, concurrency: int, calls: int, stream: bool, profiler: cProfile.Profile | None = None
+) -> dict[str, Any]:
+    args = ["--load", target.url, target.key, str(concurrency), str(calls), *(["--stream"] if stream else [])]
+    result, (before, after) = await run_child(args, target.pid, profiler if target.pid is None else None)
+    result["cpu_per_call"] = (after - before) / max(1, result["served"])
     return result
 
 
@@ -248,21 +324,33 @@ async def wait_http(url: str, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def upstream(answer_ids: list[int], workdir: Path) -> AsyncIterator[str]:
+async def upstream(
+    answer_ids: list[int], workdir: Path, max_model_len: int = 2048
+) -> AsyncIterator[tuple[str, int]]:
+    """The fake upstream's base URL and process id."""
     process = start_process(
-        [sys.executable, __file__, "--upstream", json.dumps(answer_ids)], cwd=workdir, pipe=True
+        [
+            sys.executable,
+            __file__,
+            "--upstream",
+            json.dumps(answer_ids),
+            "--max-model-len",
+            str(max_model_len),
+        ],
+        cwd=workdir,
+        pipe=True,
     )
     try:
         assert process.stdout is not None
         line = await asyncio.to_thread(process.stdout.readline)
-        yield f"http://127.0.0.1:{json.loads(line)['port']}"
+        yield f"http://127.0.0.1:{json.loads(line)['port']}", process.pid
     finally:
         process.terminate()
         process.wait(10)
 
 
 @contextlib.asynccontextmanager
-async def agl_gateway(python: str, upstream_url: str, workdir: Path) -> AsyncIterator[str]:
+async def agl_gateway(python: str, upstream_url: str, workdir: Path) -> AsyncIterator[Target]:
     """AGL's server as it ships (one uvicorn worker), one model server and one rollout."""
     from appliance.engines.vllm_process import free_port
 
@@ -285,7 +373,8 @@ async def agl_gateway(python: str, upstream_url: str, workdir: Path) -> AsyncIte
                 base + "/api/rollouts", json=[{"input": {}, "rollout_id": "bench"}]
             ) as response:
                 response.raise_for_status()
-        yield base + "/proxy/rollout/bench/attempt/a1/mode/train/openai/v1/chat/completions"
+        path = "/proxy/rollout/bench/attempt/a1/mode/train/openai/v1/chat/completions"
+        yield Target(base + path, AGL_KEY, process.pid)
     finally:
         process.terminate()
         process.wait(10)
@@ -294,7 +383,9 @@ async def agl_gateway(python: str, upstream_url: str, workdir: Path) -> AsyncIte
 # -- the comparison ---------------------------------------------------------------------------
 
 
-async def compare(calls: int, agl_python: str | None) -> None:
+async def compare(
+    calls: int, agl_python: str | None, profile: Path | None, clients: tuple[int, ...] = CONCURRENCY
+) -> None:
     from appliance.app import Appliance
     from appliance.chat.tokenizer import Tokenizer
     from appliance.config import load_config
@@ -305,7 +396,7 @@ async def compare(calls: int, agl_python: str | None) -> None:
         model_dir = build_tiny_model(workdir / "tiny")
         tokenizer = Tokenizer.from_model_dir(model_dir)
         answer_ids = [*tokenizer.encode(ANSWER), tokenizer.im_end_id][:MAX_TOKENS]
-        async with upstream(answer_ids, workdir) as upstream_url:
+        async with upstream(answer_ids, workdir) as (upstream_url, upstream_pid):
             await wait_http(upstream_url + "/v1/models")
             config = load_config(
                 overrides={
@@ -320,16 +411,19 @@ async def compare(calls: int, agl_python: str | None) -> None:
             )
             async with Appliance(config) as app, contextlib.AsyncExitStack() as stack:
                 active = app.registry.register("bench", task_id="t", group="g", task={})
-                targets: dict[str, tuple[str, str] | str] = {
-                    "direct": (upstream_url + "/v1/chat/completions", "none"),
-                    "appliance": (f"{app.proxy_url}/rollouts/bench/v1/chat/completions", active.token),
+                targets: dict[str, Target | str] = {
+                    "direct": Target(upstream_url + "/v1/chat/completions", "none", upstream_pid),
+                    "appliance": Target(
+                        f"{app.proxy_url}/rollouts/bench/v1/chat/completions", active.token, None
+                    ),
                 }
                 if agl_python is None:
                     targets["agl"] = "skipped: no --agl-python given (or it does not exist)"
                 else:
                     try:
-                        url = await stack.enter_async_context(agl_gateway(agl_python, upstream_url, workdir))
-                        targets["agl"] = (url, AGL_KEY)
+                        targets["agl"] = await stack.enter_async_context(
+                            agl_gateway(agl_python, upstream_url, workdir)
+                        )
                     except (RuntimeError, aiohttp.ClientError) as exc:
                         targets["agl"] = f"skipped: AGL's gateway did not start: {exc}"
                 print(
@@ -337,23 +431,30 @@ async def compare(calls: int, agl_python: str | None) -> None:
                     f"max_tokens={MAX_TOKENS}; {calls} calls per cell (1 client: {min(calls, 300)}); "
                     f"{os.cpu_count()} CPUs"
                 )
-                for stream in (False, True):
-                    await table(targets, calls, stream)
+                with profiled(profile) as profiler:
+                    for stream in (False, True):
+                        await table(targets, calls, stream, profiler, clients)
                 events = await app.store.read(types={"LLMCallCompleted"})
                 print(f"\nthe appliance recorded {len(events)} LLMCallCompleted events (durable) in this run")
 
 
-async def table(targets: dict[str, tuple[str, str] | str], calls: int, stream: bool) -> None:
+async def table(
+    targets: dict[str, Target | str],
+    calls: int,
+    stream: bool,
+    profiler: cProfile.Profile | None = None,
+    clients: tuple[int, ...] = CONCURRENCY,
+) -> None:
     print(f"\n{'streaming' if stream else 'non-streaming'}:")
     header = (
         f"{'clients':>7} {'direct/s':>9} {'ours/s':>8} {'agl/s':>8} {'ours/dir':>8} {'ours/agl':>8} "
         f"{'p50 dir':>8} {'p50 ours':>8} {'p50 agl':>8} {'+p50 ours':>9} {'+p50 agl':>9} "
-        f"{'p99 ours':>8} {'p99 agl':>8}"
+        f"{'p99 ours':>8} {'p99 agl':>8} {'cpu/call ours':>13} {'cpu/call agl':>12} {'cpu/call up':>11}"
     )
     if stream:
         header += f" {'ttft dir':>8} {'ttft ours':>9}"
     print(header)
-    for concurrency in CONCURRENCY:
+    for concurrency in clients:
         n = min(calls, 300) if concurrency == 1 else calls
         results: dict[str, dict[str, Any] | str] = {}
         for name, target in targets.items():
@@ -363,19 +464,19 @@ async def table(targets: dict[str, tuple[str, str] | str], calls: int, stream: b
                 results[name] = await agl_stream_check(target)
             else:
                 print(f"  ... {name}, {concurrency} clients", file=sys.stderr, flush=True)
-                results[name] = await run_load(target[0], target[1], concurrency, n, stream)
+                results[name] = await run_load(target, concurrency, n, stream, profiler)
         print(row(concurrency, results, stream))
     for name, result in results.items():
         if isinstance(result, str):
             print(f"  {name}: {result}")
 
 
-async def agl_stream_check(target: tuple[str, str]) -> str:
+async def agl_stream_check(target: Target) -> str:
     """What AGL's gateway answers a streaming call (it does not stream)."""
     body = {"model": "policy", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": True}
     async with (
         aiohttp.ClientSession() as session,
-        session.post(target[0], json=body, headers={"Authorization": f"Bearer {target[1]}"}) as response,
+        session.post(target.url, json=body, headers={"Authorization": f"Bearer {target.key}"}) as response,
     ):
         return f"refuses streaming: HTTP {response.status} {(await response.text())[:80]}"
 
@@ -389,17 +490,146 @@ def row(concurrency: int, results: dict[str, dict[str, Any] | str], stream: bool
         result = results[name]
         return pct(result[key], q) * 1e3 if isinstance(result, dict) else float("nan")
 
+    def cpu(name: str) -> float:
+        result = results[name]
+        return float(result["cpu_per_call"]) * 1e6 if isinstance(result, dict) else float("nan")
+
     failures = {n: r["failures"] for n, r in results.items() if isinstance(r, dict) and r["failures"]}
     line = (
         f"{concurrency:>7} {rate('direct'):>9.0f} {rate('appliance'):>8.0f} {rate('agl'):>8.0f} "
         f"{rate('appliance') / rate('direct'):>8.2f} {rate('appliance') / rate('agl'):>8.2f} "
         f"{lat('direct', 0.5):>8.2f} {lat('appliance', 0.5):>8.2f} {lat('agl', 0.5):>8.2f} "
         f"{lat('appliance', 0.5) - lat('direct', 0.5):>9.2f} {lat('agl', 0.5) - lat('direct', 0.5):>9.2f} "
-        f"{lat('appliance', 0.99):>8.1f} {lat('agl', 0.99):>8.1f}"
+        f"{lat('appliance', 0.99):>8.1f} {lat('agl', 0.99):>8.1f} "
+        f"{cpu('appliance'):>10.0f} us {cpu('agl'):>9.0f} us {cpu('direct'):>8.0f} us"
     )
     if stream:
         line += f" {lat('direct', 0.5, 'ttfts'):>8.2f} {lat('appliance', 0.5, 'ttfts'):>9.2f}"
     return line + (f"  failures: {failures}" if failures else "")
+
+
+# -- profiling the proxy -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def profiled(path: Path | None) -> Iterator[cProfile.Profile | None]:
+    """A cProfile profiler for the measured stretches of the block (``run_child`` turns it on and
+    off; it sees the event loop's thread, where the proxy's Python runs); its top entries by own
+    CPU time are printed and the whole profile is written to ``path``."""
+    if path is None:
+        yield None
+        return
+    # Timed by the thread's CPU clock: on a shared machine, wall time would count the moments
+    # the process waited for a core.
+    profiler = cProfile.Profile(time.thread_time)
+    try:
+        yield profiler
+    finally:
+        profiler.dump_stats(path)
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"\nprofile of the proxy's measured calls (written to {path}), top entries by own time:")
+        print(out.getvalue())
+
+
+# -- long conversations -------------------------------------------------------------------------
+
+#: History lengths (prompt tokens) at which the proxy's CPU per call is measured.
+HISTORY_LENGTHS = (1_000, 2_000, 5_000, 10_000, 20_000, 30_000)
+#: Words of each user turn that grows a conversation to its length (~600 tokens: 30k in ~50 calls),
+#: and of each measured call's new user turn.
+GROW_WORDS = 420
+NEW_WORDS = 40
+WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "was", "with", "be", "on", "not",
+         "this", "are", "from", "at", "which", "have", "they", "you", "were", "there", "one", "all",
+         "file", "line", "error", "test", "function", "value", "return", "list", "import")  # fmt: skip
+
+
+async def turn(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    messages: list[dict[str, Any]],
+    rng: random.Random,
+    words: int,
+) -> int:
+    """One call adding a user turn of ``words`` words, its answer appended; the prompt's tokens."""
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    messages.append({"role": "user", "content": text})
+    body = json.dumps({"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS})
+    async with session.post(url, data=body, headers=headers) as response:
+        answer = await response.json()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {answer}")
+    messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+    return int(answer["usage"]["prompt_tokens"])
+
+
+async def conversation(spec: dict[str, Any]) -> dict[str, Any]:
+    """For each rollout: grow one conversation (a user turn, the proxy's answer, ...) to its
+    history length, then make ``calls`` calls that each add the last answer and a short user turn,
+    between two marks. What the proxy answered goes back verbatim, so every earlier turn splices."""
+    out: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession() as session:
+        for length, url, key in spec["rollouts"]:
+            rng = random.Random(length)
+            messages: list[dict[str, Any]] = [MESSAGES[0]]
+            headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+
+            call = partial(turn, session, url, headers, messages, rng)
+            prompt_tokens = 0
+            while prompt_tokens < length:
+                prompt_tokens = await call(GROW_WORDS)
+            grown = (len(messages), prompt_tokens)
+            latencies: list[float] = []
+            mark()
+            for _ in range(spec["calls"]):
+                started = time.perf_counter()
+                prompt_tokens = await call(NEW_WORDS)
+                latencies.append(time.perf_counter() - started)
+            mark()
+            out.append({"length": length, "messages": grown[0], "start": grown[1], "end": prompt_tokens,
+                        "latencies": latencies})  # fmt: skip
+    return {"rollouts": out}
+
+
+async def history(calls: int, profile: Path | None) -> None:
+    """The proxy's CPU per call as a conversation's history grows from 1k to 30k tokens."""
+    from appliance.app import Appliance
+    from appliance.chat.tokenizer import Tokenizer
+    from appliance.config import load_config
+    from appliance.engines.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model_dir = build_tiny_model(workdir / "tiny")
+        tokenizer = Tokenizer.from_model_dir(model_dir)
+        answer_ids = [*tokenizer.encode(ANSWER), tokenizer.im_end_id][:MAX_TOKENS]
+        async with upstream(answer_ids, workdir, max_model_len=40_000) as (upstream_url, _):
+            await wait_http(upstream_url + "/v1/models")
+            overrides = {"data_dir": workdir / "run", "port": 0, "model": str(model_dir), "engine": "vllm",
+                         "vllm_url": upstream_url, "max_tokens": MAX_TOKENS}  # fmt: skip
+            async with Appliance(load_config(overrides=overrides, env={})) as app:
+                rollouts = []
+                for length in HISTORY_LENGTHS:
+                    active = app.registry.register(f"history-{length}", task_id="t", group="g", task={})
+                    rollouts.append((length, f"{app.proxy_url}/rollouts/{active.rollout}/v1/chat/completions",
+                                     active.token))  # fmt: skip
+                spec = {"rollouts": rollouts, "calls": calls}
+                with profiled(profile) as profiler:
+                    result, marks = await run_child(["--conversation", json.dumps(spec)], None, profiler)
+    print(
+        f"one client; each conversation grown with ~{GROW_WORDS}-word user turns to its length, then "
+        f"{calls} calls each adding the last answer and a {NEW_WORDS}-word user turn; "
+        "the proxy records every call (durable before answered)"
+    )
+    print(f"{'history':>8} {'messages':>8} {'prompt tokens':>15} {'cpu/call':>10} {'p50':>8}")
+    for i, r in enumerate(result["rollouts"]):
+        cpu = (marks[2 * i + 1] - marks[2 * i]) / calls
+        print(
+            f"{r['length']:>8} {r['messages']:>8} {r['start']:>7}-{r['end']:<7} "
+            f"{cpu * 1e6:>7.0f} us {statistics.median(r['latencies']) * 1e3:>6.2f} ms"
+        )
 
 
 # -- the tiny model in process vs through the proxy ------------------------------------------
@@ -478,7 +708,7 @@ async def tiny(calls: int) -> None:
             print(f"{'clients':>7} {'direct/s':>9} {'proxy/s':>8} {'ratio':>6} {'p50 dir':>8} {'p50 prx':>8}")
             for concurrency in (1, 8, 32):
                 d_rate, d_lat = await timed(concurrency, calls, direct)
-                proxied = await run_load(url, active.token, concurrency, calls, False)
+                proxied = await run_load(Target(url, active.token, None), concurrency, calls, False)
                 p_lat = proxied["latencies"]
                 ratio = proxied["rate"] / d_rate
                 print(
@@ -492,7 +722,7 @@ async def tiny(calls: int) -> None:
             per_round = max(10, min(calls, 300) // 5)
             for _ in range(5):
                 d_ttft += [await direct_ttft() for _ in range(per_round)]
-                p_ttft += (await run_load(url, active.token, 1, per_round, True))["ttfts"]
+                p_ttft += (await run_load(Target(url, active.token, None), 1, per_round, True))["ttfts"]
             d50, p50 = statistics.median(d_ttft), statistics.median(p_ttft)
             d90, p90 = pct(d_ttft, 0.9), pct(p_ttft, 0.9)
             print(
@@ -507,7 +737,16 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=1000, help="calls per cell (1 client: at most 300)")
     parser.add_argument("--agl-python", help="interpreter of a venv with agentlightning==1.0.2")
     parser.add_argument("--tiny", action="store_true", help="the tiny model in process vs through the proxy")
+    parser.add_argument(
+        "--history", action="store_true", help="CPU per call as a conversation grows from 1k to 30k tokens"
+    )
+    parser.add_argument("--profile", type=Path, help="cProfile the proxy's process into this file")
+    parser.add_argument(
+        "--clients", default="1,64,512", help="concurrent clients of each row, comma-separated (1,64,512)"
+    )
     parser.add_argument("--upstream", metavar="ANSWER_IDS", help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
+    parser.add_argument("--conversation", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument(
         "--load", nargs=4, metavar=("URL", "KEY", "CONCURRENCY", "CALLS"), help=argparse.SUPPRESS
     )
@@ -520,7 +759,11 @@ if __name__ == "__main__":
     except ImportError:
         pass
     if args.upstream:
-        asyncio.run(serve_upstream(json.loads(args.upstream), max_model_len=2048))
+        asyncio.run(serve_upstream(json.loads(args.upstream), max_model_len=args.max_model_len))
+    elif args.conversation:
+        print(json.dumps(asyncio.run(conversation(json.loads(args.conversation)))))
+    elif args.history:
+        asyncio.run(history(args.calls, args.profile))
     elif args.load:
         url, key, concurrency, n = args.load
         print(json.dumps(asyncio.run(load(url, key, int(concurrency), int(n), args.stream))))
@@ -528,4 +771,5 @@ if __name__ == "__main__":
         asyncio.run(tiny(args.calls))
     else:
         agl = args.agl_python if args.agl_python and Path(args.agl_python).exists() else None
-        asyncio.run(compare(args.calls, agl))
+        clients = tuple(int(c) for c in args.clients.split(","))
+        asyncio.run(compare(args.calls, agl, args.profile, clients))

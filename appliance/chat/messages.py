@@ -85,6 +85,13 @@ def messages_from_openai(raw: Any) -> list[Message]:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     out: list[Message] = []
     for i, item in enumerate(raw):
+        # The common turn (a text message of one of the plain roles, nothing else to read),
+        # converted without building the names its errors would use.
+        if type(item) is dict:
+            role, content = item.get("role"), item.get("content")
+            if type(role) is str and role in ROLES and type(content) is str and "tool_calls" not in item:
+                out.append(Message(role, content, (), str(item.get("tool_call_id") or "")))
+                continue
         where = f"messages[{i}]"
         if not isinstance(item, Mapping):
             raise BadRequest(f"{where} must be an object", param=where)

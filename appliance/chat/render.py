@@ -14,8 +14,9 @@ Two invariants make a multi-call rollout one exact token sequence:
   its segment is the generation prompt, the sampled ids, and the closing tokens. The lookup is
   keyed by a digest of the whole prompt that produced it plus the turn's key (content and tool
   calls as the proxy returned them), so a turn is only spliced where it was actually sampled.
-* Rendering is incremental: a ``Conversation`` keeps the last request's segments and their
-  running digests, so a new request tokenizes only the messages it adds.
+* Rendering is incremental: a ``Conversation`` keeps the last request's segments, their
+  running digests and the prompt's ids so far, so a new request tokenizes, hashes and copies
+  only what it adds (the earlier turns are compared by key, then taken as one slice of ids).
 
 The renderer knows nothing about HTTP, engines or rollouts.
 """
@@ -24,9 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from appliance.chat.formats import CHATML, ChatFormat
 from appliance.chat.messages import Message
@@ -39,7 +43,16 @@ SegmentKey = tuple[Any, ...]
 
 
 def _pack(ids: Sequence[int]) -> bytes:
-    return b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+    """The ids as 4-byte little-endian signed integers (what the digests hash)."""
+    packed = array("i", ids)
+    if packed.itemsize != 4:  # pragma: no cover - every platform we run on has 4-byte ints
+        return b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+    if _BIG_ENDIAN:  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+_BIG_ENDIAN = array("i", [1]).tobytes()[0] == 0
 
 
 def _system_text(system: Message | None, tools: Sequence[dict[str, Any]]) -> str:
@@ -60,11 +73,32 @@ def _assistant_tool_text(message: Message) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """What one segment renders: its cache key, its text, and the message if it may be spliced."""
+    """One segment to render: its cache key, what it is made of, and the message if it may be
+    spliced. Its text is only built when the segment is tokenized (a segment reused from the
+    last request never is)."""
 
     key: SegmentKey
-    text: str
-    assistant: Message | None = None
+    #: "tools" (the system message with the tool list), "tool" (a run of tool results),
+    #: "assistant", or the role of a plain turn.
+    kind: str
+    messages: tuple[Message, ...]
+    tools: Sequence[dict[str, Any]] = ()
+
+    @property
+    def assistant(self) -> Message | None:
+        return self.messages[0] if self.kind == "assistant" else None
+
+    @property
+    def text(self) -> str:
+        if self.kind == "tools":
+            return _system_text(self.messages[0] if self.messages else None, self.tools)
+        if self.kind == "tool":
+            body = "".join(f"\n<tool_response>\n{m.content}\n</tool_response>" for m in self.messages)
+            return f"{IM_START}user{body}{IM_END}\n"
+        message = self.messages[0]
+        if self.kind == "assistant" and message.tool_calls:
+            return _assistant_tool_text(message)
+        return f"{IM_START}{message.role}\n{message.content}{IM_END}\n"
 
 
 def plan_segments(
@@ -77,13 +111,12 @@ def plan_segments(
         rest.insert(0, Message("system", fmt.default_system))
     if tools:
         system = rest.pop(0) if rest and rest[0].role == "system" else None
-        tools_json = json.dumps(list(tools), ensure_ascii=False, sort_keys=True)
-        plans.append(
-            _Plan(("tools", system.key if system else None, tools_json), _system_text(system, tools))
-        )
+        tools_json = orjson.dumps(list(tools), option=orjson.OPT_SORT_KEYS)
+        key = ("tools", system.key if system else None, tools_json)
+        plans.append(_Plan(key, "tools", () if system is None else (system,), tools))
     elif rest and rest[0].role == "system":
         system = rest.pop(0)
-        plans.append(_Plan(("system", system.key), f"{IM_START}system\n{system.content}{IM_END}\n"))
+        plans.append(_Plan(("system", system.key), "system", (system,)))
     i = 0
     while i < len(rest):
         message = rest[i]
@@ -93,22 +126,12 @@ def plan_segments(
             j = i
             while j < len(rest) and rest[j].role == "tool":
                 j += 1
-            run = rest[i:j]
-            body = "".join(f"\n<tool_response>\n{m.content}\n</tool_response>" for m in run)
-            plans.append(_Plan(("tool", tuple(m.key for m in run)), f"{IM_START}user{body}{IM_END}\n"))
+            run = tuple(rest[i:j])
+            plans.append(_Plan(("tool", tuple(m.key for m in run)), "tool", run))
             i = j
             continue
-        if message.role == "assistant":
-            text = (
-                _assistant_tool_text(message)
-                if message.tool_calls
-                else f"{IM_START}assistant\n{message.content}{IM_END}\n"
-            )
-            plans.append(_Plan(("assistant", message.key), text, assistant=message))
-        else:
-            plans.append(
-                _Plan((message.role, message.key), f"{IM_START}{message.role}\n{message.content}{IM_END}\n")
-            )
+        kind = "assistant" if message.role == "assistant" else message.role
+        plans.append(_Plan((message.role, message.key), kind, (message,)))
         i += 1
     return plans
 
@@ -139,9 +162,11 @@ class RenderedPrompt:
 class _Segment:
     key: SegmentKey
     ids: list[int]
-    spliced: int
     #: Running digest of every token up to and including this segment.
     hasher: Any
+    #: The prompt's length and its spliced tokens up to and including this segment.
+    end: int
+    spliced_total: int
 
 
 @dataclass(slots=True)
@@ -152,42 +177,56 @@ class Conversation:
     fmt: ChatFormat = CHATML
     _sampled: dict[tuple[bytes, Any], tuple[int, ...]] = field(default_factory=dict)
     _segments: list[_Segment] = field(default_factory=list)
+    #: The ids of ``_segments``, concatenated (the last prompt without its generation prompt).
+    _ids: list[int] = field(default_factory=list)
     _gen_prompt: list[int] = field(default_factory=list)
+    _gen_prompt_packed: bytes = b""
+    _newline: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._gen_prompt = self.tokenizer.encode(GENERATION_PROMPT)
+        self._gen_prompt_packed = _pack(self._gen_prompt)
+        self._newline = self.tokenizer.encode("\n")
 
     def remember(self, digest: bytes, message: Message, response_ids: Sequence[int]) -> None:
         """Record that ``response_ids``, sampled after the prompt with ``digest``, became ``message``."""
         self._sampled[(digest, message.key)] = tuple(response_ids)
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> RenderedPrompt:
+        try:
+            return self._render(messages, tools)
+        except BaseException:
+            # The kept ids may be half extended: start the next request from scratch (the
+            # sampled turns stay, so it still splices them).
+            self._segments, self._ids = [], []
+            raise
+
+    def _render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> RenderedPrompt:
         plans = plan_segments(messages, tools, self.fmt)
         reused = 0
-        while (
-            reused < len(plans)
-            and reused < len(self._segments)
-            and plans[reused].key == self._segments[reused].key
-        ):
+        last = self._segments
+        while reused < len(plans) and reused < len(last) and plans[reused].key == last[reused].key:
             reused += 1
-        segments = self._segments[:reused]
+        segments = last[:reused]
+        end = segments[-1].end if segments else 0
+        spliced_total = segments[-1].spliced_total if segments else 0
+        # The earlier segments' ids in one slice (the list itself when every segment is kept).
+        ids_so_far = self._ids if reused == len(last) else self._ids[:end]
         hasher = segments[-1].hasher.copy() if segments else hashlib.blake2b(digest_size=16)
         tokenized = 0
         unmatched = 0
+        im_end = self.tokenizer.im_end_id
         for plan in plans[reused:]:
             ids: list[int] | None = None
             spliced = 0
-            if plan.assistant is not None:
+            assistant = plan.assistant
+            if assistant is not None:
                 at_turn = hasher.copy()
-                at_turn.update(_pack(self._gen_prompt))
-                sampled = self._sampled.get((at_turn.digest(), plan.assistant.key))
+                at_turn.update(self._gen_prompt_packed)
+                sampled = self._sampled.get((at_turn.digest(), assistant.key))
                 if sampled is not None:
-                    closing = (
-                        []
-                        if sampled and sampled[-1] == self.tokenizer.im_end_id
-                        else [self.tokenizer.im_end_id]
-                    )
-                    ids = [*self._gen_prompt, *sampled, *closing, *self.tokenizer.encode("\n")]
+                    closing = [] if sampled and sampled[-1] == im_end else [im_end]
+                    ids = [*self._gen_prompt, *sampled, *closing, *self._newline]
                     spliced = len(sampled)
                 else:
                     unmatched += 1
@@ -196,15 +235,18 @@ class Conversation:
                 tokenized += len(ids)
             hasher = hasher.copy()
             hasher.update(_pack(ids))
-            segments.append(_Segment(plan.key, ids, spliced, hasher))
+            ids_so_far.extend(ids)
+            end += len(ids)
+            spliced_total += spliced
+            segments.append(_Segment(plan.key, ids, hasher, end, spliced_total))
         self._segments = segments
+        self._ids = ids_so_far
         final = hasher.copy()
-        final.update(_pack(self._gen_prompt))
-        prompt_ids = [t for s in segments for t in s.ids] + self._gen_prompt
+        final.update(self._gen_prompt_packed)
         return RenderedPrompt(
-            prompt_ids=prompt_ids,
+            prompt_ids=ids_so_far + self._gen_prompt,
             digest=final.digest(),
-            spliced_tokens=sum(s.spliced for s in segments),
+            spliced_tokens=spliced_total,
             tokenized_tokens=tokenized,
             unmatched_assistant_turns=unmatched,
         )

@@ -27,6 +27,8 @@ class Tokenizer:
         #: the model saw before every document in pretraining), else the end of a turn.
         start = backend.token_to_id(ENDOFTEXT)
         self.document_start_id: int = im_end if start is None else start
+        #: Asked once: the backend builds its whole vocabulary to count it.
+        self._vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> Tokenizer:
@@ -52,8 +54,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        size: int = self._backend.get_vocab_size(with_added_tokens=True)
-        return size
+        return self._vocab_size
 
 
 class IncrementalDecoder:

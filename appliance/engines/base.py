@@ -90,6 +90,10 @@ class GenerateRequest:
     #: under the model's raw distribution (temperature 1, no top-p, no constraint), and its k
     #: most likely alternatives.
     prompt_logprobs: int | None = None
+    #: Nonzero: the prompt holds only ids a tokenizer with a vocabulary of this size produced and
+    #: ids this model sampled (the proxy's chat prompts). An engine whose vocabulary is at least
+    #: this large then skips checking every prompt id, a scan as long as the conversation.
+    tokenizer_vocab: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +126,14 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _token_ids_in(ids: Sequence[int], vocab_size: int) -> bool:
+    """Whether every id is an integer (not a bool) in [0, vocab_size). A prompt of plain ints (the
+    proxy's, every call) is checked by C loops alone: it is as long as the conversation."""
+    if not set(map(type, ids)) <= {int} and not all(map(_is_int, ids)):
+        return False
+    return min(ids) >= 0 and max(ids) < vocab_size
+
+
 def validate_request(request: GenerateRequest, *, max_context: int, vocab_size: int) -> None:
     """The contract's checks on one request, which every engine makes before it queues or sends
     anything, so that a value an engine would refuse or fail on (a seed its generator cannot
@@ -136,7 +148,8 @@ def validate_request(request: GenerateRequest, *, max_context: int, vocab_size: 
         raise ContextTooLong(
             prompt_tokens=len(prompt), completion_tokens=params.max_tokens, max_context=max_context
         )
-    if not all(map(_is_int, prompt)) or min(prompt) < 0 or max(prompt) >= vocab_size:
+    vouched = 0 < request.tokenizer_vocab <= vocab_size
+    if not vouched and not _token_ids_in(prompt, vocab_size):
         raise BadRequest(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
     temperature = params.temperature
     if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 
 from appliance.engines.base import GenerateRequest
 from appliance.engines.lora import vllm_max_lora_rank
@@ -338,7 +339,7 @@ class ServerClient:
         like ``/v1/load_lora_adapter``)."""
         try:
             async with self.session.request(
-                method, self.base_url + path, data=None if body is None else json.dumps(body), headers=_JSON
+                method, self.base_url + path, data=None if body is None else _encode(body), headers=_JSON
             ) as response:
                 try:
                     text = await response.text()
@@ -355,9 +356,7 @@ class ServerClient:
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """The ``data:`` events of a server-sent-event response, until ``[DONE]``."""
         try:
-            async with self.session.post(
-                self.base_url + path, data=json.dumps(body), headers=_JSON
-            ) as response:
+            async with self.session.post(self.base_url + path, data=_encode(body), headers=_JSON) as response:
                 if response.status != 200:
                     _raise_for_status(response.status, await response.text(), path)
                 try:
@@ -368,7 +367,7 @@ class ServerClient:
                         data = line[5:].strip()
                         if data == b"[DONE]":
                             return
-                        event = json.loads(data)
+                        event = _decode(data)
                         if "error" in event:
                             _raise_for_status(int(event["error"].get("code") or 500), data.decode(), path)
                         yield event
@@ -383,6 +382,23 @@ class ServerClient:
 
 
 _JSON = {"Content-Type": "application/json"}
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON: orjson (a completion's prompt is as long as the conversation), Python's
+    json for what orjson does not write (integers beyond 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()
+
+
+def _decode(data: bytes) -> Any:
+    """A JSON event: orjson, or Python's json for what orjson refuses (``NaN``, ``-Infinity``)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 def _raise_for_status(status: int, text: str, path: str) -> None:
@@ -437,7 +453,7 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
     stop = [t for t in params.stop_token_ids if 0 <= t < vocab_size]
     body: dict[str, Any] = {
         "model": model,
-        "prompt": [int(t) for t in request.prompt_ids],
+        "prompt": list(request.prompt_ids),
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,

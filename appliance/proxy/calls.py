@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from appliance.chat.messages import Message, tool_schema_names
@@ -258,13 +258,20 @@ class CallService:
             queued = time.perf_counter() - call.started if queued is None else queued
             version = self.engine.policy_version
             request = GenerateRequest(
-                prompt_ids=[*call.rendered.prompt_ids, *(t for t, _, _ in sampled)],
+                # Engines never change a request's ids: the rendered list goes as it is unless the
+                # call continues after a preemption.
+                prompt_ids=[*call.rendered.prompt_ids, *(t for t, _, _ in sampled)]
+                if sampled
+                else call.rendered.prompt_ids,
                 params=replace(call.params, max_tokens=call.params.max_tokens - len(sampled)),
                 on_token=collect,
                 # A rollout's calls go to one engine replica (its prefix cache holds the earlier
                 # turns); the shared rollout-less conversation goes wherever there is room.
                 affinity=None if call.rollout.rollout == DEFAULT_ROLLOUT else call.rollout.rollout,
                 prompt_logprobs=call.prompt_logprobs,
+                # A chat prompt is the tokenizer's ids and sampled ones (a Completions prompt may
+                # be the client's ids).
+                tokenizer_vocab=self.tokenizer.vocab_size if call.rendered.text is None else 0,
             )
             generation = asyncio.ensure_future(self.engine.generate(request))
             self.gate.track(generation)
@@ -400,11 +407,21 @@ class CallService:
             user_agent=call.user_agent,
             spliced_tokens=call.rendered.spliced_tokens,
             unmatched_assistant_turns=call.rendered.unmatched_assistant_turns,
-            sampling=asdict(call.params),
+            sampling=sampling_record(call.params),
             preemptions=preemptions,
             response_versions=versions,
         )
         await self.store.append([event])
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_record(params: SamplingParams) -> dict[str, Any]:
+    """``asdict(params)``, without its deep copy where nothing is nested (no constraint)."""
+    if params.constraint is not None:
+        return asdict(params)
+    return {name: getattr(params, name) for name in _SAMPLING_FIELDS}
 
 
 def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:

@@ -31,9 +31,10 @@ from appliance.proxy.http import (
     CALLS,
     SETTINGS,
     Handler,
+    json_answer,
     json_body,
     rollout_of,
-    sse_send,
+    sse_events,
     sse_start,
     user_agent,
 )
@@ -41,7 +42,6 @@ from appliance.proxy.pipeline import (
     Answer,
     CallRequest,
     ChatPrompt,
-    Event,
     Started,
     Structure,
     Surface,
@@ -62,12 +62,15 @@ def handler(surface: Surface) -> Handler:
         calls = request.app[CALLS]
         prepared = prepare(calls, rollout, call_request, user_agent(request))
         if not call_request.stream:
-            outcomes = await asyncio.gather(*(calls.complete(call) for call, _ in prepared))
+            if len(prepared) == 1:
+                outcomes = [await calls.complete(prepared[0][0])]
+            else:
+                outcomes = await asyncio.gather(*(calls.complete(call) for call, _ in prepared))
             answers = [
                 answer(calls.tokenizer, call_request, call, outcome, i, prompt_index)
                 for i, ((call, prompt_index), outcome) in enumerate(zip(prepared, outcomes, strict=True))
             ]
-            return web.json_response(surface.whole(call_request, answers))
+            return json_answer(surface.whole(call_request, answers))
         ((call, _),) = prepared
         return await _stream(request, surface, call_request, call)
 
@@ -126,31 +129,28 @@ async def _stream(
     # Generation starts first, so the headers and opening events go out while the engine
     # prefills. Leaving the block early (the client went away) cancels the generation, which is
     # recorded as cancelled.
+    # The closing events (or the error's), the trailer and the end of the stream go out in one
+    # write, after the call is durable.
+    last = b""
     async with calls.stream(call) as items:
         response = await sse_start(request)
-        await _send(response, encoder.opening())
+        await response.write(sse_events(encoder.opening()))
         try:
             async for item in items:
                 if isinstance(item, str):
-                    await _send(response, encoder.text(item))
+                    await response.write(sse_events(encoder.text(item)))
                 else:
-                    await _send(response, encoder.closing(answer(calls.tokenizer, call_request, call, item)))
+                    last = sse_events(encoder.closing(answer(calls.tokenizer, call_request, call, item)))
         except ApplianceError as exc:
             # The status line is gone already: the error travels as an event.
-            await _send(response, encoder.failed(exc))
+            last += sse_events(encoder.failed(exc))
         except ConnectionError:
             raise  # the client went away; nothing to answer
         except Exception:
             log.exception("unhandled error while streaming %s", request.path)
-            await _send(response, encoder.failed(ApplianceError("internal error; see the appliance log")))
-    await _send(response, encoder.trailer())
-    await response.write_eof()
+            last += sse_events(encoder.failed(ApplianceError("internal error; see the appliance log")))
+    await response.write_eof(last + sse_events(encoder.trailer()))
     return response
-
-
-async def _send(response: web.StreamResponse, events: Sequence[Event]) -> None:
-    for name, data in events:
-        await sse_send(response, data, event=name)
 
 
 def answer(

@@ -4,8 +4,14 @@ Owns how a request is tied to a rollout (the rollout id in the path, its token a
 ``Authorization: Bearer`` or ``x-api-key``; the rollout-less ``/v1`` prefix takes the admin
 token), the limit on model calls held at once (``Admission``: beyond ``max_queued_calls`` a call
 is refused at once with a 429 and ``Retry-After``, before its body is read, so nothing is
-recorded for it), how a body is read as JSON, and how server-sent events are written. Surfaces
-import these; nothing here knows any surface's shapes.
+recorded for it), how a body is read as JSON, and how JSON answers and server-sent events are
+written. Surfaces import these; nothing here knows any surface's shapes.
+
+Bodies are read with orjson and answers written with it (a model call's request holds the whole
+conversation, so its parse is a per-call cost that grows with the history). Where orjson's
+reading could differ from Python's ``json`` (integers beyond 64 bits, which it reads as floats)
+or refuses a body (``NaN``, a lone surrogate escape, deep nesting), the body is read again with
+``json`` and judged as before, so what is accepted and every error stay the same.
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ import hmac
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from aiohttp import web
 
 from appliance.errors import BadRequest, Overloaded, Unauthorized
@@ -166,8 +173,32 @@ def _too_deep(raw: bytes, value: Any) -> bool:
     return False
 
 
+#: Every digit read as ``0``: a run of 19 zeros in a translated body is a number of 19 digits
+#: or more, which orjson would not read exactly (it reads integers of up to 64 bits).
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_LONG_NUMBER = b"0" * 19
+
+
 async def json_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    return parse_body(await request.read())
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; ``BadRequest`` saying what is wrong otherwise."""
+    try:
+        fast = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass  # Python's json says why (or reads what orjson refuses, such as NaN)
+    else:
+        if isinstance(fast, dict) and _LONG_NUMBER not in raw.translate(_DIGITS_AS_ZERO):
+            if _too_deep(raw, fast):
+                raise BadRequest(_TOO_DEEP)
+            body: dict[str, Any] = fast
+            return body
+    return _stdlib_body(raw)
+
+
+def _stdlib_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
         if _SURROGATE_ESCAPE.search(raw):
@@ -199,11 +230,29 @@ async def sse_start(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def sse_send(response: web.StreamResponse, data: Any, event: str | None = None) -> None:
-    """One server-sent event; ``data`` is JSON-encoded unless it is already a string."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    head = f"event: {event}\n" if event else ""
-    await response.write(f"{head}data: {payload}\n\n".encode())
+def dumps(data: Any) -> bytes:
+    """``data`` as compact JSON in UTF-8: orjson, or Python's json for what orjson does not write
+    (an integer beyond 64 bits a Responses object repeats from its request)."""
+    try:
+        return orjson.dumps(data)
+    except TypeError:
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def json_answer(data: Any, status: int = 200) -> web.Response:
+    """A JSON response."""
+    return web.Response(body=dumps(data), status=status, content_type="application/json")
+
+
+def sse_events(events: Sequence[tuple[str | None, Any]]) -> bytes:
+    """Server-sent events as written, each an ``event:`` name (None: none) and its data
+    (JSON-encoded unless it is already a string)."""
+    out = bytearray()
+    for name, data in events:
+        if name:
+            out += b"event: " + name.encode() + b"\n"
+        out += b"data: " + (data.encode() if isinstance(data, str) else dumps(data)) + b"\n\n"
+    return bytes(out)
 
 
 #: Every surface is served under the rollout's base URL and under the rollout-less prefix.

@@ -125,3 +125,55 @@ def test_tool_call_turn_splices_when_echoed_back(tokenizer: Tokenizer) -> None:
     echoed = Message("assistant", "", (ToolCall("client-rewrote-id", "add", '{"a": 1, "b": 2}'),))
     second = conversation.render([*history, echoed, Message("tool", "3", tool_call_id="x")], [ADD])
     assert second.prompt_ids[: len(first.prompt_ids) + len(sampled)] == first.prompt_ids + sampled
+
+
+def test_incremental_ids_equal_a_fresh_render_after_every_kind_of_edit(tokenizer: Tokenizer) -> None:
+    """The ids kept from the last request are cut where a new request departs from it: whatever
+    the client sends next (a longer history, a rewritten turn, a shorter one, other tools), the
+    prompt is exactly what rendering it from nothing gives."""
+    base = messages_from_openai(CONVERSATIONS[2][0])
+    requests: list[tuple[list[Message], list[dict[str, Any]]]] = [
+        (base, [ADD]),
+        ([*base, Message("assistant", "ok"), Message("user", "more")], [ADD]),
+        ([*base[:3], Message("tool", "30", tool_call_id="a"), *base[4:]], [ADD]),  # a rewritten turn
+        (base[:2], [ADD]),  # a shorter history
+        (base, []),  # no tools: another first segment
+        ([*base, Message("user", "again")], []),
+    ]
+    conversation = Conversation(tokenizer)
+    for messages, tools in requests:
+        rendered = conversation.render(messages, tools)
+        assert rendered.prompt_ids == Conversation(tokenizer).render(messages, tools).prompt_ids
+        assert rendered.prompt_ids == tokenizer.encode(render_text(messages, tools))
+
+
+def test_a_render_that_fails_leaves_the_next_one_exact(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conversation = Conversation(tokenizer)
+    history = [Message("system", "S"), Message("user", "first")]
+    first = conversation.render(history)
+    reply = Message("assistant", "ok")
+    sampled = [*tokenizer.encode("ok"), tokenizer.im_end_id]
+    conversation.remember(first.digest, reply, sampled)
+    longer = [*history, reply, Message("user", "second"), Message("assistant", "x"), Message("user", "y")]
+
+    calls = 0
+    encode = tokenizer.encode
+
+    def failing(text: str) -> list[int]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the second new segment: the kept ids are half extended by now
+            raise RuntimeError("tokenizer failed")
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", failing)
+    with pytest.raises(RuntimeError):
+        conversation.render(longer)
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    again = conversation.render(longer)
+    fresh = Conversation(tokenizer)
+    fresh.remember(first.digest, reply, sampled)
+    assert again.prompt_ids == fresh.render(longer).prompt_ids
+    assert again.spliced_tokens == len(sampled)

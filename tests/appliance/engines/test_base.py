@@ -36,3 +36,22 @@ def test_top_k_refuses_negatives_and_non_integers(top_k: Any) -> None:
     with pytest.raises(BadRequest) as caught:
         validate_request(request, max_context=1024, vocab_size=VOCAB)
     assert caught.value.param == "top_k"
+
+
+def test_prompt_ids_are_checked_unless_a_tokenizer_within_the_vocabulary_vouches() -> None:
+    """A chat prompt the proxy rendered holds only its tokenizer's ids and sampled ones: when that
+    tokenizer's vocabulary fits the engine's, the scan over every id (as long as the
+    conversation) is skipped; any other prompt is scanned."""
+    outside = GenerateRequest(prompt_ids=[1, VOCAB + 5], params=SamplingParams())
+    with pytest.raises(BadRequest):
+        validate_request(outside, max_context=1024, vocab_size=VOCAB)
+    validate_request(dataclasses.replace(outside, tokenizer_vocab=VOCAB), max_context=1024, vocab_size=VOCAB)
+    with pytest.raises(BadRequest):
+        larger = dataclasses.replace(outside, tokenizer_vocab=VOCAB + 10)
+        validate_request(larger, max_context=1024, vocab_size=VOCAB)
+    bad: list[list[Any]] = [[1, True], [1, 2.0], [-1, 2]]
+    for ids in bad:
+        with pytest.raises(BadRequest):
+            validate_request(
+                GenerateRequest(prompt_ids=ids, params=SamplingParams()), max_context=1024, vocab_size=VOCAB
+            )

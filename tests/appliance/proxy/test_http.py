@@ -1,0 +1,58 @@
+"""Request bodies as the proxy reads them, and server-sent events as it writes them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from appliance.errors import BadRequest
+from appliance.proxy.http import MAX_NESTING, parse_body, sse_events
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "messages": [{"role": "user", "content": "héllo \U0001f600"}], "temperature": 0.7},
+        {"seed": 2**63 - 1, "max_tokens": 2**64 + 1, "n": -(2**70), "x": [1.5, -0.0, 1e300, None, True]},
+        {"digits": "12345678901234567890 in a string reads the same", "big": 10**30},
+    ],
+)
+def test_a_body_reads_as_pythons_json_reads_it(body: dict[str, Any]) -> None:
+    """Every number stays what Python's json reads: integers beyond 64 bits too (orjson would
+    read them as floats, so such a body is read again the slow way)."""
+    raw = json.dumps(body, ensure_ascii=False).encode()
+    parsed = parse_body(raw)
+    assert parsed == json.loads(raw)
+    assert [type(v) for v in parsed.values()] == [type(v) for v in json.loads(raw).values()]
+
+
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        (b'{"temperature": NaN}', None),  # read (Python's json reads NaN); the field's check refuses it
+        (b'{"a": "\\ud800"}', "surrogate"),
+        (b"[1]", "JSON object"),
+        (b"{", "not valid JSON"),
+        (b'{"a": ' + b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1) + b"}", "deeper"),
+        (b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "deeper"),
+    ],
+)
+def test_what_orjson_refuses_is_judged_as_before(raw: bytes, said: str | None) -> None:
+    if said is None:
+        assert parse_body(raw)["temperature"] != parse_body(raw)["temperature"]  # NaN
+        return
+    with pytest.raises(BadRequest) as caught:
+        parse_body(raw)
+    assert said in caught.value.message
+
+
+def test_sse_events_are_written_in_one_piece() -> None:
+    written = sse_events([(None, {"a": "é", "b": [1, 2]}), ("done", "[DONE]"), (None, {"n": 2**70})])
+    assert (
+        written
+        == (
+            'data: {"a":"é","b":[1,2]}\n\nevent: done\ndata: [DONE]\n\ndata: {"n":1180591620717411303424}\n\n'
+        ).encode()
+    )
