@@ -175,13 +175,8 @@ class RunnerBoard:
                     reservation.claim.set_result(offer)
                     return
                 break
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self._claimed(offer)
-                waiter.set_result(offer)
-                return
-        self._pool.append(offer)
+        if not self._to_waiter(offer):
+            self._pool.append(offer)
 
     def _claimed(self, offer: Offer) -> None:
         offer.claimed_at = time.monotonic()
@@ -296,13 +291,18 @@ class RunnerBoard:
         self._hand_back(offer)
 
     def _hand_back(self, offer: Offer) -> None:
+        if not self._to_waiter(offer):
+            self._pool.appendleft(offer)
+
+    def _to_waiter(self, offer: Offer) -> bool:
+        """Give ``offer`` to the oldest claim still waiting; False if none is."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 self._claimed(offer)
                 waiter.set_result(offer)
-                return
-        self._pool.appendleft(offer)
+                return True
+        return False
 
     def offer_of(self, rollout: str) -> Offer | None:
         """The live offer of ``rollout`` (None: not an external runner's, or ended)."""
