@@ -226,6 +226,36 @@ def conversations(rollouts: int, calls: int, seed: int = 0) -> list[LLMCallCompl
     return out
 
 
+def long_conversation(tokens: int, calls: int, seed: int = 0) -> list[LLMCallCompleted]:
+    """One rollout whose first prompt holds ``tokens`` tokens (and ~4 characters of messages per
+    token), then ``calls`` more calls, each adding the response and a ~60-token user turn."""
+    rng = random.Random(seed)
+    prompt = tuple(rng.randrange(50_000) for _ in range(tokens))
+    turns = max(1, tokens // 600)
+    messages: list[dict[str, Any]] = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 480} for i in range(turns)
+    ]
+    out: list[LLMCallCompleted] = []
+    for n in range(calls + 1):
+        response = tuple(rng.randrange(50_000) for _ in range(10))
+        out.append(call("long", n, prompt, response, list(messages)))
+        prompt = prompt + response + tuple(rng.randrange(50_000) for _ in range(60))
+        messages += [{"role": "assistant", "content": "x " * 20}, {"role": "user", "content": "word " * 40}]
+    return out
+
+
+async def history_cost(path: Path, tokens: int, calls: int) -> float:
+    """The process's CPU time (every thread) per durable append of one call of a long rollout,
+    in microseconds: what recording a call costs as its conversation grows."""
+    events = long_conversation(tokens, calls)
+    async with await EventStore.open(path) as store:
+        await store.append(events[:1])  # the rollout's first call is stored whole
+        start = time.process_time()
+        for event in events[1:]:
+            await store.append([event])
+        return (time.process_time() - start) / calls * 1e6
+
+
 async def stored_size(path: Path, events: list[LLMCallCompleted], share: bool) -> tuple[int, int, float]:
     """(database bytes after a checkpoint, bytes of the JSON column, seconds to read the log back)."""
     async with await EventStore.open(path, share_prefixes=share) as store:
@@ -302,8 +332,8 @@ async def main() -> None:
             per_event = statistics.median(r.elapsed / args.events * 1e6 for r in runs[appenders])
             print(
                 f"{appenders:>4} appenders: {per_event:5.1f} us/event; writer thread preparing batches"
-                f" (sharing, checksums) {prepare:5.1%}, in SQL (BEGIN..COMMIT) {sql:5.1%};"
-                f" the rest ({1 - prepare - sql:5.1%}) the event loop alone (appenders, encoding, futures)"
+                f" (encoding, sharing, checksums) {prepare:5.1%}, in SQL (BEGIN..COMMIT) {sql:5.1%};"
+                f" the rest ({1 - prepare - sql:5.1%}) the event loop alone (appenders, futures)"
             )
         same = events[: args.per_event]
         grouped = await group_commit(root / "group-same.db", same, 64)
@@ -331,6 +361,17 @@ async def main() -> None:
             print("\n## where the time goes (64 appenders, event-loop thread, cProfile)")
             print(await asyncio.to_thread(profile_top, root / "profile.db", events, 64))
 
+        print(
+            "\n## CPU per recorded call as the conversation grows (one rollout, each call appended alone"
+            " and waited for; process CPU, every thread, median of the rounds)"
+        )
+        print("prompt tokens   us/call")
+        for length in (1_000, 2_000, 5_000, 10_000, 20_000, 30_000):
+            costs = [
+                await history_cost(root / f"history-{length}-{r}.db", length, 20) for r in range(args.rounds)
+            ]
+            print(f"{length:>13}   {statistics.median(costs):7.0f}")
+
         calls = conversations(args.rollouts, args.calls)
         tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in calls)
         shared_bytes, shared_json, shared_read = await stored_size(root / "shared.db", calls, share=True)
@@ -356,4 +397,10 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    try:  # the event loop the appliance runs on (``lightning-appliance up``)
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
     asyncio.run(main())

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import re
 import struct
 import sys
@@ -57,7 +58,7 @@ import typing
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -92,15 +93,15 @@ _ORJSON_STRICT = (
     orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
 )
 _DIGEST_SIZE = 16
+_blake2b = hashlib.blake2b
 _ROW_HEADER = struct.Struct("<qqdIiII")
 _TYPECODES = {"TokenIds": "i", "Floats": "f"}  # int32 / float32 on every platform we run on
 assert array("i").itemsize == 4 and array("f").itemsize == 4
 _SWAP = sys.byteorder == "big"
 
 
-@dataclass(frozen=True, slots=True)
-class EncodedEvent:
-    """An event as the columns of one row (everything but its position)."""
+class EncodedEvent(NamedTuple):
+    """An event as the columns of one row (everything but its position), in column order."""
 
     type: str
     version: int
@@ -125,21 +126,24 @@ class _Layout:
     packed: tuple[tuple[str, str], ...]  # (field name, typecode), in declared order
     json_fields: tuple[str, ...]
     tuple_fields: frozenset[str]  # JSON fields to turn back from lists into tuples
+    #: The values of ``json_fields`` and of the ``packed`` fields, each as one tuple (C getters).
+    json_values: Callable[[Event], tuple[Any, ...]]
+    packed_values: Callable[[Event], tuple[Any, ...]]
 
     def payload(self, event: Event) -> dict[str, Any]:
         """The JSON fields of ``event`` (``data`` before encoding), in declared order."""
-        return {name: getattr(event, name) for name in self.json_fields}
+        return dict(zip(self.json_fields, self.json_values(event), strict=True))
 
     def pack(self, event: Event) -> bytes:
         """The blob of ``event`` with nothing shared (the common case of :func:`_pack`)."""
-        parts: list[bytes] = []
-        for name, code in self.packed:
-            values = array(code, getattr(event, name))
+        parts: list[bytes | array[Any]] = []
+        for (name, code), field in zip(self.packed, self.packed_values(event), strict=True):
+            values = array(code, field)
             if len(values) >= SHARED_FLAG:
                 raise ValueError(f"field {name!r} has too many values ({len(values)})")
             if _SWAP:
                 values.byteswap()
-            parts += (_COUNT.pack(len(values)), values.tobytes())
+            parts += (_COUNT.pack(len(values)), values)
         return b"".join(parts)
 
 
@@ -171,7 +175,23 @@ def _make_layout(cls: type[Event]) -> _Layout:
         json_fields.append(f.name)
         if typing.get_origin(hints[f.name]) is tuple:
             tuples.add(f.name)
-    return _Layout(tuple(packed), tuple(json_fields), frozenset(tuples))
+    return _Layout(
+        tuple(packed),
+        tuple(json_fields),
+        frozenset(tuples),
+        _getter(json_fields),
+        _getter([name for name, _code in packed]),
+    )
+
+
+def _getter(names: Sequence[str]) -> Callable[[Event], tuple[Any, ...]]:
+    """A function returning the attributes ``names`` of an event as one tuple."""
+    if len(names) >= 2:
+        return operator.attrgetter(*names)
+    if names:
+        one = operator.attrgetter(names[0])
+        return lambda event: (one(event),)
+    return lambda event: ()
 
 
 def register_upcaster(type_name: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
@@ -196,14 +216,16 @@ def register_upcaster(type_name: str, from_version: int) -> Callable[[Upcaster],
 
 def encode(event: Event) -> EncodedEvent:
     """Split ``event`` into the columns of a row. Raises StoreError if it cannot be stored."""
-    layout = _layout(type(event))
+    layout = _LAYOUTS.get(type(event)) or _layout(type(event))
+    rollout = event.rollout_id
     try:
         data = _dumps(layout.payload(event))
-        (event.rollout_id or "").encode("utf-8")
+        if rollout is not None:
+            rollout.encode("utf-8")
         blob = layout.pack(event)
     except (TypeError, ValueError, OverflowError) as exc:
         raise StoreError(f"cannot encode {event.type} event: {exc}") from exc
-    return EncodedEvent(event.type, event.version, event.rollout_id, event.ts, data, blob)
+    return EncodedEvent(event.type, event.version, rollout, event.ts, data, blob)
 
 
 def _dumps(payload: JsonObject) -> str:
@@ -212,10 +234,12 @@ def _dumps(payload: JsonObject) -> str:
         raw = orjson.dumps(payload, option=_ORJSON_STRICT)
     except TypeError:  # big integers, non-string keys, lone surrogates...: the standard library's way
         raw = None
-    if raw is None or b"null" in raw:  # orjson writes NaN and infinities as null
+    # orjson writes NaN and infinities as null: a null that does not read back as the payload's
+    # value (None) is one of those (read back and compared in C, only when there is a null).
+    if raw is None or (b"null" in raw and orjson.loads(raw) != payload):
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        # SQLite text and the checksum are UTF-8: a lone surrogate must fail here, before the
-        # row is queued, not in the writer.
+        # SQLite text and the checksum are UTF-8: a lone surrogate must fail here, in this
+        # event's encoding, not in its transaction.
         data.encode("utf-8")
         return data
     return raw.decode()
@@ -245,7 +269,45 @@ def share_prefix(row: EncodedEvent, event: Event, position: int, source: TokenId
     if shared < MIN_SHARED_TOKENS:
         return row
     blob = _pack(event, _layout(type(event)).packed, (name, position, shared))
-    return dataclasses.replace(row, blob=blob)
+    return row._replace(blob=blob)
+
+
+def encode_shared(event: LLMCallCompleted, position: int, earlier: LLMCallCompleted) -> EncodedEvent:
+    """``encode(event)`` with its prompt and request shared with ``earlier`` (the call at ``position``).
+
+    The same row as :func:`share_request` of :func:`share_prefix` of :func:`encode`, built without
+    packing or writing what is shared: its cost grows with the new tokens and messages, not
+    with the conversation. Raises StoreError if the event cannot be stored.
+    """
+    layout = _layout(LLMCallCompleted)
+    try:
+        shared = _prefix_length(event.prompt_ids, earlier.prompt_ids, earlier.response_ids)
+        payload = layout.payload(event)
+        request, before = event.request, earlier.request
+        for key in _CONVERSATION_KEYS:
+            messages, earlier_messages = request.get(key), before.get(key)
+            if isinstance(messages, list) and isinstance(earlier_messages, list):
+                count = _common_prefix(messages, earlier_messages)
+                if count:
+                    payload = {REQUEST_REF: [position, key, count], **payload}
+                    payload["request"] = {**request, key: messages[count:]}
+                break
+        data = _dumps(payload)
+        event.rollout.encode("utf-8")
+        ref = ("prompt_ids", position, shared) if shared >= MIN_SHARED_TOKENS else None
+        blob = _pack(event, layout.packed, ref)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise StoreError(f"cannot encode {event.type} event: {exc}") from exc
+    return EncodedEvent(event.type, event.version, event.rollout, event.ts, data, blob)
+
+
+def _prefix_length(prompt: TokenIds, earlier_prompt: TokenIds, earlier_response: TokenIds) -> int:
+    """``_common_prefix(prompt, earlier_prompt + earlier_response)`` without building the sum."""
+    n = len(earlier_prompt)
+    if len(prompt) >= n and prompt[:n] == earlier_prompt:
+        m = min(len(earlier_response), len(prompt) - n)
+        return n + _common_prefix(prompt[n : n + m], earlier_response[:m])
+    return _common_prefix(prompt, earlier_prompt + earlier_response)
 
 
 def share_request(row: EncodedEvent, event: Event, position: int, earlier: JsonObject) -> EncodedEvent:
@@ -267,7 +329,7 @@ def share_request(row: EncodedEvent, event: Event, position: int, earlier: JsonO
     payload: dict[str, Any] = {REQUEST_REF: [position, key, shared]}
     payload.update((name, getattr(event, name)) for name in layout.json_fields)
     payload["request"] = {**request, key: messages[shared:]}
-    return dataclasses.replace(row, data=_dumps(payload))
+    return row._replace(data=_dumps(payload))
 
 
 def shared_ref(type_name: str, data: str, blob: bytes) -> int | None:
@@ -302,16 +364,19 @@ def shared_prefix_ref(type_name: str, blob: bytes) -> int | None:
 
 def chain_digest(previous: bytes, position: int, row: EncodedEvent) -> bytes:
     """The checksum of the row at ``position``, chained over ``previous`` (b"" before the first)."""
-    type_bytes = row.type.encode()
-    rollout = b"" if row.rollout is None else row.rollout.encode()
-    data = row.data.encode()
-    header = _ROW_HEADER.pack(
-        position, row.version, row.ts, len(type_bytes), -1 if row.rollout is None else len(rollout),
-        len(data), len(row.blob),
-    )  # fmt: skip
+    type_name, version, rollout_id, ts, text, blob = row
+    type_bytes = type_name.encode()
+    data = text.encode()
+    if rollout_id is None:
+        rollout, rollout_size = b"", -1
+    else:
+        rollout = rollout_id.encode()
+        rollout_size = len(rollout)
+    header = _ROW_HEADER.pack(position, version, ts, len(type_bytes), rollout_size, len(data), len(blob))
     # One call over the concatenation: the same digest as updating part by part.
-    message = b"".join((previous, header, type_bytes, rollout, data, row.blob))
-    return hashlib.blake2b(message, digest_size=_DIGEST_SIZE).digest()
+    return _blake2b(
+        b"".join((previous, header, type_bytes, rollout, data, blob)), digest_size=_DIGEST_SIZE
+    ).digest()
 
 
 def decode(
@@ -354,6 +419,28 @@ def decode(
         raise StoreError(f"cannot decode {type_name} v{version}: {exc}") from exc
 
 
+def as_stored(event: Event, row: EncodedEvent) -> Event:
+    """:func:`decode` of ``row``, the row ``event`` was just stored as, without rebuilding what
+    the row shares with an earlier call: its packed fields come from ``event`` (log-probabilities
+    rounded through float32 as stored), the messages its request shares from ``event``'s request,
+    the rest from the row. Costs what is new in the row, not the conversation.
+    """
+    layout = _layout(type(event))
+    try:
+        fields: dict[str, Any] = _loads(row.data)
+        ref = fields.pop(REQUEST_REF, None)
+        if ref is not None and isinstance(event, LLMCallCompleted):
+            _position, key, shared = ref
+            fields["request"][key] = event.request[key][:shared] + fields["request"][key]
+        for name in layout.tuple_fields & fields.keys():
+            fields[name] = tuple(fields[name])
+        for (name, code), value in zip(layout.packed, layout.packed_values(event), strict=True):
+            fields[name] = tuple(array(code, value)) if code == "f" else tuple(value)
+        return type(event)(ts=row.ts, **fields)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise StoreError(f"cannot decode {row.type} v{row.version}: {exc}") from exc
+
+
 def _rebuild_request(ref: list[Any], stored: JsonObject, earlier: JsonObject | None) -> JsonObject:
     position, key, shared = ref
     before = None if earlier is None else earlier.get(key)
@@ -367,12 +454,13 @@ def _pack(event: Event, packed: tuple[tuple[str, str], ...], shared: tuple[str, 
     """The blob of ``event``; ``shared`` = (field, earlier position, shared length) or None."""
     parts: list[bytes] = []
     for name, code in packed:
-        values = array(code, getattr(event, name))
+        field = getattr(event, name)
         flag, ref = 0, b""
         if shared is not None and shared[0] == name:
             _, position, length = shared
-            values = values[length:]
+            field = field[length:]
             flag, ref = SHARED_FLAG, _REF.pack(position, length)
+        values = array(code, field)
         if len(values) >= SHARED_FLAG:
             raise ValueError(f"field {name!r} has too many values ({len(values)})")
         if _SWAP:

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import sqlite3
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +46,9 @@ from typing import Any, Self
 import aiosqlite
 
 from appliance.errors import StoreCorrupted, StoreError
-from store.codec import EncodedEvent, StoredEvent, chain_digest, decode, encode, prefix_source, shared_ref
+from store.codec import EncodedEvent, StoredEvent, as_stored, chain_digest, decode, prefix_source, shared_ref
 from store.events import Event, JsonObject, LLMCallCompleted, TokenIds
-from store.writer import MAX_BATCH_EVENTS, Pending, Writer, store_error
+from store.writer import MAX_BATCH_EVENTS, Committed, Pending, Writer, store_error
 
 __all__ = [
     "MAX_BATCH_EVENTS",
@@ -73,6 +74,11 @@ _READONLY_POLL_S = 0.5
 #: Tokens (of recent calls) a reader keeps to rebuild later calls' shared prefixes: ~8 bytes each
 #: (their requests are kept along, the messages shared with the next call's).
 _DECODED_TOKENS = 4_000_000
+#: The latest commits a writer keeps in memory for its subscribers, so that one keeping up gets
+#: each new event without reading and decoding it again: at most this many events and this many
+#: tokens of calls' prompts (a subscriber further behind reads the log).
+_RECENT_EVENTS = 1024
+_RECENT_TOKENS = 1_000_000
 #: ``max_page_count`` meaning "no cap" (SQLite clamps it to its own largest).
 _NO_CAP_PAGES = 0xFFFF_FFFE
 
@@ -132,6 +138,9 @@ class EventStore:
         self._writer: Writer | None = None
         #: Appends of this turn of the event loop, not yet handed to the writer.
         self._outbox: list[Pending] = []
+        #: The latest committed events, positions without gaps (see ``_RECENT_EVENTS``).
+        self._recent: deque[Committed] = deque()
+        self._recent_tokens = 0
         if writer is not None:
             self._writer = Writer(
                 writer, path, tail.events, tail.digest, share=share_prefixes, on_commit=self._on_commit
@@ -222,8 +231,7 @@ class EventStore:
         if not events:
             return []
         assert self._writer is not None
-        rows = [encode(e) for e in events]
-        pending = Pending(events, rows, asyncio.get_running_loop().create_future())
+        pending = Pending(events, asyncio.get_running_loop().create_future())
         self._outbox.append(pending)
         if len(self._outbox) == 1:  # hand this turn's appends to the writer together, after it
             asyncio.get_running_loop().call_soon(self._flush)
@@ -269,7 +277,9 @@ class EventStore:
         """
         position = after
         while not self._closed:
-            page = await self.read(position, limit=_PAGE)
+            page = self._recently_committed(position)
+            if page is None:
+                page = await self.read(position, limit=_PAGE)
             for stored in page:
                 yield stored
                 position = stored.position
@@ -324,10 +334,28 @@ class EventStore:
             self._writer.submit(self._outbox)
             self._outbox = []
 
-    def _on_commit(self, head: int) -> None:
-        """In the event loop, after the writer committed a batch ending at ``head``."""
+    def _on_commit(self, head: int, committed: Sequence[Committed]) -> None:
+        """In the event loop, after the writer committed ``committed``, a batch ending at ``head``."""
         self._head = head
+        recent = self._recent
+        for entry in committed:
+            recent.append(entry)
+            self._recent_tokens += _tokens(entry[1])
+        while recent and (len(recent) > _RECENT_EVENTS or self._recent_tokens > _RECENT_TOKENS):
+            self._recent_tokens -= _tokens(recent.popleft()[1])
         self._signal()
+
+    def _recently_committed(self, after: int) -> list[StoredEvent] | None:
+        """Up to ``_PAGE`` events after ``after`` from memory, as ``read`` would return them, or
+        None when memory no longer holds the next one."""
+        recent = self._recent
+        if not recent or recent[0][0] > after + 1:
+            return None
+        start = after + 1 - recent[0][0]
+        return [
+            StoredEvent(position, as_stored(event, row))
+            for position, event, row in itertools.islice(recent, start, start + _PAGE)
+        ]
 
     def _signal(self) -> None:
         self._committed.set()
@@ -557,6 +585,11 @@ def _check_progress(
             f"event store {path} is corrupted: the event at {need[3]} shares tokens with a call"
             f" at {need[2]} that is not in the log"
         )
+
+
+def _tokens(event: Event) -> int:
+    """The tokens a kept event holds (a call's prompt), for the memory bound of recent commits."""
+    return len(event.prompt_ids) if isinstance(event, LLMCallCompleted) else 0
 
 
 def _readonly_uri(path: Path) -> str:

@@ -7,13 +7,16 @@ own the schema or the reads (``store.eventstore``) nor how an event becomes a ro
 
 The store hands over the appends of one turn of the event loop together; more queue up while a
 transaction is in flight. The thread takes everything queued (up to :data:`MAX_BATCH_EVENTS` per
-transaction) and runs each whole transaction in one go, off the event loop:
-prefix/request sharing, the checksum chain, ``BEGIN IMMEDIATE``, the check that nobody else moved
-the end of the log, one ``executemany``, ``COMMIT``. It then hands the outcome of the batch back
-to the event loop with one ``call_soon_threadsafe``, which settles every caller's future.
+transaction) and runs each whole transaction in one go, off the event loop: encoding each event
+into its row (a call shares its prompt and request with its rollout's previous call, so only
+what is new is packed and written: ``store.codec.encode_shared``), the checksum chain,
+``BEGIN IMMEDIATE``, the check that nobody else moved the end of the log, one ``executemany``,
+``COMMIT``. It then hands the outcome of the batch back to the event loop with one
+``call_soon_threadsafe``, which settles every caller's future.
 
 Invariants: a caller's future gets its positions only after the ``COMMIT`` holding its events
 returned (durable: WAL with ``synchronous=FULL``); the events of one append are in one
+transaction; an append with an event that cannot be encoded fails alone, before the
 transaction; a failed transaction leaves nothing of its batch in the log, and the writer's
 position, checksum and sharing state stay as they were before it.
 """
@@ -34,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import StoreError, StoreFull
-from store.codec import EncodedEvent, chain_digest, share_prefix, share_request
+from store.codec import EncodedEvent, chain_digest, encode, encode_shared
 from store.events import Event, LLMCallCompleted, RolloutFinished
 
-__all__ = ["MAX_BATCH_EVENTS", "Pending", "Writer", "store_error"]
+__all__ = ["MAX_BATCH_EVENTS", "Committed", "Pending", "Writer", "store_error"]
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +60,15 @@ _INSERT = (
 _HEAD = "SELECT COALESCE(MAX(position), 0) FROM events"
 #: (position, event) of a rollout's last call.
 _LastCall = tuple[int, LLMCallCompleted]
+#: An event as committed: its position, the event appended, and its row.
+Committed = tuple[int, Event, EncodedEvent]
 
 
 @dataclass(slots=True)
 class Pending:
-    """One ``append`` call waiting for the writer: its events, their rows, its caller's future."""
+    """One ``append`` call waiting for the writer: its events and its caller's future."""
 
     events: Sequence[Event]
-    rows: list[EncodedEvent]
     future: asyncio.Future[list[int]]
 
 
@@ -87,7 +91,7 @@ class Writer:
         digest: bytes,
         *,
         share: bool,
-        on_commit: Callable[[int], None],
+        on_commit: Callable[[int, Sequence[Committed]], None],
     ) -> None:
         self.path = path
         #: Transactions committed (one per group commit).
@@ -163,9 +167,9 @@ class Writer:
                         backlog.extend(item)
                 while backlog:
                     batch = [backlog.popleft()]
-                    size = len(batch[0].rows)
-                    while backlog and size + len(backlog[0].rows) <= MAX_BATCH_EVENTS:
-                        size += len(backlog[0].rows)
+                    size = len(batch[0].events)
+                    while backlog and size + len(backlog[0].events) <= MAX_BATCH_EVENTS:
+                        size += len(backlog[0].events)
                         batch.append(backlog.popleft())
                     self._commit(batch)
                 if call is not None:
@@ -204,16 +208,36 @@ class Writer:
         digest = self._digest
         sharing: dict[str, _LastCall | None] = {}  # changes to _last_call if it commits
         rows: list[tuple[Any, ...]] = []
-        positions: list[list[int]] = []
+        committed: list[Committed] = []
+        committing: list[tuple[asyncio.Future[list[int]], list[int]]] = []
+        refused: list[tuple[asyncio.Future[list[int]], BaseException]] = []
         for pending in batch:
-            ids = list(range(position + 1, position + 1 + len(pending.rows)))
-            for i, event, row in zip(ids, pending.events, pending.rows, strict=True):
-                if self._share and row.rollout is not None:
-                    row = self._shared(i, event, row, sharing)
+            ids = range(position + 1, position + 1 + len(pending.events))
+            changes: dict[str, _LastCall | None] = {}
+            try:
+                encoded = [
+                    self._encode(i, event, sharing, changes)
+                    for i, event in zip(ids, pending.events, strict=True)
+                ]
+            except StoreError as exc:  # this append only: the others of the batch go on
+                refused.append((pending.future, exc))
+                continue
+            except Exception as exc:  # an event no codec path foresaw (say, nested too deep)
+                error = StoreError(f"cannot encode the events of an append: {exc!r}")
+                error.__cause__ = exc
+                refused.append((pending.future, error))
+                continue
+            sharing.update(changes)
+            for i, event, row in zip(ids, pending.events, encoded, strict=True):
                 digest = chain_digest(digest, i, row)
-                rows.append((i, row.type, row.version, row.rollout, row.ts, row.data, row.blob, digest))
-            positions.append(ids)
+                rows.append((i, *row, digest))  # the columns of _INSERT
+                committed.append((i, event, row))
+            committing.append((pending.future, list(ids)))
             position += len(ids)
+        if refused:
+            self._settle(refused)
+        if not rows:
+            return
         conn = self._conn
         prepared = time.perf_counter()
         self.prepare_s += prepared - began
@@ -238,7 +262,7 @@ class Writer:
                 error = store_error(f"could not commit {len(rows)} events to {self.path}", exc)
                 error.__cause__ = exc
                 exc = error
-            self._settle([(pending.future, exc) for pending in batch])
+            self._settle([(future, exc) for future, _ids in committing])
             return
         finally:
             self.sql_s += time.perf_counter() - prepared
@@ -251,29 +275,43 @@ class Writer:
                 self._last_call[rollout] = last
         while len(self._last_call) > _SHARING_ROLLOUTS:
             self._last_call.popitem(last=False)
-        self._settle([(p.future, ids) for p, ids in zip(batch, positions, strict=True)], head=position)
+        self._settle(committing, head=position, committed=committed)
 
-    def _shared(
-        self, position: int, event: Event, row: EncodedEvent, sharing: dict[str, _LastCall | None]
+    def _encode(
+        self,
+        position: int,
+        event: Event,
+        sharing: dict[str, _LastCall | None],
+        changes: dict[str, _LastCall | None],
     ) -> EncodedEvent:
-        """``row`` with its prompt and request shared with the rollout's previous call; note this call."""
-        rollout = row.rollout
-        assert rollout is not None
+        """The row of ``event`` at ``position``, its prompt and request shared with its rollout's
+        previous call (the latest in ``changes``, then ``sharing``, then the committed log); notes
+        in ``changes`` what later calls may share with."""
+        if not self._share:
+            return encode(event)
         if isinstance(event, LLMCallCompleted):
-            earlier = sharing[rollout] if rollout in sharing else self._last_call.get(rollout)
-            if earlier is not None:
-                earlier_position, earlier_call = earlier
-                row = share_prefix(
-                    row, event, earlier_position, earlier_call.prompt_ids + earlier_call.response_ids
-                )
-                row = share_request(row, event, earlier_position, earlier_call.request)
-            sharing[rollout] = (position, event)
-        elif isinstance(event, RolloutFinished):
-            sharing[rollout] = None
-        return row
+            rollout = event.rollout
+            if rollout in changes:
+                earlier = changes[rollout]
+            elif rollout in sharing:
+                earlier = sharing[rollout]
+            else:
+                earlier = self._last_call.get(rollout)
+            row = encode(event) if earlier is None else encode_shared(event, *earlier)
+            changes[rollout] = (position, event)
+            return row
+        if isinstance(event, RolloutFinished):
+            changes[event.rollout] = None
+        return encode(event)
 
-    def _settle(self, outcomes: list[tuple[asyncio.Future[Any], Any]], head: int | None = None) -> None:
-        """Hand a batch's outcomes (results, or exceptions) to the event loop in one call."""
+    def _settle(
+        self,
+        outcomes: Sequence[tuple[asyncio.Future[Any], Any]],
+        head: int | None = None,
+        committed: Sequence[Committed] = (),
+    ) -> None:
+        """Hand a batch's outcomes (results, or exceptions) to the event loop in one call; after a
+        commit, ``head`` is the new end of the log and ``committed`` what the batch wrote."""
 
         def settle() -> None:
             for future, outcome in outcomes:
@@ -284,7 +322,7 @@ class Writer:
                 else:
                     future.set_result(outcome)
             if head is not None:
-                self._on_commit(head)
+                self._on_commit(head, committed)
 
         self._notify(settle)
 

@@ -197,6 +197,7 @@ def test_encoded_event_is_plain_columns() -> None:
         {"messages": [{"role": "user", "content": "hi ünïcode \u2028"}], "n": 1.5e-7},
         {"seed": 2**70, "neg": -(2**63) - 1, "tools": None},
         {"temperature": float("inf"), "top_p": float("-inf")},
+        {"seed": None, "stop": ["a"], "top_p": 1.0},
         {"content": "a number 12345678901234567890 in text, and NaN"},
     ],
 )
@@ -212,7 +213,8 @@ def test_json_holds_what_the_standard_library_would_and_reads_back_exactly(
 
 
 def test_nan_in_a_payload_reads_back_as_nan() -> None:
-    event = _sample(TrainStepCompleted, metrics={"loss": float("nan")})
+    event = _sample(TrainStepCompleted, metrics={"loss": float("nan"), "grad": None})
     decoded = _roundtrip(event)
     assert isinstance(decoded, TrainStepCompleted)
     assert decoded.metrics["loss"] != decoded.metrics["loss"]  # NaN, not None
+    assert decoded.metrics["grad"] is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -345,7 +347,30 @@ async def test_open_and_close_leak_no_file_descriptors(tmp_path: Path) -> None:
     assert _open_fds() == before
 
 
-async def test_a_lone_surrogate_is_refused_before_it_reaches_the_writer(store: EventStore) -> None:
+async def test_an_event_that_cannot_be_encoded_fails_its_append_alone(store: EventStore) -> None:
+    good = [ApplianceStopped(ts=float(i), reason=f"fine {i}") for i in range(3)]
+    bad = ApplianceStopped(ts=9.0, reason="broken \ud800 text")
+    # All four appends of one turn go to the writer together: only the bad one fails.
+    results = await asyncio.gather(
+        store.append([good[0]]), store.append([good[1], bad]), store.append([good[2]]), return_exceptions=True
+    )
+    assert results[0] == [1] and results[2] == [2]
+    assert isinstance(results[1], StoreError) and "cannot encode" in str(results[1])
+    assert [s.event for s in await store.read()] == [good[0], good[2]]
+    assert (await store.verify()).events == 2
+
+
+async def test_an_event_too_deep_to_encode_fails_its_append_and_the_writer_goes_on(store: EventStore) -> None:
+    deep: list[Any] = []
+    for _ in range(100_000):  # deeper than either JSON encoder recurses
+        deep = [deep]
+    bad = dataclasses.replace(call("a", 2), request={"messages": deep})
+    with pytest.raises(StoreError, match="cannot encode"):
+        await asyncio.wait_for(store.append([bad]), 10)
+    assert await asyncio.wait_for(store.append([reward(1)]), 10) == [1]
+
+
+async def test_a_lone_surrogate_is_refused_and_the_writer_goes_on(store: EventStore) -> None:
     bad = ApplianceStopped(ts=1.0, reason="broken \ud800 text")
     with pytest.raises(StoreError, match="cannot encode"):
         await store.append([bad])

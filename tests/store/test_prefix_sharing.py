@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sqlite3
 from pathlib import Path
@@ -12,7 +13,15 @@ from hypothesis import strategies as st
 
 from appliance.errors import StoreCorrupted, StoreError
 from store import EventStore, LLMCallCompleted, RolloutFinished, StoredEvent, eventstore
-from store.codec import decode, encode, prefix_source, share_prefix, shared_prefix_ref
+from store.codec import (
+    decode,
+    encode,
+    encode_shared,
+    prefix_source,
+    share_prefix,
+    share_request,
+    shared_prefix_ref,
+)
 from store.eventstore import read_events_sync, verify_log
 
 
@@ -134,6 +143,41 @@ def test_share_prefix_round_trips_any_prompt(
     prefix = source if shared_prefix_ref(row.type, row.blob) == 7 else None
     assert decode(row.type, row.version, row.ts, row.data, row.blob, prefix) == event
     assert len(row.blob) <= len(encode(event).blob)
+
+
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": st.text(max_size=5)}),
+    max_size=6,
+)
+
+
+@given(
+    earlier_prompt=tokens,
+    earlier_response=tokens,
+    new=tokens,
+    cut=st.integers(0, 130),
+    before=messages,
+    after=messages,
+    key=st.sampled_from(["messages", "input"]),
+)
+def test_encode_shared_is_encode_then_share(
+    earlier_prompt: tuple[int, ...],
+    earlier_response: tuple[int, ...],
+    new: tuple[int, ...],
+    cut: int,
+    before: list[dict[str, str]],
+    after: list[dict[str, str]],
+    key: str,
+) -> None:
+    """The writer's one-step encoding is byte for byte the whole row shared in two steps."""
+    earlier = call("a", 1, earlier_prompt, earlier_response)
+    earlier = dataclasses.replace(earlier, request={"model": "m", key: before})
+    prompt = (earlier_prompt + earlier_response)[:cut] + new
+    event = dataclasses.replace(call("a", 2, prompt, (5, 6)), request={"model": "m", key: before + after})
+    expected = share_request(
+        share_prefix(encode(event), event, 7, prefix_source(earlier) or ()), event, 7, earlier.request
+    )
+    assert encode_shared(event, 7, earlier) == expected
 
 
 async def test_reads_stay_exact_when_the_token_cache_is_tiny(

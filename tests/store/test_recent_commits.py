@@ -1,0 +1,156 @@
+"""Subscribers that keep up get new events from the writer's recent commits, not from the log:
+the events must be exactly those the log gives back (float32 log-probabilities, shared requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from store import EventStore, LLMCallCompleted, RewardReported, RolloutFinished, StoredEvent, eventstore
+from store.codec import as_stored, decode, encode, encode_shared, prefix_source
+
+
+def call(rollout: str, n: int, prompt: tuple[int, ...], messages: list[dict[str, str]]) -> LLMCallCompleted:
+    response = tuple(range(n, n + 5))
+    return LLMCallCompleted(
+        ts=float(n),
+        rollout=rollout,
+        call_id=f"{rollout}-{n}",
+        surface="openai.chat",
+        prompt_ids=prompt,
+        response_ids=response,
+        response_logprobs=tuple(-0.1 * (i + 1) for i in range(len(response))),  # not float32-exact
+        policy_version=0,
+        finish_reason="stop",
+        request={"model": "m", "messages": messages},
+        response_text="x",
+        sampling={"temperature": 1.0, "stop": ["\n"]},
+        queue_s=0.001,
+        total_s=0.01,
+    )
+
+
+def conversation(rollout: str, calls: int, seed: int) -> list[LLMCallCompleted]:
+    rng = random.Random(seed)
+    prompt = tuple(rng.randrange(50_000) for _ in range(30))
+    messages = [{"role": "user", "content": "hello"}]
+    out = []
+    for n in range(calls):
+        event = call(rollout, n, prompt, list(messages))
+        out.append(event)
+        prompt = prompt + event.response_ids + tuple(rng.randrange(50_000) for _ in range(7))
+        messages += [{"role": "assistant", "content": f"a{n}"}, {"role": "user", "content": f"u{n}"}]
+    return out
+
+
+async def follow(store: EventStore, after: int, last: int) -> list[StoredEvent]:
+    seen: list[StoredEvent] = []
+    async for stored in store.subscribe(after=after):
+        seen.append(stored)
+        if stored.position == last:
+            break
+    return seen
+
+
+class CountingReads:
+    """Counts the store's reads of the log (what a subscriber falls back on)."""
+
+    def __init__(self, store: EventStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        read = store.read
+
+        async def counted(*args: Any, **kwargs: Any) -> list[StoredEvent]:
+            self.calls += 1
+            return await read(*args, **kwargs)
+
+        monkeypatch.setattr(store, "read", counted)
+
+
+async def test_live_subscribers_get_exactly_what_the_log_gives_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[LLMCallCompleted | RewardReported | RolloutFinished] = []
+    for n, calls in enumerate(zip(*(conversation(f"r{i}", 6, seed=i) for i in range(3)), strict=True)):
+        events += calls
+        events.append(RewardReported(ts=float(n), rollout="r0", reward=0.5, source="agent"))
+    events.append(RolloutFinished(ts=9.0, rollout="r1", status="finished"))
+    async with await EventStore.open(tmp_path / "events.db") as store:
+        reads = CountingReads(store, monkeypatch)
+        follower = asyncio.create_task(follow(store, 0, len(events)))
+        await asyncio.sleep(0.05)  # the follower has read the (empty) log and waits
+        for i in range(0, len(events), 4):  # several commits while the follower waits
+            await store.append(events[i : i + 4])
+        live = await asyncio.wait_for(follower, 10)
+        assert reads.calls == 1  # every new event came from the recent commits
+        logged = await store.read()
+    assert live == logged
+    first = live[0].event
+    assert isinstance(first, LLMCallCompleted) and isinstance(events[0], LLMCallCompleted)
+    # The log holds float32 log-probabilities: so does what the live subscriber got.
+    assert first.response_logprobs != events[0].response_logprobs
+    assert first.response_logprobs == pytest.approx(events[0].response_logprobs)
+
+
+async def test_a_subscriber_behind_the_recent_commits_reads_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(eventstore, "_RECENT_EVENTS", 5)
+    events = conversation("r", 40, seed=1)
+    async with await EventStore.open(tmp_path / "events.db") as store:
+        for event in events:
+            await store.append([event])
+        reads = CountingReads(store, monkeypatch)
+        behind = await follow(store, 3, len(events))
+        assert reads.calls >= 1
+        reads.calls = 0
+        caught_up = await follow(store, 36, len(events))  # held in memory: 36..40
+        assert reads.calls == 0
+        logged = await store.read()
+    assert behind == logged[3:]
+    assert caught_up == logged[36:]
+
+
+async def test_recent_commits_are_bounded_by_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(eventstore, "_RECENT_TOKENS", 200)
+    events = conversation("r", 10, seed=2)  # prompts of 30, 42, 54, ... tokens
+    async with await EventStore.open(tmp_path / "events.db") as store:
+        await store.append(events)
+        reads = CountingReads(store, monkeypatch)
+        assert [s.position for s in await follow(store, 8, 10)] == [9, 10]  # 138 + 150 tokens > 200
+        assert reads.calls == 1
+        reads.calls = 0
+        assert [s.event for s in await follow(store, 9, 10)] == [s.event for s in await store.read(after=9)]
+        assert reads.calls == 1  # only the comparison's own read
+
+
+tokens = st.lists(st.integers(0, 2**31 - 1), max_size=40).map(tuple)
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=4)}), max_size=5
+)
+
+
+@given(earlier_prompt=tokens, new=tokens, cut=st.integers(0, 50), before=messages, after=messages)
+def test_as_stored_is_decode(
+    earlier_prompt: tuple[int, ...],
+    new: tuple[int, ...],
+    cut: int,
+    before: list[dict[str, str]],
+    after: list[dict[str, str]],
+) -> None:
+    earlier = call("a", 1, earlier_prompt, before)
+    event = call("a", 2, (earlier_prompt + earlier.response_ids)[:cut] + new, before + after)
+    row = encode_shared(event, 7, earlier)
+    expected = decode(
+        row.type, row.version, row.ts, row.data, row.blob, prefix_source(earlier), earlier.request
+    )
+    assert as_stored(event, row) == expected
+    whole = encode(event)
+    assert as_stored(event, whole) == decode(whole.type, whole.version, whole.ts, whole.data, whole.blob)
+    reward = RewardReported(ts=1.0, rollout="a", reward=float(cut), source="agent")
+    assert as_stored(reward, encode(reward)) == reward
