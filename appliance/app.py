@@ -9,6 +9,10 @@ controller and the scheduler, and on exit stops them in reverse order (every bac
 cancelled and awaited). Each part is built from its section of the config (``config.engine``,
 ``config.trainer``, ``config.scheduler``, ``config.proxy``, ``config.harness``) plus what only
 the run knows (the model's name, the admin token, the placement plan, the held-out tasks).
+Once every part has started, what exists then (imported modules, torch's among them, the model,
+the parts' state: all of it lives as long as the process) is collected once and moved out of
+the cyclic collector's sight (``gc.freeze``, once per process), so a full collection while
+serving does not walk it all again (about 0.4 s with torch imported, every thousand calls or so).
 Nothing else constructs these parts for a real run, so tests that build an ``Appliance``
 exercise the production wiring.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -345,6 +350,7 @@ class Appliance:
         )
         if self._stop_requested:
             self.runner.request_stop()
+        _freeze_startup_objects()
 
     async def evaluate(self, tasks: Sequence[Task], *, split: str, repeat: int = 1) -> EvaluationCompleted:
         """Run every task ``repeat`` times on the policy served now, with no training, and record
@@ -469,6 +475,19 @@ class Appliance:
         await self.training.checkpoint(state, "shutdown")
         exported = await self.training.export(state, self.config.export_path)
         log.info("exported policy v%d to %s", exported.policy_version, exported.path)
+
+
+_frozen = False
+
+
+def _freeze_startup_objects() -> None:
+    """Once per process, when the appliance has started: collect, then move every object left
+    out of the cyclic collector's sight (see the module docstring)."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()
 
 
 def _admin_token(path: Path) -> str:

@@ -21,7 +21,9 @@ run in their own process; our proxy runs in this one. The load generator is a pl
 client (the same for every column), keep-alive, no retries. Next to calls/s and latencies each
 row gives the serving process's CPU time per call (user + system, all threads): ours from this
 process's clock, AGL's gateway's and the upstream's from ``/proc/<pid>/stat``, read when the
-load generator says its measured calls start and end (it waits meanwhile).
+load generator says its measured calls start and end (it waits meanwhile). Ours is also split
+between the event loop's thread (the proxy's Python) and the process's other threads (the event
+store's writer and its commits).
 
 ``--history`` measures our proxy alone on long conversations: one conversation per history
 length (1k to 30k prompt tokens) grown through the proxy, then calls that each add the last
@@ -31,6 +33,7 @@ so its figures are shares, not costs).
 
     .venv/bin/python scripts/bench_proxy.py [--calls 1000] [--clients 1,64,512]
                                             [--agl-python /work/agl-venv/bin/python] [--profile FILE]
+                                            [--modes whole,streamed]
     .venv/bin/python scripts/bench_proxy.py --history [--calls 30] [--profile FILE]
     .venv/bin/python scripts/bench_proxy.py --tiny   # the tiny model in process vs through the proxy,
                                                      # calls/s and streaming time to first text
@@ -258,22 +261,38 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def event_loop_seconds() -> float:
+    """CPU time (user + system) of this process's main thread so far, where its event loop (the
+    proxy's Python) runs; the rest of ``cpu_seconds(None)`` is its other threads' (the event
+    store's writer, the tokenizer's). Clock ticks: read over hundreds of calls."""
+    fields = Path(f"/proc/self/task/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_child(
     args: list[str], server_pid: int | None, profiler: cProfile.Profile | None = None
 ) -> tuple[dict[str, Any], list[float]]:
     """A load-generator child; the server's CPU seconds at each of its marks, and its result.
     ``profiler`` (this process's) runs between the first and second mark, the third and fourth..."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        __file__,
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        limit=1 << 24,  # the result's line holds every latency
     )
     assert child.stdout is not None and child.stdin is not None
     marks: list[float] = []
+    loop_marks: list[float] = []
     last = b""
     while line := await child.stdout.readline():
         if line.strip() == b"mark":
             if profiler is not None and len(marks) % 2:
                 profiler.disable()
             marks.append(cpu_seconds(server_pid))
+            if server_pid is None:
+                loop_marks.append(event_loop_seconds())
             if profiler is not None and len(marks) % 2:
                 profiler.enable()
             child.stdin.write(b"ok\n")
@@ -282,6 +301,8 @@ async def run_child(
             last = line
     await child.wait()
     result: dict[str, Any] = json.loads(last.decode())
+    if len(loop_marks) >= 2:
+        result["loop_cpu"] = loop_marks[1] - loop_marks[0]
     return result, marks
 
 
@@ -291,6 +312,8 @@ async def run_load(
     args = ["--load", target.url, target.key, str(concurrency), str(calls), *(["--stream"] if stream else [])]
     result, (before, after) = await run_child(args, target.pid, profiler if target.pid is None else None)
     result["cpu_per_call"] = (after - before) / max(1, result["served"])
+    if "loop_cpu" in result:
+        result["loop_cpu_per_call"] = result["loop_cpu"] / max(1, result["served"])
     return result
 
 
@@ -384,7 +407,11 @@ async def agl_gateway(python: str, upstream_url: str, workdir: Path) -> AsyncIte
 
 
 async def compare(
-    calls: int, agl_python: str | None, profile: Path | None, clients: tuple[int, ...] = CONCURRENCY
+    calls: int,
+    agl_python: str | None,
+    profile: Path | None,
+    clients: tuple[int, ...] = CONCURRENCY,
+    streamed: tuple[bool, ...] = (False, True),
 ) -> None:
     from appliance.app import Appliance
     from appliance.chat.tokenizer import Tokenizer
@@ -432,7 +459,7 @@ async def compare(
                     f"{os.cpu_count()} CPUs"
                 )
                 with profiled(profile) as profiler:
-                    for stream in (False, True):
+                    for stream in streamed:
                         await table(targets, calls, stream, profiler, clients)
                 events = await app.store.read(types={"LLMCallCompleted"})
                 print(f"\nthe appliance recorded {len(events)} LLMCallCompleted events (durable) in this run")
@@ -466,6 +493,11 @@ async def table(
                 print(f"  ... {name}, {concurrency} clients", file=sys.stderr, flush=True)
                 results[name] = await run_load(target, concurrency, n, stream, profiler)
         print(row(concurrency, results, stream))
+        ours = results.get("appliance")
+        if isinstance(ours, dict) and "loop_cpu_per_call" in ours:
+            loop = ours["loop_cpu_per_call"] * 1e6
+            rest = ours["cpu_per_call"] * 1e6 - loop
+            print(f"  ours' CPU/call: event loop {loop:.0f} us, other threads {rest:.0f} us")
     for name, result in results.items():
         if isinstance(result, str):
             print(f"  {name}: {result}")
@@ -742,6 +774,11 @@ if __name__ == "__main__":
     )
     parser.add_argument("--profile", type=Path, help="cProfile the proxy's process into this file")
     parser.add_argument(
+        "--modes",
+        default="whole,streamed",
+        help="which tables: whole (non-streaming), streamed, or both (comma-separated)",
+    )
+    parser.add_argument(
         "--clients", default="1,64,512", help="concurrent clients of each row, comma-separated (1,64,512)"
     )
     parser.add_argument("--upstream", metavar="ANSWER_IDS", help=argparse.SUPPRESS)
@@ -772,4 +809,5 @@ if __name__ == "__main__":
     else:
         agl = args.agl_python if args.agl_python and Path(args.agl_python).exists() else None
         clients = tuple(int(c) for c in args.clients.split(","))
-        asyncio.run(compare(args.calls, agl, args.profile, clients))
+        modes = tuple(mode == "streamed" for mode in args.modes.split(","))
+        asyncio.run(compare(args.calls, agl, args.profile, clients, modes))

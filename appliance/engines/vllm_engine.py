@@ -2,7 +2,8 @@
 
 Owns the conversation with one vLLM OpenAI-compatible server over HTTP (aiohttp, loopback):
 token-in/token-out completions (``/v1/completions`` with a token-id prompt, ``return_token_ids``,
-per-token log-probs, streamed when the caller wants each token), weight pushes (the tensors are
+per-token log-probs, streamed when the caller wants each token, over the kept-alive connections
+of ``appliance.engines.http_stream``, each read's events parsed as one batch), weight pushes (the tensors are
 written as safetensors to ``/dev/shm`` and the server's workers reload them in place through
 ``/collective_rpc`` -> ``appliance_reload_weights``: vLLM's ``reload_weights(weights_path=...)``
 plus a fix for tied LM heads, see ``appliance.engines.vllm_worker``) or, without any full copy,
@@ -48,6 +49,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import torch
@@ -61,15 +63,20 @@ from appliance.engines.base import (
     validate_request,
 )
 from appliance.engines.buckets import TensorEntry, WeightBucket, close_stream, dtype_of, peek
+from appliance.engines.http_stream import StreamPool
+from appliance.engines.sampling import TopLogprobs
 from appliance.engines.vllm_process import (
     DEFAULT_VLLM_PYTHON,
     ParsedChoice,
     ServerClient,
     ServerProcess,
     ServerSettings,
+    checked_choice,
     completion_body,
+    encode_json,
     free_port,
     parse_choice,
+    read_chunks,
 )
 from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
 
@@ -92,18 +99,17 @@ class GenerationGate:
         self._open.set()
         self._exclusive = asyncio.Lock()
 
-    @contextlib.asynccontextmanager
-    async def generation(self) -> AsyncIterator[None]:
+    async def enter(self) -> None:
+        """Start a generation (``leave`` when it ends), once no swap or sleep is pending."""
         while not self._open.is_set():
             await self._open.wait()
         self._active += 1
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
+
+    def leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._idle.set()
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
@@ -184,10 +190,16 @@ class VLLMEngine:
         self._policy_version = policy_version
         self._max_context = 0
         self._session: aiohttp.ClientSession | None = None
+        self._server_client: ServerClient | None = None
+        self._pool: StreamPool | None = None
+        self._pool_url = ""
+        self._stream_path = "/v1/completions"
         self._server: ServerProcess | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._gate = GenerationGate()
-        self._inflight: set[asyncio.Task[ParsedChoice]] = set()
+        #: The tasks generating now, and those of them that ``close`` cancelled.
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._cut: set[asyncio.Task[Any]] = set()
         self._closed = False
         #: Why the server cannot serve now (restarting, gave up); None while it serves.
         self._down: str | None = "not started"
@@ -238,7 +250,27 @@ class VLLMEngine:
     def _client(self) -> ServerClient:
         if self._session is None:
             raise EngineUnavailable("the vLLM engine has not been started")
-        return ServerClient(self._session, self.base_url)
+        client = self._server_client
+        base_url = self.base_url  # a restarted server listens on a new port
+        if client is None or client.base_url != base_url or client.session is not self._session:
+            client = self._server_client = ServerClient(self._session, base_url)
+        return client
+
+    @property
+    def _stream_pool(self) -> StreamPool | None:
+        """The kept-alive connections streamed completions go over (None: the server is not
+        reached over plain HTTP, and aiohttp's client streams them)."""
+        base_url = self.base_url
+        if base_url == self._pool_url:
+            return self._pool
+        if self._pool is not None:  # the server was restarted on a new port
+            self._pool.close()
+        url = urlsplit(base_url)
+        self._pool_url, self._pool = base_url, None
+        if url.scheme == "http" and url.hostname is not None:
+            self._pool = StreamPool(url.hostname, url.port or 80)
+            self._stream_path = url.path.rstrip("/") + "/v1/completions"
+        return self._pool
 
     @property
     def server_pid(self) -> int | None:
@@ -308,6 +340,7 @@ class VLLMEngine:
         self._closed = True
         self._down = "the vLLM engine was closed"
         for task in list(self._inflight):
+            self._cut.add(task)
             task.cancel()
         if self._supervisor is not None:
             self._supervisor.cancel()
@@ -317,6 +350,8 @@ class VLLMEngine:
             await self._server.stop()
         if self._session is not None:
             await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
         if self._weights_root is not None:
             await asyncio.to_thread(shutil.rmtree, self._weights_root, True)
 
@@ -345,30 +380,33 @@ class VLLMEngine:
         self._ensure_serving()
         validate_request(request, max_context=self._max_context, vocab_size=self._vocab_size)
         queued = time.monotonic()
-        async with self._gate.generation():
+        caller = asyncio.current_task()
+        assert caller is not None
+        await self._gate.enter()
+        try:
             self._ensure_serving()
             version = self._policy_version
             started = time.monotonic()
-            task = asyncio.ensure_future(self._complete(request))
-            self._inflight.add(task)
-            try:
-                choice = await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if self._closed and (current is None or not current.cancelling()):
-                    raise EngineUnavailable("the vLLM engine was closed") from None
-                raise
-            except ApplianceError:
-                raise
-            except Exception as exc:
-                # An answer that could not be read (not JSON, an odd shape): this call fails
-                # with the retryable error instead of an unexplained 500.
-                raise EngineUnavailable(
-                    f"vLLM's answer to a completion could not be read ({type(exc).__name__}: {exc}); retry"
-                ) from exc
-            finally:
-                self._inflight.discard(task)
-                task.cancel()
+            self._inflight.add(caller)
+            choice = await self._complete(request)
+        except asyncio.CancelledError:
+            # Cancelled by ``close`` alone (not by the caller's own canceller too): the call
+            # fails as closed.
+            if caller in self._cut and caller.uncancel() == 0:
+                raise EngineUnavailable("the vLLM engine was closed") from None
+            raise
+        except ApplianceError:
+            raise
+        except Exception as exc:
+            # An answer that could not be read (not JSON, an odd shape): this call fails
+            # with the retryable error instead of an unexplained 500.
+            raise EngineUnavailable(
+                f"vLLM's answer to a completion could not be read ({type(exc).__name__}: {exc}); retry"
+            ) from exc
+        finally:
+            self._inflight.discard(caller)
+            self._cut.discard(caller)
+            self._gate.leave()
         return GenerateResult(
             token_ids=choice.token_ids,
             logprobs=choice.logprobs,
@@ -397,16 +435,25 @@ class VLLMEngine:
                 for token, logprob in zip(choice.token_ids, choice.logprobs, strict=True):
                     on_token(token, logprob)
             return choice
-        parts: list[ParsedChoice] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        tops: list[TopLogprobs] = []
+        finish: str | None = None
         # aclosing: whatever ends the loop early (a chunk that does not parse, a callback that
         # raises) closes the stream now, which drops the connection so vLLM aborts the request.
-        async with contextlib.aclosing(self._client.stream("/v1/completions", body)) as chunks:
-            async for chunk in chunks:
-                part = parse_choice(chunk, final=False)
-                parts.append(part)
-                for token, logprob in zip(part.token_ids, part.logprobs, strict=True):
-                    on_token(token, logprob)
-        return ParsedChoice.join(parts)
+        pool = self._stream_pool
+        stream = (
+            pool.stream(self._stream_path, encode_json(body))
+            if pool is not None
+            else self._client.stream("/v1/completions", body)
+        )
+        async with contextlib.aclosing(stream) as batches:
+            async for events in batches:
+                handed = len(token_ids)
+                finish = read_chunks(events, token_ids, logprobs, tops)
+                for i in range(handed, len(token_ids)):
+                    on_token(token_ids[i], logprobs[i])
+        return checked_choice(ParsedChoice(tuple(token_ids), tuple(logprobs), tuple(tops), finish))
 
     # -- weights ----------------------------------------------------------------------------
 

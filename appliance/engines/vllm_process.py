@@ -32,9 +32,10 @@ import aiohttp
 import orjson
 
 from appliance.engines.base import GenerateRequest
+from appliance.engines.http_stream import raise_for_status, sse_events
 from appliance.engines.lora import vllm_max_lora_rank
 from appliance.engines.sampling import TopLogprobs
-from appliance.errors import BadRequest, EngineUnavailable
+from appliance.errors import EngineUnavailable
 
 #: Where ``make vllm-cpu`` / ``make vllm-gpu`` put vLLM's interpreter (relative to the repo root).
 DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
@@ -339,38 +340,48 @@ class ServerClient:
         like ``/v1/load_lora_adapter``)."""
         try:
             async with self.session.request(
-                method, self.base_url + path, data=None if body is None else _encode(body), headers=_JSON
+                method, self.base_url + path, data=None if body is None else encode_json(body), headers=_JSON
             ) as response:
                 try:
                     text = await response.text()
                 except BaseException:
                     response.close()  # a cancelled call drops the connection: vLLM aborts it
                     raise
-                _raise_for_status(response.status, text, path)
+                raise_for_status(response.status, text, path)
                 if text_answer:
                     return text
                 return json.loads(text) if text else None
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"the vLLM server did not answer {path}: {exc!r}; retry shortly") from exc
 
-    async def stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """The ``data:`` events of a server-sent-event response, until ``[DONE]``."""
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The ``data:`` events of a server-sent-event response, until ``[DONE]``, in batches:
+        each batch holds the events of the complete lines one read from the connection brought
+        (a short completion's whole answer often comes in one), so a batch is parsed at once.
+        For a server reached over plain HTTP, ``appliance.engines.http_stream`` does the same
+        without aiohttp's client in between."""
         try:
-            async with self.session.post(self.base_url + path, data=_encode(body), headers=_JSON) as response:
+            async with self.session.post(
+                self.base_url + path, data=encode_json(body), headers=_JSON
+            ) as response:
                 if response.status != 200:
-                    _raise_for_status(response.status, await response.text(), path)
+                    raise_for_status(response.status, await response.text(), path)
+                content = response.content
+                pending = b""
                 try:
-                    async for raw in response.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:"):
+                    while data := await content.readany():
+                        if pending:
+                            data = pending + data
+                        end = data.rfind(b"\n")
+                        if end < 0:
+                            pending = data
                             continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
+                        pending = data[end + 1 :]
+                        events, done = sse_events(data[:end], path)
+                        if events:
+                            yield events
+                        if done:
                             return
-                        event = _decode(data)
-                        if "error" in event:
-                            _raise_for_status(int(event["error"].get("code") or 500), data.decode(), path)
-                        yield event
                 except BaseException:
                     # Cancelled or failed mid-stream: drop the connection, which makes vLLM
                     # abort the request (a connection released for keep-alive would not).
@@ -384,7 +395,7 @@ class ServerClient:
 _JSON = {"Content-Type": "application/json"}
 
 
-def _encode(body: dict[str, Any]) -> bytes:
+def encode_json(body: dict[str, Any]) -> bytes:
     """``body`` as JSON: orjson (a completion's prompt is as long as the conversation), Python's
     json for what orjson does not write (integers beyond 64 bits)."""
     try:
@@ -393,50 +404,19 @@ def _encode(body: dict[str, Any]) -> bytes:
         return json.dumps(body).encode()
 
 
-def _decode(data: bytes) -> Any:
-    """A JSON event: orjson, or Python's json for what orjson refuses (``NaN``, ``-Infinity``)."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
-
-
-def _raise_for_status(status: int, text: str, path: str) -> None:
-    if status < 400:
-        return
-    try:
-        message = str(json.loads(text)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        message = text[:500]
-    if 400 <= status < 500:
-        raise BadRequest(f"vLLM rejected {path}: {message}")
-    raise EngineUnavailable(f"vLLM failed on {path} (HTTP {status}): {message}")
-
-
 @dataclass(frozen=True, slots=True)
 class ParsedChoice:
-    """The tokens of one completion (or of one streamed chunk of it)."""
+    """The tokens of one completion."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     top_logprobs: tuple[TopLogprobs, ...]
-    #: "stop" / "length"; None for a chunk that is not the last.
+    #: "stop" / "length" (anything else, None included, is refused by ``checked_choice``).
     finish_reason: str | None
     #: The prompt's scores (``prompt_logprobs`` asked for; never streamed): per prompt token its
     #: log-prob (None for the first) and the alternatives vLLM listed, most likely first.
     prompt_logprobs: tuple[float | None, ...] = ()
     prompt_top_logprobs: tuple[TopLogprobs, ...] = ()
-
-    @staticmethod
-    def join(parts: list[ParsedChoice]) -> ParsedChoice:
-        """The whole completion from its streamed chunks, in order."""
-        choice = ParsedChoice(
-            token_ids=tuple(t for p in parts for t in p.token_ids),
-            logprobs=tuple(lp for p in parts for lp in p.logprobs),
-            top_logprobs=tuple(top for p in parts for top in p.top_logprobs),
-            finish_reason=parts[-1].finish_reason if parts else None,
-        )
-        return _checked(choice)
 
 
 def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> dict[str, Any]:
@@ -479,11 +459,11 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
     return body
 
 
-def parse_choice(response: dict[str, Any], *, final: bool = True) -> ParsedChoice:
+def parse_choice(response: dict[str, Any]) -> ParsedChoice:
     """The tokens of ``choices[0]`` of a completion response or stream chunk.
 
     vLLM returns a sampled stop id as the last of ``token_ids`` (with its log-prob), so nothing
-    is added here; ``final`` responses must end with "stop" or "length".
+    is added here; the response must end with "stop" or "length".
     """
     try:
         choice = response["choices"][0]
@@ -496,7 +476,35 @@ def parse_choice(response: dict[str, Any], *, final: bool = True) -> ParsedChoic
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise EngineUnavailable(f"vLLM answered a completion in an unexpected shape: {exc!r}") from exc
     parsed = ParsedChoice(token_ids, logprobs, tops, finish, *prompt_scores)
-    return _checked(parsed) if final else parsed
+    return checked_choice(parsed)
+
+
+def read_chunks(
+    events: list[dict[str, Any]], token_ids: list[int], logprobs: list[float], tops: list[TopLogprobs]
+) -> str | None:
+    """Append the tokens of streamed chunks' ``choices[0]`` (ids, log-probs, alternatives) to the
+    lists, in order; returns the last chunk's finish reason (None before the last). What
+    ``parse_choice`` reads, without the prompt's scores (never streamed) and without a
+    ``ParsedChoice`` per chunk."""
+    finish: str | None = None
+    for event in events:
+        try:
+            choice = event["choices"][0]
+            ids = list(map(int, choice.get("token_ids") or ()))
+            block = choice.get("logprobs") or {}
+            values = list(map(float, block.get("token_logprobs") or ()))
+            if entries := block.get("top_logprobs"):
+                tops.extend(_top(entry) for entry in entries)
+            finish = choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineUnavailable(f"vLLM answered a completion in an unexpected shape: {exc!r}") from exc
+        if len(ids) != len(values):
+            raise EngineUnavailable(
+                f"vLLM streamed {len(ids)} token ids but {len(values)} log-probs in a chunk"
+            )
+        token_ids += ids
+        logprobs += values
+    return finish
 
 
 #: What vLLM writes for a log-prob of -inf (a token a grammar forbids): JSON has no infinity.
@@ -535,7 +543,9 @@ def _prompt_scores(choice: dict[str, Any]) -> tuple[tuple[float | None, ...], tu
     return tuple(scores), tuple(tops)
 
 
-def _checked(choice: ParsedChoice) -> ParsedChoice:
+def checked_choice(choice: ParsedChoice) -> ParsedChoice:
+    """``choice`` if it is a whole completion (finished with "stop" or "length", a log-prob per
+    token, at least one token); ``EngineUnavailable`` otherwise."""
     if choice.finish_reason == "abort":
         raise EngineUnavailable("vLLM aborted the generation (paused, sleeping or restarting); retry")
     if choice.finish_reason not in ("stop", "length"):

@@ -263,7 +263,9 @@ class CallService:
                 prompt_ids=[*call.rendered.prompt_ids, *(t for t, _, _ in sampled)]
                 if sampled
                 else call.rendered.prompt_ids,
-                params=replace(call.params, max_tokens=call.params.max_tokens - len(sampled)),
+                params=replace(call.params, max_tokens=call.params.max_tokens - len(sampled))
+                if sampled
+                else call.params,
                 on_token=collect,
                 # A rollout's calls go to one engine replica (its prefix cache holds the earlier
                 # turns); the shared rollout-less conversation goes wherever there is room.

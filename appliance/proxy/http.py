@@ -139,14 +139,25 @@ def check_admin(request: web.Request) -> None:
         raise Unauthorized("this route needs the admin token (see the data directory's admin_token file)")
 
 
+#: The rollout a request was authorised for (by ``rollout_of``), kept for the rest of the request.
+_ROLLOUT = web.RequestKey("rollout", ActiveRollout)
+
+
 def rollout_of(request: web.Request) -> ActiveRollout:
-    """The rollout the request is for, authorised by its own token (or the admin token on /v1)."""
+    """The rollout the request is for, authorised by its own token (or the admin token on /v1);
+    once authorised, the same rollout for the rest of the request."""
+    known: ActiveRollout | None = request.get(_ROLLOUT)
+    if known is not None:
+        return known
     registry = request.app[REGISTRY]
     rollout = request.match_info.get("rollout")
     if rollout is None:
         check_admin(request)
-        return registry.default()
-    return registry.authorize(rollout, request_token(request))
+        active = registry.default()
+    else:
+        active = registry.authorize(rollout, request_token(request))
+    request[_ROLLOUT] = active
+    return active
 
 
 #: A ``\\uD800``-``\\uDFFF`` escape: JSON allows it, but alone it is no character.
@@ -159,24 +170,29 @@ MAX_NESTING = 100
 _TOO_DEEP = f"the request body nests arrays or objects deeper than {MAX_NESTING} levels"
 
 
-def _too_deep(raw: bytes, value: Any) -> bool:
-    """Whether ``value`` nests containers more than ``MAX_NESTING`` deep (iteratively)."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
-        return False  # too few brackets to nest that deep
+#: orjson reads integers of up to 64 bits exactly and larger ones as floats: a float this large
+#: (in magnitude) may have been such an integer, so its body is read again by Python's json.
+_INEXACT_FROM = 2.0**63
+
+
+def _scan(value: Any, *, floats: bool = True) -> str | None:
+    """What makes a reading of a body unusable: ``"deep"`` (containers nested more than
+    ``MAX_NESTING`` deep), with ``floats`` also ``"float"`` (a float that may be an integer orjson
+    could not hold; orjson's reading only), or None. Walks the containers only (their scalars are
+    looked at, not walked), so a long conversation of string messages costs a few microseconds
+    per hundred messages."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if depth > MAX_NESTING:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return False
-
-
-#: Every digit read as ``0``: a run of 19 zeros in a translated body is a number of 19 digits
-#: or more, which orjson would not read exactly (it reads integers of up to 64 bits).
-_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
-_LONG_NUMBER = b"0" * 19
+            return "deep"
+        for child in item.values() if type(item) is dict else item:
+            kind = type(child)
+            if kind is dict or kind is list:
+                stack.append((child, depth + 1))
+            elif floats and kind is float and not -_INEXACT_FROM < child < _INEXACT_FROM:
+                return "float"
+    return None
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
@@ -190,11 +206,13 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         pass  # Python's json says why (or reads what orjson refuses, such as NaN)
     else:
-        if isinstance(fast, dict) and _LONG_NUMBER not in raw.translate(_DIGITS_AS_ZERO):
-            if _too_deep(raw, fast):
+        if isinstance(fast, dict):
+            found = _scan(fast)
+            if found == "deep":
                 raise BadRequest(_TOO_DEEP)
-            body: dict[str, Any] = fast
-            return body
+            if found is None:
+                body: dict[str, Any] = fast
+                return body
     return _stdlib_body(raw)
 
 
@@ -217,7 +235,7 @@ def _stdlib_body(raw: bytes) -> dict[str, Any]:
         raise BadRequest(_TOO_DEEP) from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if _too_deep(raw, body):
+    if _scan(body, floats=False) == "deep":
         raise BadRequest(_TOO_DEEP)
     return body
 

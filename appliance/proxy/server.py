@@ -12,7 +12,6 @@ them through ``appliance.proxy.runners``.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import time
@@ -210,22 +209,6 @@ def build_app(
     return app
 
 
-_frozen = False
-
-
-def _freeze_startup_objects() -> None:
-    """Once per process, when serving starts: collect, then move every object left (imported
-    modules, torch's among them, the model, the engines' state: all of it lives as long as the
-    process) out of the cyclic collector's sight. Otherwise each full collection while serving
-    walks them all again, about 0.4 s with torch imported, every thousand calls or so: 0.4 ms
-    a call, landing on whichever call allocates at that moment."""
-    global _frozen
-    if not _frozen:
-        _frozen = True
-        gc.collect()
-        gc.freeze()
-
-
 class ProxyServer:
     """Runs the aiohttp app beside the rest of the appliance (``AppRunner`` + ``TCPSite``)."""
 
@@ -258,7 +241,6 @@ class ProxyServer:
                 break
         host = f"[{self._host}]" if ":" in self._host else self._host
         self.url = f"http://{host}:{port}"
-        _freeze_startup_objects()
 
     async def close(self) -> None:
         await self._runner.cleanup()

@@ -17,6 +17,7 @@ from appliance.proxy.http import MAX_NESTING, parse_body, sse_events
         {"model": "m", "messages": [{"role": "user", "content": "héllo \U0001f600"}], "temperature": 0.7},
         {"seed": 2**63 - 1, "max_tokens": 2**64 + 1, "n": -(2**70), "x": [1.5, -0.0, 1e300, None, True]},
         {"digits": "12345678901234567890 in a string reads the same", "big": 10**30},
+        {"messages": [{"role": "user", "content": [{"n": -(2**63) - 1}, {"f": 1.8e19}, {"n": 2**64 - 1}]}]},
     ],
 )
 def test_a_body_reads_as_pythons_json_reads_it(body: dict[str, Any]) -> None:
@@ -37,6 +38,9 @@ def test_a_body_reads_as_pythons_json_reads_it(body: dict[str, Any]) -> None:
         (b"{", "not valid JSON"),
         (b'{"a": ' + b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1) + b"}", "deeper"),
         (b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "deeper"),
+        # A float orjson may have made of a large integer sends the body to Python's json, which
+        # still judges its depth.
+        (b'{"f": 1e19, "a": ' + b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1) + b"}", "deeper"),
     ],
 )
 def test_what_orjson_refuses_is_judged_as_before(raw: bytes, said: str | None) -> None:
