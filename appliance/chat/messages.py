@@ -3,14 +3,18 @@
 Owns ``Message`` and ``ToolCall`` and their conversion from the OpenAI Chat Completions shape.
 A message's ``key`` is what makes two renderings of the same turn recognisably the same: it is
 built from what the proxy itself returned to the harness (content, tool names and arguments),
-never from ids a client may rewrite.
+never from ids a client may rewrite. A conversation's ``MessageMemo`` lets its next request's
+conversion take the messages it repeats from the last one, so reading a request costs what it
+adds, not the whole history.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.errors import BadRequest
@@ -78,50 +82,114 @@ def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def messages_from_openai(raw: Any) -> list[Message]:
+@dataclass(slots=True)
+class MessageMemo:
+    """The last ``messages`` array one conversation sent, and what it was converted to.
+
+    A conversation's next request repeats that array and adds to it; where the repeated part
+    compares equal, its messages are taken from here (the same objects, which the renderer
+    recognises without looking at their text), so only the added messages are read and
+    validated. Equality of JSON values implies the same conversion only where nothing in a
+    message is a number or a boolean (``1 == 1.0 == True``); the positions of messages that hold
+    one are converted again on every request."""
+
+    raw: list[Any] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    #: Positions converted again each time (a number or a boolean somewhere in the message).
+    inexact: list[int] = field(default_factory=list)
+
+
+#: The memo of the conversation whose request is being read (see ``reading_conversation``).
+_MEMO: ContextVar[MessageMemo | None] = ContextVar("message_memo", default=None)
+
+
+@contextmanager
+def reading_conversation(memo: MessageMemo) -> Iterator[None]:
+    """Within the block, ``messages_from_openai`` reuses and updates ``memo`` (the conversation
+    the request being parsed belongs to)."""
+    token = _MEMO.set(memo)
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
+
+
+def messages_from_openai(raw: Any, memo: MessageMemo | None = None) -> list[Message]:
     """Validate and convert an OpenAI ``messages`` array (``developer`` is read as ``system``,
-    the deprecated ``function`` as ``tool``)."""
+    the deprecated ``function`` as ``tool``).
+
+    With a memo (given, or set by ``reading_conversation``), the messages the conversation sent
+    last time are taken from it when they come again unchanged, and the memo then holds this
+    array."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
+    if memo is None:
+        memo = _MEMO.get()
+    start = 0
     out: list[Message] = []
-    for i, item in enumerate(raw):
-        # The common turn (a text message of one of the plain roles, nothing else to read),
-        # converted without building the names its errors would use.
-        if type(item) is dict:
-            role, content = item.get("role"), item.get("content")
-            if type(role) is str and role in ROLES and type(content) is str and "tool_calls" not in item:
-                out.append(Message(role, content, (), str(item.get("tool_call_id") or "")))
-                continue
-        where = f"messages[{i}]"
-        if not isinstance(item, Mapping):
-            raise BadRequest(f"{where} must be an object", param=where)
-        role = item.get("role")
-        if role == "developer":
-            role = "system"
-        if role == "function":
-            # The deprecated function result: a tool result under another name (its ``name``
-            # stands where ``tool_call_id`` would), rendered as one.
-            name = item.get("name")
-            if not isinstance(name, str):
-                raise BadRequest(f"{where}: a function message needs a string 'name'", param=where)
-            content = _text_content(item.get("content"), f"{where}.content")
-            out.append(Message(role="tool", content=content, tool_call_id=name))
-            continue
-        if role not in ROLES:
-            raise BadRequest(
-                f"{where}.role must be one of {', '.join(ROLES)} or function; got {role!r}", param=where
-            )
-        out.append(
-            Message(
-                role=role,
-                content=_text_content(item.get("content"), f"{where}.content"),
-                tool_calls=_tool_calls(item.get("tool_calls"), f"{where}.tool_calls")
-                if role == "assistant"
-                else (),
-                tool_call_id=str(item.get("tool_call_id") or ""),
-            )
-        )
+    inexact: list[int] = []
+    if memo is not None and memo.raw:
+        seen = len(memo.raw)
+        if len(raw) >= seen and raw[:seen] == memo.raw:
+            start = seen
+            out = memo.messages[:]
+            for i in memo.inexact:
+                out[i] = _message(raw[i], i)
+            inexact = memo.inexact[:]
+    for i in range(start, len(raw)):
+        item = raw[i]
+        out.append(_message(item, i))
+        if memo is not None and not _exact(item):
+            inexact.append(i)
+    if memo is not None:
+        memo.raw, memo.messages, memo.inexact = raw[:], out[:], inexact
     return out
+
+
+def _message(item: Any, i: int) -> Message:
+    """One validated message of a ``messages`` array (``i``: its position, for errors)."""
+    # The common turn (a text message of one of the plain roles, nothing else to read),
+    # converted without building the names its errors would use.
+    if type(item) is dict:
+        role, content = item.get("role"), item.get("content")
+        if type(role) is str and role in ROLES and type(content) is str and "tool_calls" not in item:
+            return Message(role, content, (), str(item.get("tool_call_id") or ""))
+    where = f"messages[{i}]"
+    if not isinstance(item, Mapping):
+        raise BadRequest(f"{where} must be an object", param=where)
+    role = item.get("role")
+    if role == "developer":
+        role = "system"
+    if role == "function":
+        # The deprecated function result: a tool result under another name (its ``name``
+        # stands where ``tool_call_id`` would), rendered as one.
+        name = item.get("name")
+        if not isinstance(name, str):
+            raise BadRequest(f"{where}: a function message needs a string 'name'", param=where)
+        content = _text_content(item.get("content"), f"{where}.content")
+        return Message(role="tool", content=content, tool_call_id=name)
+    if role not in ROLES:
+        raise BadRequest(
+            f"{where}.role must be one of {', '.join(ROLES)} or function; got {role!r}", param=where
+        )
+    return Message(
+        role=role,
+        content=_text_content(item.get("content"), f"{where}.content"),
+        tool_calls=_tool_calls(item.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else (),
+        tool_call_id=str(item.get("tool_call_id") or ""),
+    )
+
+
+def _exact(value: Any) -> bool:
+    """Whether everything equal to ``value`` is the same JSON: strings, nulls, and arrays and
+    objects of them (not numbers or booleans, which compare equal across types)."""
+    if type(value) is str or value is None:
+        return True
+    if type(value) is dict:
+        return all(_exact(v) for v in value.values())
+    if type(value) is list:
+        return all(_exact(v) for v in value)
+    return False
 
 
 def tools_from_openai(raw: Any) -> list[dict[str, Any]]:

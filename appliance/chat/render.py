@@ -14,9 +14,11 @@ Two invariants make a multi-call rollout one exact token sequence:
   its segment is the generation prompt, the sampled ids, and the closing tokens. The lookup is
   keyed by a digest of the whole prompt that produced it plus the turn's key (content and tool
   calls as the proxy returned them), so a turn is only spliced where it was actually sampled.
-* Rendering is incremental: a ``Conversation`` keeps the last request's segments, their
-  running digests and the prompt's ids so far, so a new request tokenizes, hashes and copies
-  only what it adds (the earlier turns are compared by key, then taken as one slice of ids).
+* Rendering is incremental: a ``Conversation`` keeps the last request's messages, segments,
+  their running digests and the prompt's ids so far, so a new request plans, tokenizes, hashes
+  and copies only what it adds. The repeated messages are found by comparing the message lists
+  (the same ``Message`` objects where the request was read with the conversation's
+  ``MessageMemo``, so no text is compared), and their segments' ids are taken as one slice.
 
 The renderer knows nothing about HTTP, engines or rollouts.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +85,9 @@ class _Plan:
     #: "assistant", or the role of a plain turn.
     kind: str
     messages: tuple[Message, ...]
+    #: The position after the segment's last message in the request's messages (0 for a
+    #: system segment the format inserts).
+    stop: int
     tools: Sequence[dict[str, Any]] = ()
 
     @property
@@ -102,38 +108,70 @@ class _Plan:
 
 
 def plan_segments(
-    messages: Sequence[Message], tools: Sequence[dict[str, Any]], fmt: ChatFormat = CHATML
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]],
+    fmt: ChatFormat = CHATML,
+    tools_json: bytes | None = None,
 ) -> list[_Plan]:
-    """One plan per segment, in order, mirroring the chat template's branches."""
+    """One plan per segment, in order, mirroring the chat template's branches (``tools_json``:
+    the tools as ``_tools_json`` writes them, if already known)."""
+    first = messages[0] if messages and messages[0].role == "system" else None
+    stop = 0 if first is None else 1
+    system = first
+    if system is None and fmt.default_system is not None:
+        system = Message("system", fmt.default_system)
     plans: list[_Plan] = []
-    rest = list(messages)
-    if fmt.default_system is not None and (not rest or rest[0].role != "system"):
-        rest.insert(0, Message("system", fmt.default_system))
     if tools:
-        system = rest.pop(0) if rest and rest[0].role == "system" else None
-        tools_json = orjson.dumps(list(tools), option=orjson.OPT_SORT_KEYS)
-        key = ("tools", system.key if system else None, tools_json)
-        plans.append(_Plan(key, "tools", () if system is None else (system,), tools))
-    elif rest and rest[0].role == "system":
-        system = rest.pop(0)
-        plans.append(_Plan(("system", system.key), "system", (system,)))
-    i = 0
-    while i < len(rest):
-        message = rest[i]
+        listing = _tools_json(tools) if tools_json is None else tools_json
+        key = ("tools", system.key if system else None, listing)
+        plans.append(_Plan(key, "tools", () if system is None else (system,), stop, tools))
+    elif system is not None:
+        plans.append(_Plan(("system", system.key), "system", (system,), stop))
+    plans += _turn_plans(messages, stop)
+    return plans
+
+
+def _tools_json(tools: Sequence[dict[str, Any]]) -> bytes:
+    """The tool list as it keys the system segment (sorted keys: the same tools, the same key)."""
+    return orjson.dumps(list(tools), option=orjson.OPT_SORT_KEYS) if tools else b""
+
+
+def _turn_plans(messages: Sequence[Message], start: int) -> list[_Plan]:
+    """The plans of the turns from ``messages[start]`` on (no system segment among them)."""
+    plans: list[_Plan] = []
+    i = start
+    while i < len(messages):
+        message = messages[i]
         if message.role == "tool":
             # Consecutive tool results share one user turn, and so one segment: a boundary
             # between them would fall inside a pre-token ("</tool_response>" + "\n" merge).
             j = i
-            while j < len(rest) and rest[j].role == "tool":
+            while j < len(messages) and messages[j].role == "tool":
                 j += 1
-            run = tuple(rest[i:j])
-            plans.append(_Plan(("tool", tuple(m.key for m in run)), "tool", run))
+            run = tuple(messages[i:j])
+            plans.append(_Plan(("tool", tuple(m.key for m in run)), "tool", run, j))
             i = j
             continue
         kind = "assistant" if message.role == "assistant" else message.role
-        plans.append(_Plan((message.role, message.key), kind, (message,)))
+        plans.append(_Plan((message.role, message.key), kind, (message,), i + 1))
         i += 1
     return plans
+
+
+def _stop(segment: _Segment) -> int:
+    """Where ``segment``'s messages end (what the kept segments are searched by)."""
+    return segment.stop
+
+
+def _common_prefix(new: tuple[Message, ...], old: tuple[Message, ...]) -> int:
+    """How many leading messages of ``new`` render as those of ``old`` (the same key)."""
+    m = min(len(new), len(old))
+    if new[:m] == old[:m]:  # the same objects compare without a look at their text
+        return m
+    i = 0
+    while i < m and (new[i] is old[i] or new[i].key == old[i].key):
+        i += 1
+    return i
 
 
 def render_text(
@@ -161,6 +199,8 @@ class RenderedPrompt:
 @dataclass(slots=True)
 class _Segment:
     key: SegmentKey
+    #: The position after the segment's last message (see ``_Plan.stop``).
+    stop: int
     ids: list[int]
     #: Running digest of every token up to and including this segment.
     hasher: Any
@@ -176,6 +216,9 @@ class Conversation:
     tokenizer: Tokenizer
     fmt: ChatFormat = CHATML
     _sampled: dict[tuple[bytes, Any], tuple[int, ...]] = field(default_factory=dict)
+    #: The last request's messages and tools (as ``_tools_json`` writes them), and its segments.
+    _messages: tuple[Message, ...] = ()
+    _tools: bytes = b""
     _segments: list[_Segment] = field(default_factory=list)
     #: The ids of ``_segments``, concatenated (the last prompt without its generation prompt).
     _ids: list[int] = field(default_factory=list)
@@ -198,16 +241,28 @@ class Conversation:
         except BaseException:
             # The kept ids may be half extended: start the next request from scratch (the
             # sampled turns stay, so it still splices them).
-            self._segments, self._ids = [], []
+            self._segments, self._ids, self._messages = [], [], ()
             raise
 
     def _render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> RenderedPrompt:
-        plans = plan_segments(messages, tools, self.fmt)
-        reused = 0
+        now = tuple(messages)
+        listing = _tools_json(tools)
         last = self._segments
-        while reused < len(plans) and reused < len(last) and plans[reused].key == last[reused].key:
-            reused += 1
+        reused = 0
+        if last and listing == self._tools:
+            same = _common_prefix(now, self._messages)
+            # The segments of the repeated messages, but not a run of tool results the new
+            # request continues (nor the system segment alone: a request with no message in
+            # common may open with a system message of its own).
+            reused = bisect_right(last, same, key=_stop) if same else 0
+            continued = reused > 0 and same < len(now) and now[same].role == "tool"
+            if continued and last[reused - 1].key[0] == "tool" and last[reused - 1].stop == same:
+                reused -= 1
         segments = last[:reused]
+        if segments:
+            plans = _turn_plans(now, segments[-1].stop)
+        else:
+            plans = plan_segments(now, tools, self.fmt, listing)
         end = segments[-1].end if segments else 0
         spliced_total = segments[-1].spliced_total if segments else 0
         # The earlier segments' ids in one slice (the list itself when every segment is kept).
@@ -216,7 +271,7 @@ class Conversation:
         tokenized = 0
         unmatched = 0
         im_end = self.tokenizer.im_end_id
-        for plan in plans[reused:]:
+        for plan in plans:
             ids: list[int] | None = None
             spliced = 0
             assistant = plan.assistant
@@ -238,9 +293,10 @@ class Conversation:
             ids_so_far.extend(ids)
             end += len(ids)
             spliced_total += spliced
-            segments.append(_Segment(plan.key, ids, hasher, end, spliced_total))
+            segments.append(_Segment(plan.key, plan.stop, ids, hasher, end, spliced_total))
         self._segments = segments
         self._ids = ids_so_far
+        self._messages, self._tools = now, listing
         final = hasher.copy()
         final.update(self._gen_prompt_packed)
         return RenderedPrompt(

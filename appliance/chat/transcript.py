@@ -4,9 +4,12 @@ Owns the continuation state of one rollout, whatever surface its calls come thro
 conversation (sampled turns spliced token for token into later prompts, see
 ``appliance.chat.render``) and the text transcript of the Completions surface (the last prompt +
 completion as text and as its exact ids, so a text prompt that continues it reuses those ids and
-tokenizes only the new text). A surface hands over messages or a text/token-id prompt and gets
-a ``RenderedPrompt``; after the call, ``remember`` records what was sampled. Nothing here is
-durable: it is the cheap-to-lose render state of a running rollout.
+tokenizes only the new text), and the memo of the last ``messages`` array the rollout sent
+(``appliance.chat.messages.MessageMemo``: a request is read for this rollout within
+``reading_conversation(transcript.messages)``, so the messages it repeats are not read again).
+A surface hands over messages or a text/token-id prompt and gets a ``RenderedPrompt``; after
+the call, ``remember`` records what was sampled. Nothing here is durable: it is the
+cheap-to-lose render state of a running rollout.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.chat.formats import CHATML, ChatFormat
-from appliance.chat.messages import Message
+from appliance.chat.messages import Message, MessageMemo
 from appliance.chat.render import Conversation, RenderedPrompt
 from appliance.chat.tokenizer import Tokenizer
 from appliance.errors import BadRequest
@@ -27,6 +30,8 @@ class Transcript:
     tokenizer: Tokenizer
     fmt: ChatFormat = CHATML
     conversation: Conversation = field(init=False)
+    #: The last Chat Completions ``messages`` array and its conversion.
+    messages: MessageMemo = field(default_factory=MessageMemo)
     #: Completions: the last prompt + completion text, and its exact ids.
     _text: str = ""
     _text_ids: list[int] = field(default_factory=list)

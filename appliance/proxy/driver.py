@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance.chat import constraints
+from appliance.chat.messages import reading_conversation
 from appliance.chat.template import TOOL_CALL_OPEN
 from appliance.chat.tokenizer import Tokenizer
 from appliance.engines.constraints import Constraint
@@ -58,7 +59,9 @@ def handler(surface: Surface) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         rollout = rollout_of(request)  # a wrong key is a 401 whatever the body holds
         body = await json_body(request)
-        call_request = surface.parse(body, request.app[SETTINGS])
+        # The messages this rollout's last request held are taken from it, not read again.
+        with reading_conversation(rollout.transcript.messages):
+            call_request = surface.parse(body, request.app[SETTINGS])
         calls = request.app[CALLS]
         prepared = prepare(calls, rollout, call_request, user_agent(request))
         if not call_request.stream:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
-from appliance.chat.messages import Message, ToolCall, messages_from_openai
+from appliance.chat.formats import CHATML, QWEN25, ChatFormat
+from appliance.chat.messages import Message, MessageMemo, ToolCall, messages_from_openai
 from appliance.chat.render import GENERATION_PROMPT, Conversation, render_text
 from appliance.chat.tokenizer import Tokenizer
 
@@ -177,3 +179,56 @@ def test_a_render_that_fails_leaves_the_next_one_exact(
     fresh.remember(first.digest, reply, sampled)
     assert again.prompt_ids == fresh.render(longer).prompt_ids
     assert again.spliced_tokens == len(sampled)
+
+
+@pytest.mark.parametrize("fmt", [CHATML, QWEN25], ids=lambda f: f.name)
+def test_incremental_ids_equal_a_fresh_render_for_any_sequence_of_requests(
+    tokenizer: Tokenizer, fmt: ChatFormat
+) -> None:
+    """Random requests to one conversation (histories that grow, runs of tool results that a
+    later request continues, rewritten and dropped turns, a system message that comes and goes,
+    tools added and removed), read through the conversation's memo as the proxy reads them: each
+    prompt is the one rendered from nothing."""
+    rng = random.Random(3)
+    pool: list[dict[str, Any]] = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "add 1 and 2"},
+        CONVERSATIONS[2][0][2],
+        {"role": "tool", "tool_call_id": "a", "content": "3"},
+        {"role": "tool", "tool_call_id": "b", "content": "7"},
+        {"role": "assistant", "content": "3 and 7"},
+        {"role": "user", "content": "thanks"},
+    ]
+    memo = MessageMemo()
+    conversation = Conversation(tokenizer, fmt)
+    raw: list[dict[str, Any]] = [pool[1]]
+    tools: list[dict[str, Any]] = []
+    for _ in range(150):
+        step = rng.randrange(8)
+        if step <= 3:
+            raw = raw + [rng.choice(pool[1:]) for _ in range(rng.randrange(1, 3))]
+        elif step == 4 and len(raw) > 1:
+            raw = raw[: rng.randrange(1, len(raw))]
+        elif step == 5:
+            at = rng.randrange(len(raw))
+            raw = [*raw[:at], rng.choice(pool[1:]), *raw[at + 1 :]]
+        elif step == 6:
+            raw = raw[1:] if raw[0]["role"] == "system" and len(raw) > 1 else [pool[0], *raw]
+        else:
+            tools = [] if tools else [ADD]
+        messages = messages_from_openai([dict(m) for m in raw], memo)
+        rendered = conversation.render(messages, tools)
+        assert rendered.prompt_ids == Conversation(tokenizer, fmt).render(messages, tools).prompt_ids
+        assert rendered.prompt_ids == tokenizer.encode(render_text(messages, tools, fmt))
+
+
+def test_a_continued_run_of_tool_results_is_one_segment(tokenizer: Tokenizer) -> None:
+    conversation = Conversation(tokenizer)
+    history = messages_from_openai(CONVERSATIONS[2][0][:4])  # ends with one tool result
+    conversation.render(history, [ADD])
+    more = [*history, Message("tool", "7", tool_call_id="b")]
+    rendered = conversation.render(more, [ADD])
+    assert rendered.prompt_ids == tokenizer.encode(render_text(more, [ADD]))
+    results = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in ("3", "7"))
+    run = f"<|im_start|>user{results}<|im_end|>\n"
+    assert rendered.tokenized_tokens == len(tokenizer.encode(run))
