@@ -429,11 +429,12 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
     releases; a top_k of at least the vocabulary's size is off too): left out, vLLM would take
     the one in the model's ``generation_config.json``, which the torch engine never applies.
     """
-    params = request.params
+    params, prompt = request.params, request.prompt_ids
     stop = [t for t in params.stop_token_ids if 0 <= t < vocab_size]
     body: dict[str, Any] = {
         "model": model,
-        "prompt": list(request.prompt_ids),
+        # A list or tuple is written as it is (no copy of a long prompt on every call).
+        "prompt": prompt if type(prompt) is list or type(prompt) is tuple else list(prompt),
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,

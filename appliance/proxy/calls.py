@@ -13,6 +13,7 @@ finish reason ``cancelled`` and the tokens sampled so far.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -35,6 +36,16 @@ from store.eventstore import EventStore
 log = logging.getLogger(__name__)
 
 
+#: Call ids: a random prefix per process and a counter (no system call per call), 24 hex digits.
+_CALL_ID_PREFIX = secrets.token_hex(8)
+_CALL_IDS = itertools.count()
+
+
+def new_call_id() -> str:
+    """A call id unique within the run: this process's random prefix and a counter."""
+    return f"{_CALL_ID_PREFIX}{next(_CALL_IDS) & 0xFFFF_FFFF:08x}"
+
+
 @dataclass(slots=True)
 class PreparedCall:
     """A validated, rendered call that has not been sent to the engine yet."""
@@ -51,7 +62,7 @@ class PreparedCall:
     stop: tuple[str, ...] = ()
     #: Also score the prompt: its tokens' log-probs, with this many alternatives each.
     prompt_logprobs: int | None = None
-    call_id: str = field(default_factory=lambda: secrets.token_hex(12))
+    call_id: str = field(default_factory=new_call_id)
 
     @property
     def prompt_tokens(self) -> int:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
 
 from appliance.engines.base import SamplingParams
 from appliance.engines.constraints import Constraint
-from appliance.proxy.calls import sampling_record
+from appliance.proxy.calls import new_call_id, sampling_record
 
 
 @pytest.mark.parametrize(
@@ -23,3 +25,16 @@ from appliance.proxy.calls import sampling_record
 )
 def test_the_recorded_sampling_is_asdict(params: SamplingParams) -> None:
     assert sampling_record(params) == asdict(params)
+
+
+def test_call_ids_are_distinct_24_hex_digits_and_differ_between_processes() -> None:
+    ids = [new_call_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
+    other = subprocess.run(
+        [sys.executable, "-c", "from appliance.proxy.calls import new_call_id; print(new_call_id())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert len(other) == 24 and other[:16] != ids[0][:16]  # another process, another prefix
