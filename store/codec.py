@@ -282,17 +282,7 @@ def encode_shared(event: LLMCallCompleted, position: int, earlier: LLMCallComple
     layout = _layout(LLMCallCompleted)
     try:
         shared = _prefix_length(event.prompt_ids, earlier.prompt_ids, earlier.response_ids)
-        payload = layout.payload(event)
-        request, before = event.request, earlier.request
-        for key in _CONVERSATION_KEYS:
-            messages, earlier_messages = request.get(key), before.get(key)
-            if isinstance(messages, list) and isinstance(earlier_messages, list):
-                count = _common_prefix(messages, earlier_messages)
-                if count:
-                    payload = {REQUEST_REF: [position, key, count], **payload}
-                    payload["request"] = {**request, key: messages[count:]}
-                break
-        data = _dumps(payload)
+        data = _dumps(_shared_payload(event, position, earlier.request) or layout.payload(event))
         event.rollout.encode("utf-8")
         ref = ("prompt_ids", position, shared) if shared >= MIN_SHARED_TOKENS else None
         blob = _pack(event, layout.packed, ref)
@@ -315,21 +305,27 @@ def share_request(row: EncodedEvent, event: Event, position: int, earlier: JsonO
     ``earlier`` (the request of the call at ``position``); unchanged when they share none."""
     if not isinstance(event, LLMCallCompleted):
         return row
+    payload = _shared_payload(event, position, earlier)
+    return row if payload is None else row._replace(data=_dumps(payload))
+
+
+def _shared_payload(event: LLMCallCompleted, position: int, earlier: JsonObject) -> JsonObject | None:
+    """The JSON fields of ``event`` with its request's conversation cut to the messages after
+    those it shares with ``earlier`` (the request of the call at ``position``) and the reference
+    first; None when they share none."""
     request = event.request
     for key in _CONVERSATION_KEYS:
         messages, before = request.get(key), earlier.get(key)
         if isinstance(messages, list) and isinstance(before, list):
             break
     else:
-        return row
+        return None
     shared = _common_prefix(messages, before)
     if shared == 0:
-        return row
-    layout = _layout(type(event))
-    payload: dict[str, Any] = {REQUEST_REF: [position, key, shared]}
-    payload.update((name, getattr(event, name)) for name in layout.json_fields)
+        return None
+    payload: JsonObject = {REQUEST_REF: [position, key, shared], **_layout(LLMCallCompleted).payload(event)}
     payload["request"] = {**request, key: messages[shared:]}
-    return row._replace(data=_dumps(payload))
+    return payload
 
 
 def shared_ref(type_name: str, data: str, blob: bytes) -> int | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -48,14 +49,13 @@ SegmentKey = tuple[Any, ...]
 def _pack(ids: Sequence[int]) -> bytes:
     """The ids as 4-byte little-endian signed integers (what the digests hash)."""
     packed = array("i", ids)
-    if packed.itemsize != 4:  # pragma: no cover - every platform we run on has 4-byte ints
-        return b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
     if _BIG_ENDIAN:  # pragma: no cover
         packed.byteswap()
     return packed.tobytes()
 
 
-_BIG_ENDIAN = array("i", [1]).tobytes()[0] == 0
+assert array("i").itemsize == 4  # int32 on every platform we run on
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _system_text(system: Message | None, tools: Sequence[dict[str, Any]]) -> str:
@@ -152,8 +152,7 @@ def _turn_plans(messages: Sequence[Message], start: int) -> list[_Plan]:
             plans.append(_Plan(("tool", tuple(m.key for m in run)), "tool", run, j))
             i = j
             continue
-        kind = "assistant" if message.role == "assistant" else message.role
-        plans.append(_Plan((message.role, message.key), kind, (message,), i + 1))
+        plans.append(_Plan((message.role, message.key), message.role, (message,), i + 1))
         i += 1
     return plans
 

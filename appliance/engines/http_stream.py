@@ -231,16 +231,9 @@ class StreamPool:
             conn, status, response = await self._send(head, body)
             if status != 200:
                 raise_for_status(status, (await _read_all(response)).decode(errors="replace"), path)
-            pending = b""
+            lines = SSELines(path)
             while data := await response.read():
-                if pending:
-                    data = pending + data
-                end = data.rfind(b"\n")
-                if end < 0:
-                    pending = data
-                    continue
-                pending = data[end + 1 :]
-                events, done = sse_events(data[:end], path)
+                events, done = lines.feed(data)
                 if events:
                     yield events
                 if done:
@@ -335,6 +328,26 @@ async def _read_all(body: _Body) -> bytes:
     while data := await body.read():
         parts.append(data)
     return b"".join(parts)
+
+
+class SSELines:
+    """The ``data:`` events of a server-sent-event body fed as it arrives: each ``feed`` gives the
+    events of the lines it completes (a partial last line waits for the next bytes) and whether
+    ``[DONE]`` came."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._pending = b""
+
+    def feed(self, data: bytes) -> tuple[list[Any], bool]:
+        if self._pending:
+            data = self._pending + data
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._pending = data
+            return [], False
+        self._pending = data[end + 1 :]
+        return sse_events(data[:end], self._path)
 
 
 def sse_events(text: bytes, path: str) -> tuple[list[Any], bool]:

@@ -32,7 +32,7 @@ import aiohttp
 import orjson
 
 from appliance.engines.base import GenerateRequest
-from appliance.engines.http_stream import raise_for_status, sse_events
+from appliance.engines.http_stream import SSELines, raise_for_status
 from appliance.engines.lora import vllm_max_lora_rank
 from appliance.engines.sampling import TopLogprobs
 from appliance.errors import EngineUnavailable
@@ -367,17 +367,10 @@ class ServerClient:
                 if response.status != 200:
                     raise_for_status(response.status, await response.text(), path)
                 content = response.content
-                pending = b""
+                lines = SSELines(path)
                 try:
                     while data := await content.readany():
-                        if pending:
-                            data = pending + data
-                        end = data.rfind(b"\n")
-                        if end < 0:
-                            pending = data
-                            continue
-                        pending = data[end + 1 :]
-                        events, done = sse_events(data[:end], path)
+                        events, done = lines.feed(data)
                         if events:
                             yield events
                         if done:
