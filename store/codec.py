@@ -86,8 +86,10 @@ _REQUEST_REF_HEAD = '{"' + REQUEST_REF + '":['
 #: Request keys that hold a conversation as a list of messages.
 _CONVERSATION_KEYS = ("messages", "input")
 #: Texts orjson reads differently from the standard library: NaN/Infinity (refused), integers
-#: of 19 digits or more (those beyond 64 bits become floats).
-_STDLIB_JSON = re.compile(r"NaN|Infinity|\d{19}")
+#: of 19 digits or more (those beyond 64 bits become floats). The digits after a decimal point
+#: are not an integer: a float's repr (``0.00013639400276588276``) may hold 19 in a row, while
+#: the part before its point has at most 16.
+_STDLIB_JSON = re.compile(r"NaN|Infinity|(?<![.\d])\d{19}")
 #: Types orjson would write but ``json.dumps`` writes differently or refuses: left to the latter.
 _ORJSON_STRICT = (
     orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
@@ -234,15 +236,29 @@ def _dumps(payload: JsonObject) -> str:
         raw = orjson.dumps(payload, option=_ORJSON_STRICT)
     except TypeError:  # big integers, non-string keys, lone surrogates...: the standard library's way
         raw = None
-    # orjson writes NaN and infinities as null: a null that does not read back as the payload's
-    # value (None) is one of those (read back and compared in C, only when there is a null).
-    if raw is None or (b"null" in raw and orjson.loads(raw) != payload):
+    # orjson writes NaN and infinities as null: with a null written, look for one of those.
+    if raw is None or (b"null" in raw and _non_finite(payload)):
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
         # SQLite text and the checksum are UTF-8: a lone surrogate must fail here, in this
         # event's encoding, not in its transaction.
         data.encode("utf-8")
         return data
     return raw.decode()
+
+
+def _non_finite(payload: JsonObject) -> bool:
+    """Whether ``payload`` holds a NaN or an infinity anywhere (walks its containers)."""
+    stack: list[Any] = [payload]
+    while stack:
+        item = stack.pop()
+        for child in item.values() if type(item) is dict else item:
+            kind = type(child)
+            if kind is float:
+                if child - child != 0.0:  # NaN for NaN and the infinities, 0.0 for the rest
+                    return True
+            elif kind is dict or kind is list or kind is tuple:
+                stack.append(child)
+    return False
 
 
 def _loads(data: str) -> Any:

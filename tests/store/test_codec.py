@@ -199,6 +199,7 @@ def test_encoded_event_is_plain_columns() -> None:
         {"temperature": float("inf"), "top_p": float("-inf")},
         {"seed": None, "stop": ["a"], "top_p": 1.0},
         {"content": "a number 12345678901234567890 in text, and NaN"},
+        {"big": [2**64, 2**63 - 1, -(2**64), 10**30], "small": 0.00013639400276588276},
     ],
 )
 def test_json_holds_what_the_standard_library_would_and_reads_back_exactly(
@@ -210,6 +211,48 @@ def test_json_holds_what_the_standard_library_would_and_reads_back_exactly(
     stdlib = json.dumps({name: getattr(event, name) for name in fields})
     assert json.loads(encode(event).data) == json.loads(stdlib)  # the same values, read by anyone
     assert _roundtrip(event) == event
+
+
+def test_long_fractions_are_read_without_the_standard_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A float's repr may hold 19 digits in a row after its point; that is no big integer.
+    event = _sample(LLMCallCompleted, queue_s=0.00013639400276588276, total_s=1.2345678901234567e-7)
+    row = encode(event)
+    assert "00013639400276588276" in row.data
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("read by the standard library")
+
+    monkeypatch.setattr(json, "loads", refuse)
+    assert _roundtrip(event) == event
+
+
+def test_a_payload_with_nulls_and_finite_numbers_is_written_by_orjson(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    request = {"messages": [{"role": "user", "content": None, "n": [1.5, (2.5, None)]}], "seed": None}
+    event = _sample(LLMCallCompleted, request=request, sampling={"stop_token_ids": (2,), "seed": None})
+    expected = json.dumps(
+        {"request": request, "sampling": {"stop_token_ids": [2], "seed": None}}, separators=(",", ":")
+    )
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("written by the standard library")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(json, "dumps", refuse)
+        data = json.loads(encode(event).data)
+    assert json.dumps({k: data[k] for k in ("request", "sampling")}, separators=(",", ":")) == expected
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_number_deep_in_a_payload_is_written_as_the_standard_library_does(value: float) -> None:
+    event = _sample(LLMCallCompleted, request={"a": [{"b": (1, {"c": value})}], "d": None})
+    data = encode(event).data
+    assert json.dumps(value) in data
+    decoded = _roundtrip(event)
+    assert isinstance(decoded, LLMCallCompleted)
+    got = decoded.request["a"][0]["b"][1]["c"]
+    assert got == value or (got != got and value != value)
 
 
 def test_nan_in_a_payload_reads_back_as_nan() -> None:
