@@ -13,6 +13,10 @@ Once every part has started, what exists then (imported modules, torch's among t
 the parts' state: all of it lives as long as the process) is collected once and moved out of
 the cyclic collector's sight (``gc.freeze``, once per process), so a full collection while
 serving does not walk it all again (about 0.4 s with torch imported, every thousand calls or so).
+From then on the youngest generation is collected every ``GC_YOUNG_THRESHOLD`` allocations
+instead of Python's 700: a call's large short-lived containers (a long conversation's parsed
+request, its prompt's ids) are then seldom alive when a collection runs, which walks each of
+them (measured at 30k tokens: ten collections per hundred calls, 2.5 ms each, without it).
 Nothing else constructs these parts for a real run, so tests that build an ``Appliance``
 exercise the production wiring.
 
@@ -478,16 +482,21 @@ class Appliance:
 
 
 _frozen = False
+#: Allocations between two collections of the youngest generation, once serving (module docstring).
+GC_YOUNG_THRESHOLD = 10_000
 
 
 def _freeze_startup_objects() -> None:
     """Once per process, when the appliance has started: collect, then move every object left
-    out of the cyclic collector's sight (see the module docstring)."""
+    out of the cyclic collector's sight, and collect the youngest generation less often (see the
+    module docstring)."""
     global _frozen
     if not _frozen:
         _frozen = True
         gc.collect()
         gc.freeze()
+        _young, *older = gc.get_threshold()
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
 
 
 def _admin_token(path: Path) -> str:

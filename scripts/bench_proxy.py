@@ -16,8 +16,11 @@ streaming and not:
   column says ``skipped``.
 
 The upstream answers instantly with fixed token ids (a real model would dominate every column),
-so the figures are each proxy's own cost. Upstream, AGL's gateway and the load generator each
-run in their own process; our proxy runs in this one. The load generator is a plain aiohttp
+so the figures are each proxy's own cost. It streams as vLLM 0.32 does: one token per event, or
+with a request's ``stream_interval`` the first token alone, then that many per event, the rest at
+the end. ``--answer-tokens N`` makes every answer N tokens long (default 8: a short answer).
+Upstream, AGL's gateway and the load generator each run in their own process; our proxy runs
+in this one. The load generator is a plain aiohttp
 client (the same for every column), keep-alive, no retries. Next to calls/s and latencies each
 row gives the serving process's CPU time per call (user + system, all threads): ours from this
 process's clock, AGL's gateway's and the upstream's from ``/proc/<pid>/stat``, read when the
@@ -33,7 +36,7 @@ so its figures are shares, not costs).
 
     .venv/bin/python scripts/bench_proxy.py [--calls 1000] [--clients 1,64,512]
                                             [--agl-python /work/agl-venv/bin/python] [--profile FILE]
-                                            [--modes whole,streamed]
+                                            [--modes whole,streamed] [--answer-tokens 8]
     .venv/bin/python scripts/bench_proxy.py --history [--calls 30] [--profile FILE]
     .venv/bin/python scripts/bench_proxy.py --tiny   # the tiny model in process vs through the proxy,
                                                      # calls/s and streaming time to first text
@@ -71,7 +74,8 @@ MESSAGES = [
     {"role": "system", "content": "You add numbers."},
     {"role": "user", "content": "What is 2 + 5?"},
 ]
-MAX_TOKENS = 8
+#: Tokens per answer (and the calls' max_tokens); ``--answer-tokens`` sets it for every process.
+MAX_TOKENS = int(os.environ.get("BENCH_ANSWER_TOKENS", "8"))
 CONCURRENCY = (1, 64, 512)
 AGL_KEY = "agl-bench-key"
 ANSWER = "The answer is 7."
@@ -85,6 +89,12 @@ class Target:
     url: str
     key: str
     pid: int | None
+
+
+def answer_tokens(tokenizer: Any) -> list[int]:
+    """The upstream's answer: ``ANSWER`` (repeated up to ``MAX_TOKENS``), then ``<|im_end|>``."""
+    ids = tokenizer.encode(ANSWER)
+    return [*(ids * max(1, (MAX_TOKENS - 1) // len(ids))), tokenizer.im_end_id][:MAX_TOKENS]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -139,7 +149,9 @@ def upstream_app(answer_ids: list[int], max_model_len: int) -> web.Application:
         body = await request.json()
         if not body.get("stream"):
             return web.Response(body=whole_completion, headers=headers)
-        chunks = [completion([t], stream_chunk=True) for t in answer_ids]
+        every = int(body.get("stream_interval") or 1)
+        groups = [answer_ids[:1], *(answer_ids[i : i + every] for i in range(1, len(answer_ids), every))]
+        chunks = [completion(group, stream_chunk=True) for group in groups]
         chunks[-1]["choices"][0]["finish_reason"] = "stop"
         return await stream(request, chunks)
 
@@ -422,7 +434,7 @@ async def compare(
         workdir = Path(tmp)
         model_dir = build_tiny_model(workdir / "tiny")
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        answer_ids = [*tokenizer.encode(ANSWER), tokenizer.im_end_id][:MAX_TOKENS]
+        answer_ids = answer_tokens(tokenizer)
         async with upstream(answer_ids, workdir) as (upstream_url, upstream_pid):
             await wait_http(upstream_url + "/v1/models")
             config = load_config(
@@ -636,7 +648,7 @@ async def history(calls: int, profile: Path | None) -> None:
         workdir = Path(tmp)
         model_dir = build_tiny_model(workdir / "tiny")
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        answer_ids = [*tokenizer.encode(ANSWER), tokenizer.im_end_id][:MAX_TOKENS]
+        answer_ids = answer_tokens(tokenizer)
         async with upstream(answer_ids, workdir, max_model_len=40_000) as (upstream_url, _):
             await wait_http(upstream_url + "/v1/models")
             overrides = {"data_dir": workdir / "run", "port": 0, "model": str(model_dir), "engine": "vllm",
@@ -781,6 +793,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--clients", default="1,64,512", help="concurrent clients of each row, comma-separated (1,64,512)"
     )
+    parser.add_argument(
+        "--answer-tokens", type=int, help=f"tokens per answer (default {MAX_TOKENS}; sets every process's)"
+    )
     parser.add_argument("--upstream", metavar="ANSWER_IDS", help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
     parser.add_argument("--conversation", metavar="SPEC", help=argparse.SUPPRESS)
@@ -789,6 +804,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.answer_tokens:
+        os.environ["BENCH_ANSWER_TOKENS"] = str(args.answer_tokens)  # the children read it
+        MAX_TOKENS = args.answer_tokens
     try:
         import uvloop
 

@@ -19,6 +19,8 @@ Two invariants make a multi-call rollout one exact token sequence:
   and copies only what it adds. The repeated messages are found by comparing the message lists
   (the same ``Message`` objects where the request was read with the conversation's
   ``MessageMemo``, so no text is compared), and their segments' ids are taken as one slice.
+  The prompt's ids as JSON (what the vLLM engine sends) are kept the same way: each segment's
+  ids are written once, when the segment is made, and the prompt's JSON is those bytes joined.
 
 The renderer knows nothing about HTTP, engines or rollouts.
 """
@@ -193,6 +195,8 @@ class RenderedPrompt:
     unmatched_assistant_turns: int
     #: A Completions prompt's text (None for a chat prompt).
     text: str | None = None
+    #: ``prompt_ids`` as a JSON array (``orjson.dumps(prompt_ids)``), where the renderer kept it.
+    prompt_json: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -203,6 +207,8 @@ class _Segment:
     ids: list[int]
     #: Running digest of every token up to and including this segment.
     hasher: Any
+    #: The length of the conversation's ids JSON up to and including this segment.
+    json_end: int
     #: The prompt's length and its spliced tokens up to and including this segment.
     end: int
     spliced_total: int
@@ -221,13 +227,17 @@ class Conversation:
     _segments: list[_Segment] = field(default_factory=list)
     #: The ids of ``_segments``, concatenated (the last prompt without its generation prompt).
     _ids: list[int] = field(default_factory=list)
+    #: ``_ids`` as JSON numbers joined by commas (a JSON array without its brackets).
+    _ids_json: bytearray = field(default_factory=bytearray)
     _gen_prompt: list[int] = field(default_factory=list)
+    _gen_prompt_json: bytes = b""
     _gen_prompt_packed: bytes = b""
     _newline: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._gen_prompt = self.tokenizer.encode(GENERATION_PROMPT)
         self._gen_prompt_packed = _pack(self._gen_prompt)
+        self._gen_prompt_json = orjson.dumps(self._gen_prompt)[1:-1]
         self._newline = self.tokenizer.encode("\n")
 
     def remember(self, digest: bytes, message: Message, response_ids: Sequence[int]) -> None:
@@ -240,7 +250,7 @@ class Conversation:
         except BaseException:
             # The kept ids may be half extended: start the next request from scratch (the
             # sampled turns stay, so it still splices them).
-            self._segments, self._ids, self._messages = [], [], ()
+            self._segments, self._ids, self._ids_json, self._messages = [], [], bytearray(), ()
             raise
 
     def _render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> RenderedPrompt:
@@ -266,6 +276,8 @@ class Conversation:
         spliced_total = segments[-1].spliced_total if segments else 0
         # The earlier segments' ids in one slice (the list itself when every segment is kept).
         ids_so_far = self._ids if reused == len(last) else self._ids[:end]
+        ids_json = self._ids_json
+        del ids_json[segments[-1].json_end if segments else 0 :]
         hasher = segments[-1].hasher.copy() if segments else hashlib.blake2b(digest_size=16)
         tokenized = 0
         unmatched = 0
@@ -290,9 +302,13 @@ class Conversation:
             hasher = hasher.copy()
             hasher.update(_pack(ids))
             ids_so_far.extend(ids)
+            if ids:
+                if ids_json:
+                    ids_json += b","
+                ids_json += memoryview(orjson.dumps(ids))[1:-1]
             end += len(ids)
             spliced_total += spliced
-            segments.append(_Segment(plan.key, plan.stop, ids, hasher, end, spliced_total))
+            segments.append(_Segment(plan.key, plan.stop, ids, hasher, len(ids_json), end, spliced_total))
         self._segments = segments
         self._ids = ids_so_far
         self._messages, self._tools = now, listing
@@ -304,4 +320,7 @@ class Conversation:
             spliced_tokens=spliced_total,
             tokenized_tokens=tokenized,
             unmatched_assistant_turns=unmatched,
+            prompt_json=b"".join(
+                (b"[", ids_json, b"," if ids_json and self._gen_prompt else b"", self._gen_prompt_json, b"]")
+            ),
         )

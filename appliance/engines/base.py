@@ -94,6 +94,17 @@ class GenerateRequest:
     #: ids this model sampled (the proxy's chat prompts). An engine whose vocabulary is at least
     #: this large then skips checking every prompt id, a scan as long as the conversation.
     tokenizer_vocab: int = 0
+    #: ``prompt_ids`` as a JSON array, where the caller keeps it (the proxy's renderer writes
+    #: each turn's ids once): an engine that sends the prompt as JSON sends these bytes instead
+    #: of writing the whole conversation again. They must be ``orjson.dumps(prompt_ids)``.
+    prompt_json: bytes | None = None
+    #: With ``on_token``: the caller needs the tokens in order but not each one as soon as it is
+    #: sampled (the proxy's calls that answer whole, which follow their tokens only so that a
+    #: call preempted by a switch keeps what it sampled). An engine may then hand them over in
+    #: batches of up to this many (the first token alone, the last batch when it ends); a
+    #: preemption loses the tokens not handed over yet (fewer than this many), which the call
+    #: samples again after the switch.
+    token_batch: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -443,7 +443,7 @@ class VLLMEngine:
         # raises) closes the stream now, which drops the connection so vLLM aborts the request.
         pool = self._stream_pool
         stream = (
-            pool.stream(self._stream_path, encode_json(body))
+            pool.stream(self._stream_path, encode_json(body, prompt_json=request.prompt_json))
             if pool is not None
             else self._client.stream("/v1/completions", body)
         )

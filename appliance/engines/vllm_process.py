@@ -388,10 +388,13 @@ class ServerClient:
 _JSON = {"Content-Type": "application/json"}
 
 
-def encode_json(body: dict[str, Any]) -> bytes:
+def encode_json(body: dict[str, Any], *, prompt_json: bytes | None = None) -> bytes:
     """``body`` as JSON: orjson (a completion's prompt is as long as the conversation), Python's
-    json for what orjson does not write (integers beyond 64 bits)."""
+    json for what orjson does not write (integers beyond 64 bits). ``prompt_json``: the JSON of
+    ``body["prompt"]``, already written (``GenerateRequest.prompt_json``), goes in as it is."""
     try:
+        if prompt_json is not None:
+            return orjson.dumps({**body, "prompt": orjson.Fragment(prompt_json)})
         return orjson.dumps(body)
     except TypeError:
         return json.dumps(body).encode()
@@ -441,6 +444,9 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
     }
     if request.prompt_logprobs is not None:
         body["prompt_logprobs"] = request.prompt_logprobs
+    if request.token_batch > 1 and body["stream"]:
+        # vLLM sends the first token at once, then every ``stream_interval`` tokens and the end.
+        body["stream_interval"] = request.token_batch
     if params.seed is not None:
         body["seed"] = params.seed
     if params.stop_token_ids:

@@ -35,6 +35,10 @@ from store.eventstore import EventStore
 
 log = logging.getLogger(__name__)
 
+#: Tokens an engine may hand over at once for a call whose client does not stream
+#: (``GenerateRequest.token_batch``): a preempted call loses fewer than this many.
+TOKEN_BATCH = 16
+
 
 #: Call ids: a random prefix per process and a counter (no system call per call), 24 hex digits.
 _CALL_ID_PREFIX = secrets.token_hex(8)
@@ -285,6 +289,11 @@ class CallService:
                 # A chat prompt is the tokenizer's ids and sampled ones (a Completions prompt may
                 # be the client's ids).
                 tokenizer_vocab=self.tokenizer.vocab_size if call.rendered.text is None else 0,
+                # The renderer's JSON of the prompt (not of a continuation's longer one).
+                prompt_json=None if sampled else call.rendered.prompt_json,
+                # A client that streams gets each token as it comes; otherwise the tokens are
+                # only kept for a preemption, and fewer, larger batches cost less to read.
+                token_batch=1 if on_token is not None else TOKEN_BATCH,
             )
             generation = asyncio.ensure_future(self.engine.generate(request))
             self.gate.track(generation)
@@ -321,7 +330,7 @@ class CallService:
                 self.gate.untrack(generation)
                 self.gate.leave()
         finish = result.finish_reason
-        token_ids = tuple(t for t, _, _ in sampled)
+        token_ids, logprobs, _versions = _columns(sampled)
         body = token_ids
         if body and body[-1] in call.params.stop_token_ids:
             body = body[:-1]
@@ -338,7 +347,7 @@ class CallService:
         prompt_len = call.prompt_tokens
         merged = GenerateResult(
             token_ids=token_ids,
-            logprobs=tuple(lp for _, lp, _ in sampled),
+            logprobs=logprobs,
             finish_reason=finish,
             policy_version=version,
             queue_s=queued or 0.0,
@@ -399,8 +408,7 @@ class CallService:
         text: str | None = None,
     ) -> None:
         now = time.perf_counter()
-        token_ids = tuple(t for t, _, _ in sampled)
-        versions = tuple(v for _, _, v in sampled)
+        token_ids, logprobs, versions = _columns(sampled)
         event = LLMCallCompleted(
             ts=time.time(),
             rollout=call.rollout.rollout,
@@ -408,7 +416,7 @@ class CallService:
             surface=call.surface,
             prompt_ids=tuple(call.rendered.prompt_ids),
             response_ids=token_ids,
-            response_logprobs=tuple(lp for _, lp, _ in sampled),
+            response_logprobs=logprobs,
             # The oldest version that sampled any of it (the whole response when not preempted).
             policy_version=min(versions) if versions else self.engine.policy_version,
             finish_reason=finish,
@@ -428,6 +436,16 @@ class CallService:
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def _columns(
+    sampled: list[tuple[int, float, int]],
+) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
+    """The sampled tokens' ids, log-probs and policy versions, each as one tuple."""
+    if not sampled:
+        return (), (), ()
+    ids, logprobs, versions = zip(*sampled, strict=True)
+    return ids, logprobs, versions
 
 
 def sampling_record(params: SamplingParams) -> dict[str, Any]:

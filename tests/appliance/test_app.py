@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from appliance.app import Appliance
+from appliance.app import GC_YOUNG_THRESHOLD, Appliance
 from appliance.chat.render import GENERATION_PROMPT
 from appliance.engines.base import GenerateRequest, GenerateResult
 from appliance.engines.buckets import WeightBucket
@@ -31,6 +32,11 @@ async def wait_finished(app: Appliance, rollouts: int) -> None:
     async with asyncio.timeout(60):
         while sum(1 for v in app.live.state.rollouts.values() if v.status != "running") < rollouts:
             await app.live.wait_change(app.live.position)
+
+
+async def test_once_started_the_process_collects_its_young_objects_less_often(appliance: Appliance) -> None:
+    assert gc.get_freeze_count() > 0  # what was there at the start is out of the collector's sight
+    assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD
 
 
 async def test_runs_steps_and_records_everything(appliance: Appliance) -> None:

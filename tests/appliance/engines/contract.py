@@ -123,6 +123,28 @@ class EngineContract:
             assert together.logprobs == pytest.approx(alone.logprobs, abs=self.logprob_atol)
         assert len({r.token_ids for r in one_at_a_time}) > 1  # the prompts matter
 
+    async def test_tokens_handed_over_in_batches_are_every_token_in_order(self, engine: Engine) -> None:
+        """``token_batch`` lets an engine hand streamed tokens over several at a time: the
+        callback still sees every token, in order, and the result is the one-by-one result."""
+        stop = await unsampled_id(engine, PROMPTS[6], 20)
+        results: list[GenerateResult] = []
+        for batch in (1, 8):
+            seen: list[tuple[int, float]] = []
+
+            def on_token(token: int, logprob: float, seen: list[tuple[int, float]] = seen) -> None:
+                seen.append((token, logprob))
+
+            request = GenerateRequest(
+                prompt_ids=PROMPTS[6], params=greedy(20, [stop]), on_token=on_token, token_batch=batch
+            )
+            result = await engine.generate(request)
+            assert [t for t, _ in seen] == list(result.token_ids)
+            assert [lp for _, lp in seen] == list(result.logprobs)
+            results.append(result)
+        one_by_one, batched = results
+        assert batched.token_ids == one_by_one.token_ids and len(batched.token_ids) == 20
+        assert batched.logprobs == pytest.approx(one_by_one.logprobs, abs=self.logprob_atol)
+
     async def test_seeded_sampling_is_reproducible(self, engine: Engine) -> None:
         params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
         alone = await generate(engine, PROMPTS[4], params)

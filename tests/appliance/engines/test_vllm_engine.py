@@ -25,6 +25,7 @@ from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
+from appliance.engines import vllm_process
 from appliance.engines.base import Engine, GenerateRequest, SamplingParams, validate_request
 from appliance.engines.buckets import WeightBucket, pack_buckets, stream_buckets
 from appliance.engines.vllm_engine import VLLMEngine
@@ -104,6 +105,27 @@ class TestVLLMEngine(EngineContract):
         await engine.close()
         if engine.policy_version != 0:  # the test re-weighted the shared server: put it back
             await server.load_weights(original_weights(tiny_model_dir), 0)
+
+    async def test_a_token_batch_is_what_vllm_streams_at_once(
+        self, engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """vLLM sends the first token alone, then ``stream_interval`` tokens per event, then the
+        rest at the end: 20 tokens in batches of 8 come as 1 + 8 + 8 + 3, not 20 events."""
+        sizes: list[int] = []  # tokens per streamed event
+        real_read = vllm_process.read_chunks
+
+        def read_chunks(events: list[dict[str, Any]], *lists: Any) -> str | None:
+            sizes.extend(len(event["choices"][0].get("token_ids") or ()) for event in events)
+            return real_read(events, *lists)
+
+        monkeypatch.setattr("appliance.engines.vllm_engine.read_chunks", read_chunks)
+        stop = await unsampled_id(engine, PROMPTS[6], 20)
+        request = GenerateRequest(
+            prompt_ids=PROMPTS[6], params=greedy(20, [stop]), on_token=lambda t, lp: None, token_batch=8
+        )
+        result = await engine.generate(request)
+        assert len(result.token_ids) == 20
+        assert [n for n in sizes if n] == [1, 8, 8, 3]
 
     @pytest.mark.parametrize(
         ("temperature", "top_p"),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import orjson
 import pytest
 
 from appliance.engines.base import GenerateRequest, SamplingParams
-from appliance.engines.vllm_process import completion_body
+from appliance.engines.vllm_process import completion_body, encode_json
 
 VOCAB = 1002
 
@@ -20,3 +23,13 @@ def test_top_k_is_always_sent_and_zero_when_off(top_k: int, sent: int) -> None:
     body = completion_body(request, "policy", VOCAB)
     assert body["top_k"] == sent
     assert body["temperature"] == 0.8 and body["top_p"] == 1.0
+
+
+@pytest.mark.parametrize("seed", [None, 2**70])  # 2**70: beyond orjson, written by Python's json
+def test_a_prompt_already_written_as_json_gives_the_same_body(seed: int | None) -> None:
+    prompt = [151644, 872, 198, *range(300, 1300), 151645]
+    request = GenerateRequest(prompt_ids=prompt, params=SamplingParams(seed=seed, stop_token_ids=(2,)))
+    body = completion_body(request, "policy", VOCAB)
+    written = encode_json(body, prompt_json=orjson.dumps(prompt))
+    assert written == encode_json(body)
+    assert json.loads(written)["prompt"] == prompt

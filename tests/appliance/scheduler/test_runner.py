@@ -6,10 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import orjson
 import pytest
 from openai import AsyncOpenAI
 
 from appliance.app import Appliance
+from appliance.engines.base import GenerateRequest, GenerateResult
 from store.events import LLMCallCompleted, SwitchPhaseCompleted, TrainStepCompleted
 from tests.support import make_config
 
@@ -29,6 +31,15 @@ async def test_call_in_flight_at_a_switch_finishes_with_two_policy_versions(app:
             await app.live.wait_change(app.live.position)
 
     long = app.registry.register("long", task_id="t", group="other", task={})
+    requests: list[GenerateRequest] = []
+    real_generate = app.engine.generate
+
+    async def generate(request: GenerateRequest) -> GenerateResult:
+        if request.affinity == "long":
+            requests.append(request)
+        return await real_generate(request)
+
+    app.engine.generate = generate  # type: ignore[method-assign]
     async with AsyncOpenAI(
         base_url=f"{app.proxy_url}/rollouts/long/v1", api_key=long.token, max_retries=0
     ) as oai:
@@ -54,6 +65,12 @@ async def test_call_in_flight_at_a_switch_finishes_with_two_policy_versions(app:
     assert list(call.response_versions) == sorted(call.response_versions)
     assert len(call.response_versions) == len(call.response_ids) == len(call.response_logprobs)
     assert call.policy_version == 0
+    # The rendered prompt goes with its JSON; the continuation's prompt (with what was sampled
+    # before the switch) is another, so it goes without.
+    first, continued = requests
+    assert first.prompt_json == orjson.dumps(list(first.prompt_ids))
+    assert list(continued.prompt_ids[: len(first.prompt_ids)]) == list(first.prompt_ids)
+    assert len(continued.prompt_ids) > len(first.prompt_ids) and continued.prompt_json is None
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == call.response_text
 
     events = [s.event for s in await app.store.read()]
