@@ -51,12 +51,11 @@ import dataclasses
 import hashlib
 import json
 import operator
-import re
 import struct
 import sys
 import typing
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -85,11 +84,9 @@ REQUEST_REF = "@request"
 _REQUEST_REF_HEAD = '{"' + REQUEST_REF + '":['
 #: Request keys that hold a conversation as a list of messages.
 _CONVERSATION_KEYS = ("messages", "input")
-#: Texts orjson reads differently from the standard library: NaN/Infinity (refused), integers
-#: of 19 digits or more (those beyond 64 bits become floats). The digits after a decimal point
-#: are not an integer: a float's repr (``0.00013639400276588276``) may hold 19 in a row, while
-#: the part before its point has at most 16.
-_STDLIB_JSON = re.compile(r"NaN|Infinity|(?<![.\d])\d{19}")
+#: orjson reads integers of up to 64 bits exactly and larger ones as floats: a float this large
+#: (in magnitude) in what it read may have been such an integer (the standard library wrote it).
+_INEXACT_FROM = 2.0**63
 #: Types orjson would write but ``json.dumps`` writes differently or refuses: left to the latter.
 _ORJSON_STRICT = (
     orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
@@ -237,7 +234,7 @@ def _dumps(payload: JsonObject) -> str:
     except TypeError:  # big integers, non-string keys, lone surrogates...: the standard library's way
         raw = None
     # orjson writes NaN and infinities as null: with a null written, look for one of those.
-    if raw is None or (b"null" in raw and _non_finite(payload)):
+    if raw is None or (b"null" in raw and any(f - f != 0.0 for f in _floats(payload))):
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
         # SQLite text and the checksum are UTF-8: a lone surrogate must fail here, in this
         # event's encoding, not in its transaction.
@@ -246,23 +243,30 @@ def _dumps(payload: JsonObject) -> str:
     return raw.decode()
 
 
-def _non_finite(payload: JsonObject) -> bool:
-    """Whether ``payload`` holds a NaN or an infinity anywhere (walks its containers)."""
-    stack: list[Any] = [payload]
+def _floats(value: JsonObject | list[Any]) -> Iterator[float]:
+    """Every float in ``value``, however deep (walks its containers only: a long text costs
+    nothing). ``f - f`` is 0.0 for a finite float, NaN for NaN and the infinities."""
+    stack: list[Any] = [value]
     while stack:
         item = stack.pop()
         for child in item.values() if type(item) is dict else item:
             kind = type(child)
             if kind is float:
-                if child - child != 0.0:  # NaN for NaN and the infinities, 0.0 for the rest
-                    return True
+                yield child
             elif kind is dict or kind is list or kind is tuple:
                 stack.append(child)
-    return False
 
 
 def _loads(data: str) -> Any:
-    return json.loads(data) if _STDLIB_JSON.search(data) else orjson.loads(data)
+    """``json.loads(data)``, read by orjson unless the standard library reads it differently:
+    NaN and the infinities (orjson refuses them), integers beyond 64 bits (orjson's floats)."""
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+    if isinstance(value, dict | list) and any(not -_INEXACT_FROM < f < _INEXACT_FROM for f in _floats(value)):
+        return json.loads(data)
+    return value
 
 
 def prefix_source(event: Event) -> TokenIds | None:

@@ -200,6 +200,7 @@ def test_encoded_event_is_plain_columns() -> None:
         {"seed": None, "stop": ["a"], "top_p": 1.0},
         {"content": "a number 12345678901234567890 in text, and NaN"},
         {"big": [2**64, 2**63 - 1, -(2**64), 10**30], "small": 0.00013639400276588276},
+        {"large floats": [1e300, -1.5e19, 2.0**63], "ints": [2**64 - 1, -(2**63)]},
     ],
 )
 def test_json_holds_what_the_standard_library_would_and_reads_back_exactly(
