@@ -91,6 +91,8 @@ from trainer.sharded import ShardedStore
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[TrainStepCompleted, RunState], None]
+#: Events read per page when a start folds the log into the run's state.
+REPLAY_PAGE = 2000
 
 
 def resolve_model(config: ApplianceConfig) -> tuple[str, Path]:
@@ -192,7 +194,10 @@ class Appliance:
         self.store = await EventStore.open(config.db_path)
         self._stack.push_async_callback(self.store.close)
         self._stack.push_async_callback(self._record_stop)
-        state = RunState.from_events(await self.store.read())
+        state = RunState()  # the log folded a page at a time: a long log is never in memory whole
+        while page := await self.store.read(state.position, limit=REPLAY_PAGE):
+            for stored in page:
+                state.apply(stored.event, stored.position)
         await self._recover(state)
 
         tokenizer = Tokenizer.from_model_dir(model_dir)

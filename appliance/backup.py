@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.errors import ApplianceError, StoreError
-from store.eventstore import read_events_sync, verify_log
+from store.eventstore import iter_events_sync, verify_log
 from store.projections import RunState
 
 __all__ = ["BackupReport", "backup"]
@@ -124,7 +124,7 @@ def _snapshot(source: Path, target: Path) -> tuple[int, RunState]:
     except sqlite3.Error as exc:
         raise StoreError(f"cannot back up event store {source}: {exc}") from exc
     events = verify_log(target).events
-    return events, RunState.from_events(read_events_sync(target))
+    return events, RunState.from_events(iter_events_sync(target))
 
 
 def _needed_files(state: RunState) -> list[str]:

@@ -557,13 +557,13 @@ def tui_app(args: argparse.Namespace) -> DashboardApp:
 
 
 def status_report(data_dir: Path) -> dict[str, Any]:
-    from store.eventstore import read_events_sync
+    from store.eventstore import iter_events_sync
     from store.projections import RunState
 
     db = data_dir / "events.sqlite"
     if not db.is_file():
         raise ApplianceError(f"no run at {data_dir} (no {db.name}); start one with: lightning-appliance up")
-    state = RunState.from_events(read_events_sync(db))
+    state = RunState.from_events(iter_events_sync(db))
     summary = state.summary()
     summary["steps_detail"] = [
         {

@@ -12,6 +12,9 @@ Prints:
    reference to the rollout's previous call plus the new suffix, its request as the messages
    after the previous call's) vs every call stored whole, the bytes of the requests alone, and
    the time to read the log back both ways.
+4. The memory the run's folded state (``RunState``, what the live projection and the dashboard
+   hold) keeps as training steps consume those rollouts, next to the memory of the calls the
+   steps released (what the state held when it kept every call for the life of the process).
 
 ``--profile`` adds where the time of a 64-appender run goes (cProfile, event-loop thread).
 
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import gc
 import io
 import pstats
 import random
@@ -32,13 +36,22 @@ import sqlite3
 import statistics
 import tempfile
 import time
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiosqlite
 
-from store import EventStore, LLMCallCompleted
+from store import (
+    EventStore,
+    LLMCallCompleted,
+    RewardReported,
+    RolloutCreated,
+    RolloutFinished,
+    RunState,
+    TrainStepCompleted,
+)
 from store.codec import chain_digest, encode
 from store.eventstore import verify_log
 
@@ -201,7 +214,7 @@ def checksum_us(events: list[LLMCallCompleted]) -> float:
     return (time.perf_counter() - start) / len(rows) * 1e6
 
 
-def conversations(rollouts: int, calls: int, seed: int = 0) -> list[LLMCallCompleted]:
+def conversations(rollouts: int, calls: int, seed: int = 0, prefix: str = "agent") -> list[LLMCallCompleted]:
     """Agent-like rollouts: each prompt = previous prompt + response + a tool result (~150 tokens),
     each request the whole conversation so far (messages), as chat harnesses send it."""
     rng = random.Random(seed)
@@ -217,7 +230,7 @@ def conversations(rollouts: int, calls: int, seed: int = 0) -> list[LLMCallCompl
     for n in range(calls):
         for r in range(rollouts):
             response = tuple(rng.randrange(50_000) for _ in range(rng.randrange(20, 120)))
-            out.append(call(f"agent{r}", n, prompts[r], response, list(histories[r])))
+            out.append(call(f"{prefix}{r}", n, prompts[r], response, list(histories[r])))
             prompts[r] = prompts[r] + response + tuple(rng.randrange(50_000) for _ in range(150))
             histories[r] += [
                 {"role": "assistant", "content": f"step {n}: " + "x" * len(response) * 4},
@@ -254,6 +267,57 @@ async def history_cost(path: Path, tokens: int, calls: int) -> float:
         for event in events[1:]:
             await store.append([event])
         return (time.process_time() - start) / calls * 1e6
+
+
+def traced_bytes() -> int:
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+def state_memory(steps: int, rollouts: int, calls: int) -> list[tuple[int, int, int]]:
+    """(steps, bytes the folded state holds, bytes of the calls those steps released) after each
+    of ``steps`` training steps, each consuming ``rollouts`` fresh rollouts of ``calls`` calls."""
+    tracemalloc.start()
+    try:
+        state, released, out = RunState(), 0, []
+        base = traced_bytes()
+        for n in range(1, steps + 1):
+            before = traced_bytes()
+            events = conversations(rollouts, calls, seed=n, prefix=f"s{n}-")
+            released += traced_bytes() - before  # what keeping this step's calls costs
+            names = sorted({e.rollout for e in events})
+            for rollout in names:
+                state.apply(
+                    RolloutCreated(
+                        ts=0.0,
+                        rollout=rollout,
+                        task_id=rollout,
+                        group=f"g{n}",
+                        task={},
+                        policy_version=n,
+                        adapter="python",
+                    )
+                )
+            for event in events:
+                state.apply(event)
+            for rollout in names:
+                state.apply(RewardReported(ts=0.0, rollout=rollout, reward=1.0, source="bench"))
+                state.apply(RolloutFinished(ts=0.0, rollout=rollout, status="finished"))
+            state.apply(
+                TrainStepCompleted(
+                    ts=0.0,
+                    step=n,
+                    rollouts=tuple(names),
+                    samples=len(names),
+                    tokens=0,
+                    zero_variance_groups=0,
+                )
+            )
+            del events
+            out.append((n, traced_bytes() - base, released))
+        return out
+    finally:
+        tracemalloc.stop()
 
 
 async def stored_size(path: Path, events: list[LLMCallCompleted], share: bool) -> tuple[int, int, float]:
@@ -394,6 +458,14 @@ async def main() -> None:
             f" {whole_json / shared_json:.1f}x the JSON;"
             f" reading back with sharing takes {shared_read / whole_read:.2f}x the time"
         )
+
+        print(
+            f"\n## the run's folded state (RunState) as steps consume rollouts ({args.rollouts // 2} rollouts"
+            f" x {args.calls // 2} calls per step, tracemalloc)"
+        )
+        print("steps   state holds   the steps' calls (released)")
+        for steps, held, released in state_memory(8, args.rollouts // 2, args.calls // 2):
+            print(f"{steps:>5}   {held / 2**20:7.2f} MiB   {released / 2**20:7.2f} MiB")
 
 
 if __name__ == "__main__":

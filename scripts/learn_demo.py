@@ -185,7 +185,7 @@ async def train_and_evaluate(
 
     def on_step(step: TrainStepCompleted, state: RunState) -> None:
         views = [state.rollouts[r] for r in step.rollouts if r in state.rollouts]
-        calls = sum(len(v.calls) for v in views) / max(len(views), 1)
+        calls = sum(v.call_count for v in views) / max(len(views), 1)
         metrics = step.metrics
         row = StepRow(
             step=step.step,

@@ -37,7 +37,7 @@ import contextlib
 import itertools
 import sqlite3
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -56,6 +56,8 @@ __all__ = [
     "ChainReport",
     "EventStore",
     "StoredEvent",
+    "iter_events_sync",
+    "read_calls_sync",
     "read_events_sync",
     "read_last_sync",
     "verify_log",
@@ -455,12 +457,32 @@ def verify_log(path: Path) -> ChainReport:
     return ChainReport(expected - 1, digest)
 
 
-def read_events_sync(path: Path, *, after: int = 0) -> list[StoredEvent]:
-    """Read the whole log (from ``after``) with stdlib sqlite3, read-only.
+def read_events_sync(path: Path, *, after: int = 0, limit: int | None = None) -> list[StoredEvent]:
+    """Read the log (from ``after``, at most ``limit`` events) with stdlib sqlite3, read-only.
 
     Safe while another process appends (WAL readers see the last committed state).
     """
-    return _select_sync(path, f"SELECT {_COLUMNS} FROM events WHERE position > ? ORDER BY position", (after,))
+    return _read_sync(path, after, limit, _Decoder())
+
+
+def iter_events_sync(path: Path, *, after: int = 0, page: int = _PAGE) -> Iterator[StoredEvent]:
+    """Every event after ``after``, in order, read ``page`` events at a time: a fold of a long
+    log holds one page of events at once, not the whole log (read-only like
+    :func:`read_events_sync`; the shared prompts of one page are remembered for the next)."""
+    decoder = _Decoder()
+    while True:
+        found = _read_sync(path, after, page, decoder)
+        yield from found
+        if len(found) < page:
+            return
+        after = found[-1].position
+
+
+def _read_sync(path: Path, after: int, limit: int | None, decoder: _Decoder) -> list[StoredEvent]:
+    sql = f"SELECT {_COLUMNS} FROM events WHERE position > ? ORDER BY position"
+    if limit is None:
+        return _select_sync(path, sql, (after,), decoder)
+    return _select_sync(path, sql + " LIMIT ?", (after, limit), decoder)
 
 
 def read_last_sync(path: Path, types: Collection[str]) -> StoredEvent | None:
@@ -471,8 +493,21 @@ def read_last_sync(path: Path, types: Collection[str]) -> StoredEvent | None:
     return found[-1] if found else None
 
 
-def _select_sync(path: Path, sql: str, params: tuple[Any, ...]) -> list[StoredEvent]:
-    """The events of the rows ``sql`` selects (``_COLUMNS``, in position order), decoded."""
+def read_calls_sync(path: Path, rollout: str) -> list[LLMCallCompleted]:
+    """The recorded calls of ``rollout``, in order; read-only like :func:`read_events_sync`, but
+    reads only that rollout's call rows (through the rollout index)."""
+    sql = f"SELECT {_COLUMNS} FROM events WHERE rollout = ? AND type = ? ORDER BY position"
+    found = _select_sync(path, sql, (rollout, LLMCallCompleted.type))
+    return [stored.event for stored in found if isinstance(stored.event, LLMCallCompleted)]
+
+
+def _select_sync(
+    path: Path, sql: str, params: tuple[Any, ...], decoder: _Decoder | None = None
+) -> list[StoredEvent]:
+    """The events of the rows ``sql`` selects (``_COLUMNS``, in position order), decoded (with
+    ``decoder``'s remembered prompts, when one is given)."""
+    if decoder is None:
+        decoder = _Decoder()
     try:
         with contextlib.closing(sqlite3.connect(_readonly_uri(path), uri=True)) as conn:
             conn.execute(_BUSY_TIMEOUT)
@@ -480,7 +515,7 @@ def _select_sync(path: Path, sql: str, params: tuple[Any, ...]) -> list[StoredEv
             _check_version(path, conn.execute(_GET_VERSION).fetchall() if has_meta else [])
             selected = conn.execute(sql, params).fetchall()
             wanted = {row[0] for row in selected}
-            merged, decoder, last_need = selected, _Decoder(), None
+            merged, last_need = selected, None
             while (need := decoder.missing(merged)) is not None:
                 _check_progress(path, need, last_need)
                 last_need = need

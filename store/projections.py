@@ -4,6 +4,11 @@ Owns :class:`RunState` and :class:`RolloutView`, and the rules that turn events 
 no I/O and knows nothing of SQLite: callers read events (``EventStore.read``/``subscribe``) and
 feed them to :meth:`RunState.apply`.
 
+A rollout's calls are kept only until something consumes it (a training step, a validation round,
+an evaluation): then the view keeps their count and sampled tokens and drops the calls, which the
+log still holds, so the state of a long run grows with its rollouts, not with every prompt of
+every call.
+
 Invariant: the state is a pure function of the event sequence. Folding the same events gives the
 same state, whether all at once after a restart or one by one as they commit. Events about a
 rollout that was never created are ignored rather than raised on, so a fold never fails.
@@ -88,7 +93,16 @@ class RolloutView:
     #: The policy version being served when the rollout was created.
     created_version: int
     status: str = "running"
+    #: The calls recorded, in order, until the rollout is consumed (see ``released``).
     calls: list[LLMCallCompleted] = field(default_factory=list)
+    #: Calls recorded and response tokens sampled, kept after the calls are released.
+    call_count: int = 0
+    tokens_sampled: int = 0
+    #: True once a training step, a validation round or an evaluation consumed the rollout: its
+    #: ``calls`` are then dropped from the state (a long run would otherwise hold every prompt of
+    #: every call for the life of the process); the log still has them
+    #: (``EventStore.read(rollout=...)``, ``store.eventstore.read_calls_sync``).
+    released: bool = False
     #: The last reward reported, or None if none was.
     reward: float | None = None
     error: str = ""
@@ -174,7 +188,10 @@ class RunState:
                 )
             case LLMCallCompleted():
                 if view := self.rollouts.get(event.rollout):
-                    view.calls.append(event)
+                    view.call_count += 1
+                    view.tokens_sampled += len(event.response_ids)
+                    if not view.released:
+                        view.calls.append(event)
             case RewardReported():
                 if view := self.rollouts.get(event.rollout):
                     view.reward = event.reward
@@ -183,8 +200,10 @@ class RunState:
                     view.call_rewards.append(event)
             case ValidationCompleted():
                 self.validations.append(event)
+                self._release(event.rollouts)
             case EvaluationCompleted():
                 self.evaluations.append(event)
+                self._release(event.rollouts)
             case CheckpointSaved():
                 self.last_checkpoint = event
                 if event.reason == "requested":
@@ -212,8 +231,16 @@ class RunState:
                 for rollout in event.rollouts:
                     if view := self.rollouts.get(rollout):
                         view.trained_step = event.step
+                self._release(event.rollouts)
             case _:
                 pass  # ApplianceStopped and types this fold does not track
+
+    def _release(self, rollouts: Iterable[str]) -> None:
+        """Drop the calls of consumed rollouts (their counts stay; the log keeps the calls)."""
+        for rollout in rollouts:
+            if view := self.rollouts.get(rollout):
+                view.calls = []
+                view.released = True
 
     def _count_for_breaker(self, event: RolloutFinished) -> None:
         if event.status == "finished":
@@ -263,7 +290,6 @@ class RunState:
         counts = dict.fromkeys(STATUSES, 0)
         for view in self.rollouts.values():
             counts[view.status] = counts.get(view.status, 0) + 1
-        calls = [call for view in self.rollouts.values() for call in view.calls]
         return {
             "run_id": self.run_id,
             "phase": self.phase,
@@ -274,6 +300,6 @@ class RunState:
             "mean_reward": self.step_reward(self.steps[-1]) if self.steps else None,
             "validation_reward": self.validations[-1].reward_mean if self.validations else None,
             "paused": self.paused,
-            "calls": len(calls),
-            "tokens_sampled": sum(len(call.response_ids) for call in calls),
+            "calls": sum(view.call_count for view in self.rollouts.values()),
+            "tokens_sampled": sum(view.tokens_sampled for view in self.rollouts.values()),
         }

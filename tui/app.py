@@ -15,6 +15,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -25,6 +26,7 @@ from textual.css.query import NoMatches
 from textual.widget import Widget
 from textual.widgets import Header, Input, TabbedContent, TabPane
 
+from appliance.errors import ApplianceError
 from tui.detail import Decoder, rollout_detail, tokenizer_decoder
 from tui.messages import ControlFailed, ControlSent, EventsApplied, RolloutSelected, SourceFailed
 from tui.model import DashboardModel
@@ -280,4 +282,9 @@ class DashboardApp(App[None]):
             self.decoder = await asyncio.to_thread(
                 tokenizer_decoder, self.model.config, self.model.model, self.data_dir
             )
+        if view.released:  # trained on: the state dropped its calls, the log has them
+            try:
+                view = replace(view, calls=await self.source.calls(view.rollout), released=False)
+            except ApplianceError as exc:
+                self.notify(f"cannot read the calls of {view.rollout}: {exc}", severity="error")
         await self.push_screen(RolloutScreen(rollout_detail(view, self.decoder)))

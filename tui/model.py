@@ -235,7 +235,7 @@ class DashboardModel:
         counts = Counts()
         for view in self.state.rollouts.values():
             if view.status == "running":
-                if view.calls:
+                if view.call_count:
                     counts.in_flight += 1
                 else:
                     counts.queued += 1
@@ -288,8 +288,8 @@ class DashboardModel:
             group=view.group,
             status=view.status,
             purpose=view.purpose,
-            calls=len(view.calls),
-            tokens=sum(len(c.response_ids) for c in view.calls),
+            calls=view.call_count,
+            tokens=view.tokens_sampled,
             reward=view.reward,
             version=view.created_version,
             trained_step=view.trained_step,

@@ -3,7 +3,9 @@
 Owns how the dashboard gets events: :class:`SqliteSource` reads a store file read-only with
 ``store.eventstore.read_events_sync`` (safe while the appliance writes it, and the only way a
 finished run is opened), :class:`HttpSource` polls ``GET /admin/events`` of a running appliance.
-Both return the events after a position, in order, a page at a time. :class:`ControlClient` posts
+Both return the events after a position, in order, a page at a time, and the recorded calls of
+one rollout (those the dashboard's state dropped once the rollout was trained on, see
+``store.projections.RolloutView.released``). :class:`ControlClient` posts
 ``{"action": ...}`` to ``POST /admin/control``. Nothing here folds events (``tui.model``) or draws.
 """
 
@@ -18,7 +20,8 @@ import aiohttp
 
 from appliance.errors import ApplianceError, StoreError
 from store.codec import StoredEvent, decode
-from store.eventstore import read_events_sync
+from store.events import LLMCallCompleted
+from store.eventstore import read_calls_sync, read_events_sync
 
 #: Events fetched per poll; a larger backlog is read over several polls.
 PAGE = 2000
@@ -38,6 +41,10 @@ class EventSource(Protocol):
         """The events with position > ``after``, in order, at most ``limit``."""
         ...
 
+    async def calls(self, rollout: str) -> list[LLMCallCompleted]:
+        """The recorded calls of ``rollout``, in order (empty for an unknown rollout)."""
+        ...
+
     async def close(self) -> None:
         """Release connections (idempotent)."""
         ...
@@ -47,8 +54,9 @@ class SqliteSource:
     """A store file, read-only, with ``read_events_sync`` in a worker thread.
 
     The thread keeps decoding (token arrays, shared prompt prefixes) off the event loop, so the
-    dashboard keeps answering keys while it catches up with a busy log. ``limit`` is advisory:
-    a poll returns everything after ``after``.
+    dashboard keeps answering keys while it catches up with a busy log. A poll returns at most
+    ``limit`` events: a long run's file is read a page at a time, so the dashboard holds the
+    run's state and one page, never the whole log.
     """
 
     def __init__(self, path: Path, *, live: bool = False, label: str | None = None) -> None:
@@ -59,7 +67,10 @@ class SqliteSource:
         self.live = live
 
     async def poll(self, after: int, limit: int = PAGE) -> list[StoredEvent]:
-        return await asyncio.to_thread(read_events_sync, self.path, after=after)
+        return await asyncio.to_thread(read_events_sync, self.path, after=after, limit=limit)
+
+    async def calls(self, rollout: str) -> list[LLMCallCompleted]:
+        return await asyncio.to_thread(read_calls_sync, self.path, rollout)
 
     async def close(self) -> None:
         pass  # every poll opens and closes its own read-only connection
@@ -90,9 +101,22 @@ class HttpSource:
         return self._session
 
     async def poll(self, after: int, limit: int = PAGE) -> list[StoredEvent]:
+        return await self._page({"after": after, "limit": limit})
+
+    async def calls(self, rollout: str) -> list[LLMCallCompleted]:
+        calls: list[LLMCallCompleted] = []
+        after = 0
+        while True:
+            page = await self._page({"after": after, "limit": PAGE, "rollout": rollout})
+            calls += [stored.event for stored in page if isinstance(stored.event, LLMCallCompleted)]
+            if len(page) < PAGE:
+                return calls
+            after = page[-1].position
+
+    async def _page(self, params: dict[str, str | int]) -> list[StoredEvent]:
         url = f"{self.url}/admin/events"
         try:
-            async with self._client().get(url, params={"after": after, "limit": limit}) as response:
+            async with self._client().get(url, params=params) as response:
                 body = await response.json(content_type=None)
                 if response.status != 200:
                     raise ApplianceError(f"{url}: HTTP {response.status}: {_error_message(body)}")

@@ -1,10 +1,11 @@
-"""The admin event feed: ``GET /admin/events?after=<position>&limit=<n>`` (admin token).
+"""The admin event feed: ``GET /admin/events?after=<position>&limit=<n>[&rollout=<id>]`` (admin token).
 
 Owns the read-only HTTP view of the event log that ``lightning-appliance tui --url`` polls. Each
 event goes out as its stored row (``store.codec.encode``): ``type``, ``version``, ``ts``, the JSON
 ``data`` string and the packed ``blob`` in base64, so a client rebuilds it with
-``store.codec.decode`` exactly as the store would. It never writes; it does not own the event
-types, the codec or the store.
+``store.codec.decode`` exactly as the store would. With ``rollout``, only that rollout's events
+(how the dashboard reads the calls of a rollout its state no longer holds). It never writes; it
+does not own the event types, the codec or the store.
 """
 
 from __future__ import annotations
@@ -50,12 +51,16 @@ def _int_param(request: web.Request, name: str, default: int, low: int, high: in
 
 
 async def admin_events(request: web.Request) -> web.Response:
-    """The durable events after ``after`` (default 0), at most ``limit``, in order."""
+    """The durable events after ``after`` (default 0), at most ``limit``, in order; only those of
+    ``rollout`` when it is given."""
     check_admin(request)
     after = _int_param(request, "after", 0, 0, 2**62)
     limit = _int_param(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+    rollout = request.query.get("rollout")
+    if rollout is not None and not rollout:
+        raise BadRequest("'rollout' must not be empty", param="rollout")
     store = request.app[CALLS].store
-    page = await store.read(after, limit=limit)
+    page = await store.read(after, limit=limit, rollout=rollout)
     return web.json_response(
         {"events": [stored_to_json(s) for s in page], "last_position": store.last_position}
     )

@@ -18,6 +18,7 @@ from appliance.engines.buckets import WeightBucket
 from appliance.errors import BadRequest
 from store.events import LLMCallCompleted, PolicyVersionPublished, RewardReported, TrainStepCompleted
 from store.eventstore import EventStore
+from store.projections import RunState
 from tests.support import make_config
 from trainer.samples import build_samples
 
@@ -55,8 +56,11 @@ async def test_runs_steps_and_records_everything(appliance: Appliance) -> None:
         view = state.rollouts[rollout]
         assert view.status == "finished"
         assert view.reward is not None
-        assert len(view.calls) == 2
-        assert all(call.prompt_ids and call.response_ids for call in view.calls)
+        # Trained on: the live state keeps the count, the log the calls.
+        assert (view.call_count, view.calls, view.released) == (2, [], True)
+        calls = [e for e in events if isinstance(e, LLMCallCompleted) and e.rollout == rollout]
+        assert len(calls) == 2 and all(call.prompt_ids and call.response_ids for call in calls)
+        assert view.tokens_sampled == sum(len(call.response_ids) for call in calls)
     rewards = [e for e in events if isinstance(e, RewardReported)]
     assert {e.rollout for e in rewards} == set(trained)
 
@@ -104,11 +108,18 @@ async def test_merged_sample_is_exactly_what_was_sampled_plus_rendered(appliance
     assert between[-len(tokenizer.encode(GENERATION_PROMPT)) :] == tokenizer.encode(GENERATION_PROMPT)
 
 
-async def test_restart_resumes_from_stored_version(tmp_path: Path, tiny_model_dir: Path) -> None:
+async def test_restart_resumes_from_stored_version(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1)) as app:
         await app.run()
         trained = {k: v.clone() for k, v in app.training.trainer.state_dict_for_engine().items()}
+    monkeypatch.setattr("appliance.app.REPLAY_PAGE", 3)  # the log folded over many pages
     async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=2)) as app:
+        await app.live.wait_for(app.store.last_position)
+        whole = await app.store.read()
+        assert len(whole) > 10 * 3
+        assert app.live.state == RunState.from_events(whole)
         assert app.engine.policy_version == 1
         restored = app.training.trainer.state_dict_for_engine()
         assert all((restored[k] == v).all() for k, v in trained.items())

@@ -50,7 +50,7 @@ async def test_progress_line_and_status_agree_on_a_rollout_without_calls(
         assert await app.run() == "reached step 1"
         state = app.live.state
     (step,) = state.steps
-    callless = [state.rollouts[r] for r in step.rollouts if not state.rollouts[r].calls]
+    callless = [state.rollouts[r] for r in step.rollouts if not state.rollouts[r].call_count]
     assert len(callless) == 1 and callless[0].reward == 0.0 and len(step.rollouts) == 4
 
     (line,) = lines

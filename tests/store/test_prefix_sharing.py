@@ -22,7 +22,7 @@ from store.codec import (
     share_request,
     shared_prefix_ref,
 )
-from store.eventstore import read_events_sync, verify_log
+from store.eventstore import iter_events_sync, read_calls_sync, read_events_sync, verify_log
 
 
 def call(rollout: str, n: int, prompt: tuple[int, ...], response: tuple[int, ...]) -> LLMCallCompleted:
@@ -86,6 +86,11 @@ async def test_shared_calls_read_back_identical_through_every_reader(tmp_path: P
         assert [s.event for s in followed] == events[10:]
     assert [s.event for s in read_events_sync(shared)] == events
     assert [s.event for s in read_events_sync(shared, after=len(events) - 1)] == events[-1:]
+    assert [s.event for s in read_events_sync(shared, after=4, limit=7)] == events[4:11]
+    for page in (1, 4, len(events)):  # folded a page at a time (a start, status, a backup)
+        assert [s.event for s in iter_events_sync(shared, page=page)] == events
+    assert [s.event for s in iter_events_sync(shared, after=9, page=4)] == events[9:]
+    assert read_calls_sync(shared, "r2") == [e for e in events if e.rollout == "r2"]
     # A fresh reader (empty cache) resolves a late call through its rollout's earlier calls.
     async with await EventStore.open(shared, readonly=True) as reader:
         assert [s.event for s in await reader.read(after=len(events) - 1)] == events[-1:]

@@ -8,6 +8,7 @@ from store import (
     CallRewardReported,
     CheckpointSaved,
     ControlRequested,
+    EvaluationCompleted,
     Event,
     LLMCallCompleted,
     PhaseChanged,
@@ -112,7 +113,15 @@ def test_a_run_folds_into_the_expected_state() -> None:
     assert [s.step for s in state.steps] == [1]
 
     a1, a2, b1, b2, c1 = state.rollouts.values()
-    assert (a1.status, a1.reward, a1.trained_step, len(a1.calls)) == ("finished", 1.0, 1, 2)
+    assert (a1.status, a1.reward, a1.trained_step, a1.call_count, a1.tokens_sampled) == (
+        "finished",
+        1.0,
+        1,
+        2,
+        5,
+    )
+    assert a1.released and a1.calls == []  # trained on: the log keeps the calls, the state their counts
+    assert (b1.released, b1.call_count, [c.call_id for c in b1.calls]) == (False, 1, ["b1-4"])
     assert (a2.reward, a2.trained_step) == (0.5, 1)
     assert (b1.status, b1.error, b1.reward, b1.trained_step) == ("failed", "harness crashed", None, None)
     assert (b2.status, b2.task_id, b2.group, b2.adapter) == ("running", "task-B", "B", "python")
@@ -211,3 +220,72 @@ def test_control_call_rewards_and_checkpoints_fold() -> None:
     assert state.last_checkpoint is not None and state.last_checkpoint.step == 3
     state.apply(ControlRequested(ts=0.0, action="resume"))
     assert not state.paused
+
+
+def test_consumed_rollouts_release_their_calls_and_keep_their_counts() -> None:
+    """Only rollouts nothing has consumed yet hold their calls: a long run's state does not grow
+    with every prompt of every call (trained, validated, evaluated rollouts keep counts only)."""
+
+    def validation(rollout: str, group: str, purpose: str) -> RolloutCreated:
+        return RolloutCreated(
+            ts=0.0,
+            rollout=rollout,
+            task_id="held-out",
+            group=group,
+            task={},
+            policy_version=0,
+            adapter="python",
+            purpose=purpose,
+        )
+
+    state = RunState()
+    held: list[int] = []
+    for n in range(1, 6):
+        rollouts = [f"s{n}-{i}" for i in range(4)]
+        for rollout in rollouts:
+            state.apply(created(rollout, f"G{n}"))
+            for length in (3, 4, 5):
+                state.apply(llm_call(rollout, length))
+            state.apply(rewarded(rollout, 1.0))
+            state.apply(finished(rollout))
+        state.apply(created(f"next{n}", f"H{n}"))  # created and called, not yet trained
+        state.apply(llm_call(f"next{n}", 2))
+        held.append(sum(len(view.calls) for view in state.rollouts.values()))
+        state.apply(step(n, *rollouts))
+        assert all(state.rollouts[r].released and not state.rollouts[r].calls for r in rollouts)
+    # Before each step: the four rollouts about to be trained plus the untrained ones so far.
+    assert held == [4 * 3 + n for n in range(1, 6)]
+    assert sum(len(view.calls) for view in state.rollouts.values()) == 5
+    trained = state.rollouts["s3-2"]
+    assert (trained.call_count, trained.tokens_sampled, trained.trained_step) == (3, 12, 3)
+    summary = state.summary()
+    assert (summary["calls"], summary["tokens_sampled"]) == (5 * 4 * 3 + 5, 5 * 4 * 12 + 5 * 2)
+
+    state.apply(validation("v1", "val-1", "validation"))
+    state.apply(llm_call("v1", 6))
+    state.apply(validation("e1", "eval-1", "evaluation"))
+    state.apply(llm_call("e1", 7))
+    assert [len(state.rollouts[r].calls) for r in ("v1", "e1")] == [1, 1]
+    state.apply(
+        ValidationCompleted(
+            ts=0.0, step=5, policy_version=5, rollouts=("v1",), reward_mean=0.0, reward_std=0.0, failed=1
+        )
+    )
+    state.apply(
+        EvaluationCompleted(
+            ts=0.0,
+            step=5,
+            policy_version=5,
+            split="test",
+            repeat=1,
+            rollouts=("e1",),
+            reward_mean=0.0,
+            reward_std=0.0,
+            failed=1,
+        )
+    )
+    for rollout, tokens in (("v1", 6), ("e1", 7)):
+        view = state.rollouts[rollout]
+        assert (view.released, view.calls, view.call_count, view.tokens_sampled) == (True, [], 1, tokens)
+    state.apply(llm_call("s1-0", 9))  # a late call of a released rollout is counted, not held
+    assert (state.rollouts["s1-0"].call_count, state.rollouts["s1-0"].calls) == (4, [])

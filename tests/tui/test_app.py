@@ -18,7 +18,7 @@ from textual.widgets import DataTable, Input, Static
 from appliance.app import Appliance
 from appliance.cli import tui_app
 from store.events import ControlRequested, TrainStepCompleted
-from store.eventstore import read_events_sync
+from store.eventstore import read_calls_sync, read_events_sync
 from tests.support import make_config
 from tests.tui.conftest import RealRun, fixed_usage
 from trainer.samples import build_samples
@@ -138,6 +138,9 @@ async def test_rollouts_table_filters_and_opens_a_rollout(real_run: RealRun) -> 
         detail = screen.detail
         view = detail.view
         assert view.rollout == table.rows[0].rollout
+        # Trained on, so the dashboard's state dropped its calls: the screen read them from the log.
+        assert app.model.state.rollouts[view.rollout].released and not view.released
+        assert view.calls == read_calls_sync(real_run.db, view.rollout) and view.calls
         # Decoded with the run's tokenizer, found from the recorded config.
         assert detail.text_source == "tokenizer"
         (sample,) = build_samples(view.calls)

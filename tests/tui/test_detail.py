@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from store.projections import RunState
+from store.events import LLMCallCompleted
+from store.projections import RolloutView, RunState
 from tests.tui.run_events import run_events
 from trainer.samples import NOT_SAMPLED, build_samples
 from tui.detail import recorded_conversation, rollout_detail, segments_of, tokenizer_decoder
 
 
+def with_calls(rollout: str) -> RolloutView:
+    """The rollout's view with its calls read back, as the dashboard opens a trained rollout."""
+    events = run_events()
+    view = RunState.from_events(events).rollouts[rollout]
+    assert view.released and not view.calls
+    calls = [e for e in events if isinstance(e, LLMCallCompleted) and e.rollout == rollout]
+    return replace(view, calls=calls, released=False)
+
+
 def test_segments_show_mask_and_the_version_of_each_token() -> None:
-    state = RunState.from_events(run_events())
-    view = state.rollouts["r-1-1"]  # its second call was preempted: tokens of v0 then v1
+    view = with_calls("r-1-1")  # its second call was preempted: tokens of v0 then v1
     segments = segments_of(view)
     assert [(s.label, s.tokens) for s in segments] == [
         ("prompt", (1, 2, 3, 4, 5)),
@@ -29,14 +39,14 @@ def test_segments_show_mask_and_the_version_of_each_token() -> None:
 
 
 def test_conversation_falls_back_to_the_recorded_request() -> None:
-    state = RunState.from_events(run_events())
-    turns = recorded_conversation(state.rollouts["r-0-0"])
+    view = with_calls("r-0-0")
+    turns = recorded_conversation(view)
     assert [(t.role, t.text) for t in turns] == [
         ("system", "Answer."),
         ("user", "What is 4 + 4?"),
         ("assistant", "8"),
     ]
-    detail = rollout_detail(state.rollouts["r-0-0"])
+    detail = rollout_detail(view)
     assert detail.text_source == "recorded" and detail.samples == 1
 
 
