@@ -71,6 +71,7 @@ Upcaster = Callable[[JsonObject], JsonObject]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 
 _COUNT = struct.Struct("<I")
+_NO_VALUES = _COUNT.pack(0)
 #: Set in a packed field's count word: the field is (earlier call's position, shared length, suffix).
 SHARED_FLAG = 0x8000_0000
 _REF = struct.Struct("<QI")
@@ -137,12 +138,16 @@ class _Layout:
         """The blob of ``event`` with nothing shared (the common case of :func:`_pack`)."""
         parts: list[bytes | array[Any]] = []
         for (name, code), field in zip(self.packed, self.packed_values(event), strict=True):
+            if not field:
+                parts.append(_NO_VALUES)
+                continue
             values = array(code, field)
             if len(values) >= SHARED_FLAG:
                 raise ValueError(f"field {name!r} has too many values ({len(values)})")
             if _SWAP:
                 values.byteswap()
-            parts += (_COUNT.pack(len(values)), values)
+            parts.append(_COUNT.pack(len(values)))
+            parts.append(values)
         return b"".join(parts)
 
 

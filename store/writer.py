@@ -211,14 +211,12 @@ class Writer:
         committed: list[Committed] = []
         committing: list[tuple[asyncio.Future[list[int]], list[int]]] = []
         refused: list[tuple[asyncio.Future[list[int]], BaseException]] = []
+        encode_at = self._encode
         for pending in batch:
-            ids = range(position + 1, position + 1 + len(pending.events))
+            events = pending.events
             changes: dict[str, _LastCall | None] = {}
             try:
-                encoded = [
-                    self._encode(i, event, sharing, changes)
-                    for i, event in zip(ids, pending.events, strict=True)
-                ]
+                encoded = [encode_at(i, e, sharing, changes) for i, e in enumerate(events, position + 1)]
             except StoreError as exc:  # this append only: the others of the batch go on
                 refused.append((pending.future, exc))
                 continue
@@ -227,13 +225,16 @@ class Writer:
                 error.__cause__ = exc
                 refused.append((pending.future, error))
                 continue
-            sharing.update(changes)
-            for i, event, row in zip(ids, pending.events, encoded, strict=True):
-                digest = chain_digest(digest, i, row)
-                rows.append((i, *row, digest))  # the columns of _INSERT
-                committed.append((i, event, row))
-            committing.append((pending.future, list(ids)))
-            position += len(ids)
+            if changes:
+                sharing.update(changes)
+            ids: list[int] = []
+            for event, row in zip(events, encoded, strict=True):
+                position += 1
+                digest = chain_digest(digest, position, row)
+                rows.append((position, *row, digest))  # the columns of _INSERT
+                committed.append((position, event, row))
+                ids.append(position)
+            committing.append((pending.future, ids))
         if refused:
             self._settle(refused)
         if not rows:
