@@ -30,6 +30,12 @@ so neither side ever holds a second copy of the whole model. With trainer ranks
 service then restarts the ranks from the last published version (:meth:`recover`) before the
 error goes on to the scheduler (a failed step is recorded and tried again; a push is retried
 once here).
+
+A step whose files or events could not be made durable (a full disk, a full event store) has
+still moved the trainer's weights and optimizer. The service remembers it, and when the
+scheduler tries the same groups again from the same version it writes that step's result rather
+than taking the step a second time; anything else first brings the trainer back to the log's
+version (:meth:`_rewind`), so the weights never hold a step the log does not.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 from appliance.engines.base import Engine, WeightGroupMember
 from appliance.engines.buckets import WeightBucket, stream_buckets
 from appliance.engines.vllm_process import free_port
+from appliance.errors import TrainingFailed
 from store.events import (
     CheckpointSaved,
     Event,
@@ -58,7 +65,7 @@ from store.eventstore import EventStore
 from store.projections import RolloutView, RunState, reward_mean
 from trainer.advantage import AdvantageMode, compute_advantages
 from trainer.checkpoints import CheckpointStore, PublishedWeights, WeightsStore
-from trainer.items import Trainer, TrainItem
+from trainer.items import StepOutput, Trainer, TrainItem
 from trainer.rank_rpc import TrainerRankFailed
 from trainer.samples import Sample, build_samples
 from trainer.sharded import ShardedStore, ShardedWeightsStore
@@ -95,6 +102,9 @@ class TrainingService:
         self.push_dtype = push_dtype
         #: The run state the trainer's ranks are restarted from (set by restore/train).
         self._published: RunState | None = None
+        #: A step the trainer took that is not durable: (its groups, the version it stepped from,
+        #: its output). Set from ``trainer.step`` until its events are appended or it is rewound.
+        self._undurable: tuple[frozenset[str], int, StepOutput] | None = None
         #: Push over a weight group on this backend ("nccl", "gloo"; None: through files), and
         #: whether the trainer's side of the current group stands (ranks restarted: it does not).
         self.weight_group = weight_group
@@ -174,6 +184,7 @@ class TrainingService:
     async def _load_trainer(self, state: RunState) -> None:
         """The trainer at ``state``'s published version (from ``model_dir`` at version 0)."""
         self._published = state
+        self._undurable = None
         if not state.checkpoint:
             return
         version = state.policy_version
@@ -216,6 +227,23 @@ class TrainingService:
         self._group_formed = False  # rank 0 hosted it
         await asyncio.to_thread(restart)
         await self._load_trainer(state)
+
+    async def _rewind(self, state: RunState) -> None:
+        """Bring the trainer back to ``state``'s published version after a step of it never
+        became durable: its ranks restarted, or its last version loaded again."""
+        log.warning(
+            "the trainer took a step that is not in the log: back to version %d", state.policy_version
+        )
+        if getattr(self.trainer, "restart", None) is not None:
+            await self.recover(state)
+        elif state.checkpoint:
+            await self._load_trainer(state)
+        else:
+            raise TrainingFailed(
+                "the trainer took a step that never became durable and cannot load the model's own"
+                " weights again in this process; start the appliance again (it resumes at version 0"
+                " with every rollout kept)"
+            )
 
     async def _guarded(self, state: RunState | None, action: Callable[[], Awaitable[_T]]) -> _T:
         """Run ``action``; if a trainer rank failed, restart the ranks (from ``state``, else the
@@ -264,6 +292,8 @@ class TrainingService:
         ):
             path = self.run_dir / last.path
         else:
+            if self._undurable is not None:  # the checkpoint holds the log's version, not that step
+                await self._rewind(state)
             self.trainer.global_step = state.step
             path = await self._guarded(
                 state, lambda: asyncio.to_thread(self.trainer.save, self.checkpoints, version)
@@ -277,6 +307,8 @@ class TrainingService:
 
     async def export(self, state: RunState, directory: Path) -> ModelExported:
         """Write the current policy as a Hugging Face model directory and record it."""
+        if self._undurable is not None:
+            await self._rewind(state)
         path = await self._guarded(state, lambda: asyncio.to_thread(self.trainer.export_hf, directory))
         exported = ModelExported(
             ts=time.time(), step=state.step, policy_version=state.policy_version, path=str(path.resolve())
@@ -328,7 +360,14 @@ class TrainingService:
         events: list[Event] = []
         version: int | None = None
         if items:
-            output = await self._guarded(state, lambda: asyncio.to_thread(self.trainer.step, items))
+            taken = self._undurable
+            if taken is not None and taken[:2] == (frozenset(wanted), state.policy_version):
+                output = taken[2]  # taken already, not made durable: write it, do not take it again
+            else:
+                if taken is not None:
+                    await self._rewind(state)
+                output = await self._guarded(state, lambda: asyncio.to_thread(self.trainer.step, items))
+                self._undurable = (frozenset(wanted), state.policy_version, output)
             metrics.update(output.metrics())
             version = state.policy_version + 1
             self.trainer.global_step = step
@@ -364,6 +403,7 @@ class TrainingService:
         )
         # One append: the step and the version it produced become durable together.
         await self.store.append([completed, *events])
+        self._undurable = None
         if version is not None:
             self._published = replace(state, step=step, policy_version=version, checkpoint=relative)
             last = state.last_checkpoint
@@ -373,7 +413,10 @@ class TrainingService:
     async def push(self, version: int) -> None:
         """Load the trainer's current weights into the engine as ``version``, bucket by bucket.
         A trainer rank that fails during the push: the ranks are restarted from the published
-        version (which is ``version``) and the push is tried once more."""
+        version (which is ``version``) and the push is tried once more. A step that is not
+        durable is undone first: the engine never serves weights the log does not name."""
+        if self._undurable is not None:
+            await self._rewind(self._published or RunState())
         try:
             await self.engine.load_weight_buckets(await self._buckets(), version)
         except TrainerRankFailed:

@@ -8,6 +8,10 @@
 * Trainer failure mid-step: ``TrainStepFailed`` is recorded, the groups stay ready and the step
   is tried again; no rollout is lost or trained twice. Failing every time stops the run with
   ``TrainingFailed`` after a few attempts.
+* A step whose weights cannot be written (a full disk): the retry writes the step the trainer
+  took rather than taking it again (each rollout weighs once in the weights too); a save that
+  keeps failing stops the run with the step taken once; the engine never gets the weights of a
+  step the log does not hold.
 * Disk full: calls are answered 507 ``store_full`` with nothing half-written; when space
   returns, calls succeed and the checksum chain verifies.
 * Slow client: a stream nobody reads does not hold up other rollouts' calls.
@@ -23,17 +27,19 @@ tests/appliance/proxy/test_openai_chat.py), SIGKILL at random points
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import openai
 import pytest
+import torch
 
 from appliance.app import Appliance
 from appliance.engines.base import GenerateRequest, GenerateResult
@@ -44,6 +50,7 @@ from appliance.errors import TrainingFailed
 from appliance.scheduler.runner import MAX_TRAIN_FAILURES
 from store.events import TrainStepCompleted, TrainStepFailed
 from tests.support import make_config, openai_client, recorded_calls, register_rollout
+from trainer.items import StepOutput
 
 USER: list[Any] = [{"role": "user", "content": "What is 3 + 4?"}]
 STORY: list[Any] = [{"role": "user", "content": "Tell me a story."}]
@@ -145,6 +152,90 @@ async def test_a_trainer_failure_mid_step_is_retried_and_trains_each_rollout_onc
     # The failed step's groups were trained by the retry, not dropped.
     assert set(failed.groups) == {app.live.state.rollouts[r].group for r in steps[0].rollouts}
     assert len(attempts) == 3
+
+
+def adam_steps(app: Appliance) -> set[int]:
+    """The update counts the trainer's optimizer holds for its parameters (empty before one)."""
+    optimizer = app.training.trainer.optimizer  # type: ignore[attr-defined]
+    return {int(state["step"]) for state in optimizer.state.values()}
+
+
+def count_steps(app: Appliance, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each step the trainer takes from now on updates its weights, in order."""
+    trainer = app.training.trainer
+    real_step = trainer.step
+    updated: list[bool] = []
+
+    def counted(items: Any) -> Any:
+        output = real_step(items)
+        updated.append(output.updated)
+        return output
+
+    monkeypatch.setattr(trainer, "step", counted)
+    return updated
+
+
+async def test_a_step_whose_weights_could_not_be_written_is_written_again_not_taken_again(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = app.training.trainer
+    updated = count_steps(app, monkeypatch)
+    real_save = trainer.save
+    saves: list[int] = []
+
+    def full_disk_once(store: Any, version: int) -> Any:
+        saves.append(version)
+        if len(saves) == 1:  # the trainer has taken step 1; its weights cannot be written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(store, version)
+
+    monkeypatch.setattr(trainer, "save", full_disk_once)
+    assert await app.run() == "reached step 2"
+    events = [s.event for s in await app.store.read()]
+    (failed,) = [e for e in events if isinstance(e, TrainStepFailed)]
+    assert failed.step == 1 and "No space left on device" in failed.error
+    assert [s.step for s in events if isinstance(s, TrainStepCompleted)] == [1, 2]
+    # The retry wrote the step the trainer had taken: two steps in the log, two in the weights.
+    assert len(updated) == 2 and saves[:3] == [1, 1, 2]
+    assert adam_steps(app) == ({sum(updated)} if any(updated) else set())
+
+
+async def test_a_save_that_keeps_failing_stops_the_run_with_the_step_taken_once(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    updated = count_steps(app, monkeypatch)
+
+    def full_disk(store: Any, version: int) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(app.training.trainer, "save", full_disk)
+    with pytest.raises(TrainingFailed, match=r"step 1 failed 3 times in a row.*No space left on device"):
+        await app.run()
+    events = [s.event for s in await app.store.read()]
+    assert [e.attempt for e in events if isinstance(e, TrainStepFailed)] == [1, 2, 3]
+    assert not [e for e in events if isinstance(e, TrainStepCompleted)]
+    assert len(updated) == 1  # each attempt wrote the same step again
+
+
+async def test_weights_of_a_step_not_made_durable_never_reach_the_engine(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1)) as app:
+        assert await app.run() == "reached step 1"
+        training, trainer = app.training, app.training.trainer
+        published = {k: v.clone() for k, v in trainer.state_dict_for_engine().items()}
+        # A step the trainer took on other groups whose files could not be written.
+        with torch.no_grad():
+            for parameter in trainer.model.parameters():  # type: ignore[attr-defined]
+                parameter.add_(0.5)
+        training._undurable = (frozenset({"other"}), 1, cast(StepOutput, None))
+        await training.push(1)  # what a switch does after a failed step (sleep level 2)
+        assert training._undurable is None
+        back = trainer.state_dict_for_engine()
+        assert all(torch.equal(back[k], v) for k, v in published.items())
+        served = app.engine._model.state_dict()
+        common = served.keys() & published.keys()
+        assert common and all(torch.equal(served[k], published[k]) for k in common)
 
 
 async def test_a_trainer_failing_every_time_stops_the_run_with_its_reason(
