@@ -4,7 +4,8 @@ Owns every exception the appliance raises on purpose. Each carries a message a p
 on, plus the HTTP status and OpenAI error ``type``/``code`` the proxy answers with, and knows
 its own body in both wire dialects (``to_openai``, ``to_anthropic``), so the middleware and
 every stream that fails after its headers went out answer with the same shapes. Unexpected
-exceptions are not listed here: the proxy answers them with a 500 and logs them.
+exceptions are not listed here: the proxy answers them with a 500 and logs them. Also owns
+:func:`disk_full`, which tells a full disk's OS error (however deep in a chain) from the others.
 
 This module is the bottom of the import graph: it imports nothing from the project, so the
 store, the trainer, the harness adapters and the dashboard can raise these without importing
@@ -13,6 +14,9 @@ anything else of the appliance (tests/test_layers.py holds it to that).
 
 from __future__ import annotations
 
+import errno
+import shutil
+from pathlib import Path
 from typing import Any
 
 #: Anthropic's error ``type`` by HTTP status (its API's own list).
@@ -232,3 +236,24 @@ class StoreCorrupted(StoreError):
 
     status = 500
     code = "store_corrupted"
+
+
+#: OS errors that say a disk (or a quota on it) is full.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException, directory: Path) -> str | None:
+    """``"the disk of <directory> is full: N MiB free"`` when ``exc`` (or an exception it was
+    raised from) is a full disk's OS error, else None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _FULL:
+            try:
+                free = f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free now"
+            except OSError:
+                free = "its free space unknown"
+            return f"the disk of {directory} is full: {free}"
+        current = current.__cause__ or current.__context__
+    return None

@@ -43,7 +43,7 @@ from typing import Any
 
 from appliance.controller import RolloutController
 from appliance.engines.base import Engine
-from appliance.errors import EngineUnavailable, TrainingFailed
+from appliance.errors import EngineUnavailable, TrainingFailed, disk_full
 from appliance.health import Health
 from appliance.proxy.gate import ServingGate
 from appliance.scheduler.decide import (
@@ -564,19 +564,27 @@ class SchedulerRunner:
             await self._phase_changed("generate")
 
     async def _train_failed(self, step: int, groups: tuple[str, ...], exc: Exception) -> None:
-        """Record a failed step; the next ``decide`` tries it again, up to MAX_TRAIN_FAILURES."""
+        """Record a failed step; the next ``decide`` tries it again, up to MAX_TRAIN_FAILURES.
+        A full disk is said in one line (and how much room is left), other failures with their
+        traceback."""
         self._train_failures += 1
-        log.error("training step %d failed (attempt %d)", step, self._train_failures, exc_info=exc)
         error = f"{type(exc).__name__}: {exc}"
+        full = disk_full(exc, self.training.run_dir)
+        if full is not None:
+            error = f"{error} ({full})"
+            log.error("training step %d failed (attempt %d): %s", step, self._train_failures, error)
+        else:
+            log.error("training step %d failed (attempt %d)", step, self._train_failures, exc_info=exc)
         await self._record(
             TrainStepFailed(
                 ts=time.time(), step=step, groups=groups, error=error, attempt=self._train_failures
             )
         )
         if self._train_failures >= MAX_TRAIN_FAILURES:
+            what = "free space on that disk" if full is not None else "fix the trainer"
             raise TrainingFailed(
                 f"training step {step} failed {self._train_failures} times in a row ({error});"
-                " the run stopped, its rollouts are kept: fix the trainer and start it again"
+                f" the run stopped, its rollouts are kept: {what} and start it again"
             ) from exc
 
     async def _wake_and_push(self, step: int, version: int | None) -> None:

@@ -209,8 +209,10 @@ async def test_a_save_that_keeps_failing_stops_the_run_with_the_step_taken_once(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(app.training.trainer, "save", full_disk)
-    with pytest.raises(TrainingFailed, match=r"step 1 failed 3 times in a row.*No space left on device"):
+    with pytest.raises(TrainingFailed, match=r"step 1 failed 3 times in a row.*No space left") as failed:
         await app.run()
+    assert f"the disk of {app.training.run_dir} is full: " in failed.value.message
+    assert failed.value.message.endswith("free space on that disk and start it again")
     events = [s.event for s in await app.store.read()]
     assert [e.attempt for e in events if isinstance(e, TrainStepFailed)] == [1, 2, 3]
     assert not [e for e in events if isinstance(e, TrainStepCompleted)]

@@ -1,0 +1,58 @@
+"""``disk_full``: a full disk's OS error told from the others, however deep in a chain."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import disk_full
+
+
+def write_to_a_full_device() -> OSError:
+    """The kernel's own ENOSPC: ``/dev/full`` refuses every write."""
+    with pytest.raises(OSError) as caught, Path("/dev/full").open("wb", buffering=0) as device:
+        device.write(b"weights")
+    return caught.value
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_is_named_with_the_room_left(tmp_path: Path) -> None:
+    full = write_to_a_full_device()
+    assert full.errno == errno.ENOSPC
+    said = disk_full(full, tmp_path)
+    assert said is not None and said.startswith(f"the disk of {tmp_path} is full: ")
+    free_mib = shutil.disk_usage(tmp_path).free / 2**20
+    assert said.endswith(" MiB free now")
+    assert abs(float(said.split(": ")[1].split(" ")[0].replace(",", "")) - free_mib) < 1024
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_behind_another_error_is_found(tmp_path: Path) -> None:
+    full = write_to_a_full_device()
+    try:
+        try:
+            raise full
+        except OSError as exc:
+            raise RuntimeError("could not save the checkpoint") from exc
+    except RuntimeError as wrapped:
+        assert disk_full(wrapped, tmp_path) is not None
+    try:
+        try:
+            raise full
+        except OSError:
+            raise ValueError("during the cleanup")  # noqa: B904 (an implicit chain, on purpose)
+    except ValueError as implicit:
+        assert disk_full(implicit, tmp_path) is not None
+
+
+def test_other_errors_are_not_a_full_disk(tmp_path: Path) -> None:
+    with pytest.raises(OSError) as missing:
+        (tmp_path / "absent").read_bytes()
+    assert missing.value.errno == errno.ENOENT
+    assert disk_full(missing.value, tmp_path) is None
+    assert disk_full(RuntimeError("unexpected pos 651461312 vs 651461200"), tmp_path) is None
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert disk_full(quota, tmp_path) is not None
