@@ -594,6 +594,8 @@ class SchedulerRunner:
                 await self._timed(step, "push", lambda: self.training.push(version))
             await self._timed(step, "wake_kv_cache", lambda: self.engine.wake(["kv_cache"]))
             self._engine_failed = False
+        except TrainingFailed:
+            raise  # the trainer cannot go back to the log's weights: nothing to serve from
         except Exception:
             # The step is durable; the weights reach the engine when it is restarted.
             log.exception("the engine failed while taking back the machine after step %d", step)

@@ -219,6 +219,25 @@ async def test_a_save_that_keeps_failing_stops_the_run_with_the_step_taken_once(
     assert len(updated) == 1  # each attempt wrote the same step again
 
 
+async def test_a_step_not_made_durable_at_version_0_stops_a_run_whose_engine_dropped_its_weights(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sleep level 2 drops the engine's weights at each switch; after a failed first step the
+    trainer holds weights no version names, and an in-process trainer cannot load the model's
+    own again: the run stops saying so, rather than serving them."""
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=2, sleep_level=2)) as app:
+
+        def full_disk(store: Any, version: int) -> Any:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(app.training.trainer, "save", full_disk)
+        with pytest.raises(TrainingFailed, match=r"start the appliance again .*resumes at version 0"):
+            await app.run()
+        assert app.engine.policy_version == 0
+        events = [s.event for s in await app.store.read()]
+        assert [e.attempt for e in events if isinstance(e, TrainStepFailed)] == [1]
+
+
 async def test_weights_of_a_step_not_made_durable_never_reach_the_engine(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
