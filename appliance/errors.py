@@ -5,7 +5,8 @@ on, plus the HTTP status and OpenAI error ``type``/``code`` the proxy answers wi
 its own body in both wire dialects (``to_openai``, ``to_anthropic``), so the middleware and
 every stream that fails after its headers went out answer with the same shapes. Unexpected
 exceptions are not listed here: the proxy answers them with a 500 and logs them. Also owns
-:func:`disk_full`, which tells a full disk's OS error (however deep in a chain) from the others.
+:func:`disk_full`, which tells a full disk (an OS error however deep in a chain, or ``StoreFull``)
+from the other failures.
 
 This module is the bottom of the import graph: it imports nothing from the project, so the
 store, the trainer, the harness adapters and the dashboard can raise these without importing
@@ -244,12 +245,12 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 def disk_full(exc: BaseException, directory: Path) -> str | None:
     """``"the disk of <directory> is full: N MiB free"`` when ``exc`` (or an exception it was
-    raised from) is a full disk's OS error, else None."""
+    raised from) is a full disk's OS error or the event store's ``StoreFull``, else None."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _FULL:
+        if isinstance(current, StoreFull) or (isinstance(current, OSError) and current.errno in _FULL):
             try:
                 free = f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free now"
             except OSError:

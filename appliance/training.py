@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -77,6 +77,14 @@ _T = TypeVar("_T")
 ADVANTAGE_MODES: dict[str, AdvantageMode] = {"grpo": "grpo", "rloo": "rloo", "reinforce": "reinforce"}
 
 
+class _Taken(NamedTuple):
+    """A step the trainer took: the groups it trained, the version it stepped from, its output."""
+
+    groups: frozenset[str]
+    version: int
+    output: StepOutput
+
+
 class TrainingService:
     def __init__(
         self,
@@ -102,9 +110,9 @@ class TrainingService:
         self.push_dtype = push_dtype
         #: The run state the trainer's ranks are restarted from (set by restore/train).
         self._published: RunState | None = None
-        #: A step the trainer took that is not durable: (its groups, the version it stepped from,
-        #: its output). Set from ``trainer.step`` until its events are appended or it is rewound.
-        self._undurable: tuple[frozenset[str], int, StepOutput] | None = None
+        #: A step the trainer took that is not durable yet: set from ``trainer.step`` until its
+        #: events are appended or the trainer is rewound.
+        self._undurable: _Taken | None = None
         #: Push over a weight group on this backend ("nccl", "gloo"; None: through files), and
         #: whether the trainer's side of the current group stands (ranks restarted: it does not).
         self.weight_group = weight_group
@@ -361,13 +369,16 @@ class TrainingService:
         version: int | None = None
         if items:
             taken = self._undurable
-            if taken is not None and taken[:2] == (frozenset(wanted), state.policy_version):
-                output = taken[2]  # taken already, not made durable: write it, do not take it again
+            if taken is not None and (taken.groups, taken.version) == (
+                frozenset(wanted),
+                state.policy_version,
+            ):
+                output = taken.output  # taken already, not made durable: write it, do not take it again
             else:
                 if taken is not None:
                     await self._rewind(state)
                 output = await self._guarded(state, lambda: asyncio.to_thread(self.trainer.step, items))
-                self._undurable = (frozenset(wanted), state.policy_version, output)
+                self._undurable = _Taken(frozenset(wanted), state.policy_version, output)
             metrics.update(output.metrics())
             version = state.policy_version + 1
             self.trainer.global_step = step

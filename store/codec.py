@@ -86,8 +86,8 @@ _REQUEST_REF_HEAD = '{"' + REQUEST_REF + '":['
 #: Request keys that hold a conversation as a list of messages.
 _CONVERSATION_KEYS = ("messages", "input")
 #: orjson reads integers of up to 64 bits exactly and larger ones as floats: a float this large
-#: (in magnitude) in what it read may have been such an integer (the standard library wrote it).
-_INEXACT_FROM = 2.0**63
+#: (in magnitude) in what it read may have been such an integer, which Python's json reads exactly.
+INEXACT_FROM = 2.0**63
 #: Types orjson would write but ``json.dumps`` writes differently or refuses: left to the latter.
 _ORJSON_STRICT = (
     orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
@@ -269,7 +269,7 @@ def _loads(data: str) -> Any:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
         return json.loads(data)
-    if isinstance(value, dict | list) and any(not -_INEXACT_FROM < f < _INEXACT_FROM for f in _floats(value)):
+    if isinstance(value, dict | list) and any(not -INEXACT_FROM < f < INEXACT_FROM for f in _floats(value)):
         return json.loads(data)
     return value
 

@@ -31,6 +31,7 @@ from appliance.errors import BadRequest, Overloaded, Unauthorized
 from appliance.health import Health
 from appliance.proxy.calls import CallService
 from appliance.rollouts import DEFAULT_ROLLOUT, ActiveRollout, RolloutRegistry
+from store.codec import INEXACT_FROM
 
 if TYPE_CHECKING:
     from appliance.config import ProxyConfig
@@ -170,11 +171,6 @@ MAX_NESTING = 100
 _TOO_DEEP = f"the request body nests arrays or objects deeper than {MAX_NESTING} levels"
 
 
-#: orjson reads integers of up to 64 bits exactly and larger ones as floats: a float this large
-#: (in magnitude) may have been such an integer, so its body is read again by Python's json.
-_INEXACT_FROM = 2.0**63
-
-
 def _scan(value: Any, *, floats: bool = True) -> str | None:
     """What makes a reading of a body unusable: ``"deep"`` (containers nested more than
     ``MAX_NESTING`` deep), with ``floats`` also ``"float"`` (a float that may be an integer orjson
@@ -190,7 +186,7 @@ def _scan(value: Any, *, floats: bool = True) -> str | None:
             kind = type(child)
             if kind is dict or kind is list:
                 stack.append((child, depth + 1))
-            elif floats and kind is float and not -_INEXACT_FROM < child < _INEXACT_FROM:
+            elif floats and kind is float and not -INEXACT_FROM < child < INEXACT_FROM:
                 return "float"
     return None
 

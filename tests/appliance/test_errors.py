@@ -1,14 +1,17 @@
-"""``disk_full``: a full disk's OS error told from the others, however deep in a chain."""
+"""``disk_full``: a full disk (its OS error however deep in a chain, or a full event store) told
+from the other failures."""
 
 from __future__ import annotations
 
 import errno
 import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
 
-from appliance.errors import disk_full
+from appliance.errors import StoreError, StoreFull, disk_full
+from store.writer import store_error
 
 
 def write_to_a_full_device() -> OSError:
@@ -56,3 +59,24 @@ def test_other_errors_are_not_a_full_disk(tmp_path: Path) -> None:
     assert disk_full(RuntimeError("unexpected pos 651461312 vs 651461200"), tmp_path) is None
     quota = OSError(errno.EDQUOT, "Disk quota exceeded")
     assert disk_full(quota, tmp_path) is not None
+
+
+def test_a_full_event_store_is_a_full_disk(tmp_path: Path) -> None:
+    capped = _full_store(tmp_path)
+    assert isinstance(capped, StoreFull)
+    try:
+        raise RuntimeError("the step's events") from capped
+    except RuntimeError as wrapped:
+        said = disk_full(wrapped, tmp_path)
+    assert said is not None and said.startswith(f"the disk of {tmp_path} is full: ")
+
+
+def _full_store(tmp_path: Path) -> StoreError:
+    """What the writer makes of SQLite's own SQLITE_FULL (a database capped at its size)."""
+    with sqlite3.connect(tmp_path / "capped.db") as db:
+        db.execute("CREATE TABLE t (x BLOB)")
+        (pages,) = db.execute("PRAGMA page_count").fetchone()
+        db.execute(f"PRAGMA max_page_count = {pages}")
+        with pytest.raises(sqlite3.Error) as caught:
+            db.execute("INSERT INTO t VALUES (?)", (b"x" * 100_000,))
+    return store_error("could not commit 1 event", caught.value)
