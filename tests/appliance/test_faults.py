@@ -48,6 +48,7 @@ from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.errors import TrainingFailed
 from appliance.scheduler.runner import MAX_TRAIN_FAILURES
+from appliance.training import _Taken
 from store.events import TrainStepCompleted, TrainStepFailed
 from tests.support import make_config, openai_client, recorded_calls, register_rollout
 from trainer.items import StepOutput
@@ -249,7 +250,7 @@ async def test_weights_of_a_step_not_made_durable_never_reach_the_engine(
         with torch.no_grad():
             for parameter in trainer.model.parameters():  # type: ignore[attr-defined]
                 parameter.add_(0.5)
-        training._undurable = (frozenset({"other"}), 1, cast(StepOutput, None))
+        training._undurable = _Taken(frozenset({"other"}), 1, cast(StepOutput, None))
         await training.push(1)  # what a switch does after a failed step (sleep level 2)
         assert training._undurable is None
         back = trainer.state_dict_for_engine()
