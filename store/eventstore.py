@@ -354,10 +354,17 @@ class EventStore:
         if not recent or recent[0][0] > after + 1:
             return None
         start = after + 1 - recent[0][0]
-        return [
-            StoredEvent(position, as_stored(event, row))
-            for position, event, row in itertools.islice(recent, start, start + _PAGE)
-        ]
+        end = min(len(recent), start + _PAGE)
+        if start >= end:
+            return []
+        # A deque is walked from an end: from the right for a subscriber that keeps up (it wants
+        # the last few of up to _RECENT_EVENTS), so that costs what it reads, not what is held.
+        if end > len(recent) - start:
+            page = list(itertools.islice(reversed(recent), len(recent) - end, len(recent) - start))
+            page.reverse()
+        else:
+            page = list(itertools.islice(recent, start, end))
+        return [StoredEvent(position, as_stored(event, row)) for position, event, row in page]
 
     def _signal(self) -> None:
         self._committed.set()

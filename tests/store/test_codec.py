@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import sys
 import typing
 from array import array
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from appliance.errors import StoreError
 from store import codec, events
@@ -111,6 +114,52 @@ def test_token_ids_outside_int32_are_refused() -> None:
     event = _sample(LLMCallCompleted, prompt_ids=(2**31,))
     with pytest.raises(StoreError, match="cannot encode LLMCallCompleted"):
         encode(event)
+
+
+def test_long_token_ids_outside_int32_are_refused_as_short_ones_are() -> None:
+    event = _sample(LLMCallCompleted, prompt_ids=(*range(40), -(2**31) - 1))
+    with pytest.raises(StoreError, match="cannot encode LLMCallCompleted"):
+        encode(event)
+
+
+def _array_bytes(code: str, values: tuple[Any, ...]) -> bytes | str:
+    try:
+        packed = array(code, values)
+    except (TypeError, OverflowError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _packed_or_error(code: str, values: tuple[Any, ...]) -> bytes | str:
+    try:
+        return codec._packed(code, values)
+    except (TypeError, OverflowError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+_ints = st.one_of(st.integers(-(2**31), 2**31 - 1), st.integers(), st.booleans())
+_floats = st.one_of(st.floats(width=32), st.floats(), st.integers(-(2**60), 2**60))
+
+
+@settings(max_examples=300)
+@given(
+    ints=st.lists(_ints, max_size=3 * codec._STRUCT_FROM).map(tuple),
+    floats=st.lists(_floats, max_size=3 * codec._STRUCT_FROM).map(tuple),
+)
+def test_packed_fields_are_the_arrays_bytes_or_its_error(
+    ints: tuple[Any, ...], floats: tuple[Any, ...]
+) -> None:
+    # Long fields go through struct, short ones through array: the same bytes, the same errors
+    # (a float beyond float32 is array's infinity).
+    assert _packed_or_error("i", ints) == _array_bytes("i", ints)
+    assert _packed_or_error("f", floats) == _array_bytes("f", floats)  # bytes: NaNs compare too
+
+
+def test_a_float_beyond_float32_is_stored_as_an_infinity_in_a_long_field() -> None:
+    values = (-0.5,) * codec._STRUCT_FROM + (-1e300,)
+    assert struct.unpack(f"<{len(values)}f", codec._packed("f", values))[-1] == float("-inf")
 
 
 def test_unknown_type_is_a_readable_store_error() -> None:

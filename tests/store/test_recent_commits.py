@@ -116,6 +116,24 @@ async def test_a_subscriber_behind_the_recent_commits_reads_the_log(
     assert caught_up == logged[36:]
 
 
+async def test_every_page_of_the_recent_commits_is_the_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pages are taken from either end of the recent commits: from every starting point, a page
+    # (here of 3) must be the log's, whichever end it was walked from.
+    monkeypatch.setattr(eventstore, "_RECENT_EVENTS", 10)
+    monkeypatch.setattr(eventstore, "_PAGE", 3)
+    events = conversation("r", 16, seed=3)
+    async with await EventStore.open(tmp_path / "events.db") as store:
+        for i in range(0, len(events), 2):
+            await store.append(events[i : i + 2])
+        logged = await store.read()
+        assert store._recently_committed(5) is None  # positions 7..16 are held
+        for after in range(6, 17):
+            page = store._recently_committed(after)
+            assert page == logged[after : after + 3], after
+
+
 async def test_recent_commits_are_bounded_by_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(eventstore, "_RECENT_TOKENS", 200)
     events = conversation("r", 10, seed=2)  # prompts of 30, 42, 54, ... tokens
