@@ -19,9 +19,11 @@ The upstream answers instantly with fixed token ids (a real model would dominate
 so the figures are each proxy's own cost. It streams as vLLM 0.32 does: one token per event, or
 with a request's ``stream_interval`` the first token alone, then that many per event, the rest at
 the end. ``--answer-tokens N`` makes every answer N tokens long (default 8: a short answer).
-Upstream, AGL's gateway and the load generator each run in their own process; our proxy runs
-in this one. The load generator is a plain aiohttp
-client (the same for every column), keep-alive, no retries. Next to calls/s and latencies each
+``--rounds N`` measures each row N times, the three taking turns (direct, ours, AGL, direct, ...):
+a row then gives the rounds' medians, and a line below it each round's ratios, from the same
+few seconds of the machine. Upstream, AGL's gateway and the load generator each run in their
+own process; our proxy runs in this one. The load generator is a plain aiohttp client (the same
+for every column), keep-alive, no retries. Next to calls/s and latencies each
 row gives the serving process's CPU time per call (user + system, all threads): ours from this
 process's clock, AGL's gateway's and the upstream's from ``/proc/<pid>/stat``, read when the
 load generator says its measured calls start and end (it waits meanwhile). Ours is also split
@@ -37,6 +39,7 @@ so its figures are shares, not costs).
     .venv/bin/python scripts/bench_proxy.py [--calls 1000] [--clients 1,64,512]
                                             [--agl-python /work/agl-venv/bin/python] [--profile FILE]
                                             [--modes whole,streamed] [--answer-tokens 8]
+                                            [--rounds 1]   # N: the targets take turns N times
     .venv/bin/python scripts/bench_proxy.py --history [--calls 30] [--profile FILE]
     .venv/bin/python scripts/bench_proxy.py --tiny   # the tiny model in process vs through the proxy,
                                                      # calls/s and streaming time to first text
@@ -424,6 +427,7 @@ async def compare(
     profile: Path | None,
     clients: tuple[int, ...] = CONCURRENCY,
     streamed: tuple[bool, ...] = (False, True),
+    rounds: int = 1,
 ) -> None:
     from appliance.app import Appliance
     from appliance.chat.tokenizer import Tokenizer
@@ -467,12 +471,13 @@ async def compare(
                         targets["agl"] = f"skipped: AGL's gateway did not start: {exc}"
                 print(
                     f"fake vLLM-shaped upstream, {len(answer_ids)} tokens per answer, "
-                    f"max_tokens={MAX_TOKENS}; {calls} calls per cell (1 client: {min(calls, 300)}); "
-                    f"{os.cpu_count()} CPUs"
+                    f"max_tokens={MAX_TOKENS}; {calls} calls per cell (1 client: {min(calls, 300)})"
+                    + (f" in each of {rounds} rounds, the targets taking turns" if rounds > 1 else "")
+                    + f"; {os.cpu_count()} CPUs"
                 )
                 with profiled(profile) as profiler:
                     for stream in streamed:
-                        await table(targets, calls, stream, profiler, clients)
+                        await table(targets, calls, stream, profiler, clients, rounds)
                 events = await app.store.read(types={"LLMCallCompleted"})
                 print(f"\nthe appliance recorded {len(events)} LLMCallCompleted events (durable) in this run")
 
@@ -483,6 +488,7 @@ async def table(
     stream: bool,
     profiler: cProfile.Profile | None = None,
     clients: tuple[int, ...] = CONCURRENCY,
+    rounds: int = 1,
 ) -> None:
     print(f"\n{'streaming' if stream else 'non-streaming'}:")
     header = (
@@ -496,20 +502,31 @@ async def table(
     for concurrency in clients:
         n = min(calls, 300) if concurrency == 1 else calls
         results: dict[str, dict[str, Any] | str] = {}
+        live: dict[str, Target] = {}
         for name, target in targets.items():
             if isinstance(target, str):
                 results[name] = target
             elif name == "agl" and stream:
                 results[name] = await agl_stream_check(target)
             else:
-                print(f"  ... {name}, {concurrency} clients", file=sys.stderr, flush=True)
-                results[name] = await run_load(target, concurrency, n, stream, profiler)
+                live[name] = target
+        measured: dict[str, list[dict[str, Any]]] = {name: [] for name in live}
+        # The targets take turns, round after round: each round's figures come from the same few
+        # seconds of the machine, so a drift in its speed moves every column of a round alike.
+        for number in range(1, rounds + 1):
+            for name, runs in measured.items():
+                label = f", round {number} of {rounds}" if rounds > 1 else ""
+                print(f"  ... {name}, {concurrency} clients{label}", file=sys.stderr, flush=True)
+                runs.append(await run_load(live[name], concurrency, n, stream, profiler))
+        results.update({name: merged(runs) for name, runs in measured.items()})
         print(row(concurrency, results, stream))
         ours = results.get("appliance")
         if isinstance(ours, dict) and "loop_cpu_per_call" in ours:
             loop = ours["loop_cpu_per_call"] * 1e6
             rest = ours["cpu_per_call"] * 1e6 - loop
             print(f"  ours' CPU/call: event loop {loop:.0f} us, other threads {rest:.0f} us")
+        if rounds > 1:
+            print("  " + per_round(measured))
     for name, result in results.items():
         if isinstance(result, str):
             print(f"  {name}: {result}")
@@ -523,6 +540,54 @@ async def agl_stream_check(target: Target) -> str:
         session.post(target.url, json=body, headers={"Authorization": f"Bearer {target.key}"}) as response,
     ):
         return f"refuses streaming: HTTP {response.status} {(await response.text())[:80]}"
+
+
+def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One target's rounds as one result: the median round's calls/s and CPU per call, the
+    latencies of every round together, the failures summed."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {
+        "rate": statistics.median(r["rate"] for r in runs),
+        "served": sum(r["served"] for r in runs),
+        "latencies": [x for r in runs for x in r["latencies"]],
+        "ttfts": [x for r in runs for x in r["ttfts"]],
+        "failures": {},
+        "cpu_per_call": statistics.median(r["cpu_per_call"] for r in runs),
+    }
+    if all("loop_cpu_per_call" in r for r in runs):
+        out["loop_cpu_per_call"] = statistics.median(r["loop_cpu_per_call"] for r in runs)
+    for r in runs:
+        for kind, count in r["failures"].items():
+            out["failures"][kind] = out["failures"].get(kind, 0) + count
+    return out
+
+
+def per_round(measured: dict[str, list[dict[str, Any]]]) -> str:
+    """Each round's ratios of ours to the others' calls/s, and our added p50 over direct's."""
+    ours = measured.get("appliance")
+    if not ours:
+        return "no rounds of ours"
+    parts = []
+    for name in ("direct", "agl"):
+        if name in measured:
+            ratios = [o["rate"] / t["rate"] for o, t in zip(ours, measured[name], strict=True)]
+            parts.append(
+                f"ours/{'dir' if name == 'direct' else name} "
+                + " ".join(f"{x:.2f}" for x in ratios)
+                + f" (median {statistics.median(ratios):.2f})"
+            )
+    if "direct" in measured:
+        added = [
+            (pct(o["latencies"], 0.5) - pct(d["latencies"], 0.5)) * 1e3
+            for o, d in zip(ours, measured["direct"], strict=True)
+        ]
+        parts.append(
+            "+p50 ours "
+            + " ".join(f"{x:.2f}" for x in added)
+            + f" ms (median {statistics.median(added):.2f})"
+        )
+    return "per round: " + "; ".join(parts)
 
 
 def row(concurrency: int, results: dict[str, dict[str, Any] | str], stream: bool) -> str:
@@ -796,6 +861,12 @@ if __name__ == "__main__":
     parser.add_argument(
         "--answer-tokens", type=int, help=f"tokens per answer (default {MAX_TOKENS}; sets every process's)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure each row this many times, the targets taking turns (medians; ratios per round)",
+    )
     parser.add_argument("--upstream", metavar="ANSWER_IDS", help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
     parser.add_argument("--conversation", metavar="SPEC", help=argparse.SUPPRESS)
@@ -828,4 +899,4 @@ if __name__ == "__main__":
         agl = args.agl_python if args.agl_python and Path(args.agl_python).exists() else None
         clients = tuple(int(c) for c in args.clients.split(","))
         modes = tuple(mode == "streamed" for mode in args.modes.split(","))
-        asyncio.run(compare(args.calls, agl, args.profile, clients, modes))
+        asyncio.run(compare(args.calls, agl, args.profile, clients, modes, max(1, args.rounds)))
