@@ -18,7 +18,9 @@ streaming and not:
 The upstream answers instantly with fixed token ids (a real model would dominate every column),
 so the figures are each proxy's own cost. It streams as vLLM 0.32 does: one token per event, or
 with a request's ``stream_interval`` the first token alone, then that many per event, the rest at
-the end. ``--answer-tokens N`` makes every answer N tokens long (default 8: a short answer).
+the end; and it writes what vLLM writes for the request's asks (``return_token_ids`` echoes the
+whole prompt's ids in the first event). ``--answer-tokens N`` makes every answer N tokens long
+(default 8: a short answer).
 ``--rounds N`` measures each row N times, the three taking turns (direct, ours, AGL, direct, ...):
 a row then gives the rounds' medians, and a line below it each round's ratios, from the same
 few seconds of the machine. Upstream, AGL's gateway and the load generator each run in their
@@ -68,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,14 +116,24 @@ def upstream_app(answer_ids: list[int], max_model_len: int) -> web.Application:
     logprobs = [-0.5] * len(answer_ids)
     text = ANSWER
 
-    def completion(ids: list[int], stream_chunk: bool = False) -> dict[str, Any]:
-        choice = {
+    def completion(
+        ids: list[int], body: dict[str, Any], stream_chunk: bool = False, first: bool = True
+    ) -> dict[str, Any]:
+        """A completion (or one event of its stream) as vLLM 0.32 writes it for ``body``'s asks:
+        ``return_tokens_as_token_ids`` writes the log-probs' tokens as ``token_id:N``;
+        ``return_token_ids`` adds the sampled ids and, in a stream's first event or a whole
+        answer, the prompt's ids (all of them: a long conversation's are a long array)."""
+        tokens = [f"token_id:{t}" if body.get("return_tokens_as_token_ids") else "7" for t in ids]
+        choice: dict[str, Any] = {
             "index": 0,
             "text": text,
-            "token_ids": ids,
-            "logprobs": {"token_logprobs": logprobs[: len(ids)], "top_logprobs": None},
+            "logprobs": {"token_logprobs": logprobs[: len(ids)], "tokens": tokens, "top_logprobs": None},
             "finish_reason": None if stream_chunk else "stop",
         }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = ids
+            if first:
+                choice["prompt_token_ids"] = body["prompt"]
         return {"id": "cmpl-1", "object": "text_completion", "model": "policy", "choices": [choice]}
 
     def chat(ids: list[int]) -> dict[str, Any]:
@@ -135,7 +148,6 @@ def upstream_app(answer_ids: list[int], max_model_len: int) -> web.Application:
             "usage": usage,
         }
 
-    whole_completion = json.dumps(completion(answer_ids)).encode()
     whole_chat = json.dumps(chat(answer_ids)).encode()
     headers = {"Content-Type": "application/json"}
 
@@ -143,18 +155,18 @@ def upstream_app(answer_ids: list[int], max_model_len: int) -> web.Application:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for chunk in chunks:
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        body = orjson.loads(await request.read())
         if not body.get("stream"):
-            return web.Response(body=whole_completion, headers=headers)
+            return web.Response(body=orjson.dumps(completion(answer_ids, body)), headers=headers)
         every = int(body.get("stream_interval") or 1)
         groups = [answer_ids[:1], *(answer_ids[i : i + every] for i in range(1, len(answer_ids), every))]
-        chunks = [completion(group, stream_chunk=True) for group in groups]
+        chunks = [completion(group, body, stream_chunk=True, first=i == 0) for i, group in enumerate(groups)]
         chunks[-1]["choices"][0]["finish_reason"] = "stop"
         return await stream(request, chunks)
 

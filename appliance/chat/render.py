@@ -184,7 +184,8 @@ def render_text(
 
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
-    prompt_ids: list[int]
+    #: A tuple, as the call's event keeps it (a long conversation's ids are copied once per call).
+    prompt_ids: tuple[int, ...]
     #: Digest of ``prompt_ids``; a sampled response is remembered under it.
     digest: bytes
     #: Prompt tokens taken verbatim from earlier sampled turns.
@@ -314,8 +315,12 @@ class Conversation:
         self._messages, self._tools = now, listing
         final = hasher.copy()
         final.update(self._gen_prompt_packed)
+        # The prompt is the kept ids and the generation prompt: one copy, into the tuple.
+        ids_so_far += self._gen_prompt
+        prompt_ids = tuple(ids_so_far)
+        del ids_so_far[len(ids_so_far) - len(self._gen_prompt) :]
         return RenderedPrompt(
-            prompt_ids=ids_so_far + self._gen_prompt,
+            prompt_ids=prompt_ids,
             digest=final.digest(),
             spliced_tokens=spliced_total,
             tokenized_tokens=tokenized,

@@ -89,7 +89,7 @@ class Transcript:
 
 def _text_prompt(ids: list[int], text: str, *, tokenized: int, spliced: int = 0) -> RenderedPrompt:
     return RenderedPrompt(
-        prompt_ids=ids,
+        prompt_ids=tuple(ids),
         digest=b"",
         spliced_tokens=spliced,
         tokenized_tokens=tokenized,

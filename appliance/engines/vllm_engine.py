@@ -1,20 +1,20 @@
 """The vLLM engine: an ``Engine`` whose sampling runs in a vLLM server in its own process.
 
 Owns the conversation with one vLLM OpenAI-compatible server over HTTP (aiohttp, loopback):
-token-in/token-out completions (``/v1/completions`` with a token-id prompt, ``return_token_ids``,
-per-token log-probs, streamed when the caller wants each token, over the kept-alive connections
-of ``appliance.engines.http_stream``, each read's events parsed as one batch), weight pushes (the tensors are
-written as safetensors to ``/dev/shm`` and the server's workers reload them in place through
-``/collective_rpc`` -> ``appliance_reload_weights``: vLLM's ``reload_weights(weights_path=...)``
-plus a fix for tied LM heads, see ``appliance.engines.vllm_worker``) or, without any full copy,
-in buckets (``load_weight_buckets``: each bucket's shared-memory file goes to
-``appliance_load_bucket``, which loads it into the running model) or, for a LoRA run, an adapter
-alone (written as peft files and loaded through ``/v1/load_lora_adapter`` under a new name per
-load; requests name it, and it is loaded again after a restart or a base reload), sleep and
-wake (the dev routes),
-and supervision: a server that dies is restarted and given the current weights again, while calls
-fail fast with the retryable ``EngineUnavailable``. Launching and stopping the process is
-``appliance.engines.vllm_process``; chat templates, tools and HTTP to agents are the proxy's.
+token-in/token-out completions (``/v1/completions`` with a token-id prompt, per-token log-probs
+whose ``token_id:N`` tokens give the sampled ids, streamed when the caller wants each token, over
+the kept-alive connections of ``appliance.engines.http_stream``, each read's events parsed as one
+batch), weight pushes (the tensors are written as safetensors to ``/dev/shm`` and the server's
+workers reload them in place through ``/collective_rpc`` -> ``appliance_reload_weights``: vLLM's
+``reload_weights(weights_path=...)`` plus a fix for tied LM heads, see
+``appliance.engines.vllm_worker``) or, without any full copy, in buckets (``load_weight_buckets``:
+each bucket's shared-memory file goes to ``appliance_load_bucket``, which loads it into the
+running model) or, for a LoRA run, an adapter alone (written as peft files and loaded through
+``/v1/load_lora_adapter`` under a new name per load; requests name it, and it is loaded again
+after a restart or a base reload), sleep and wake (the dev routes), and supervision: a server that
+dies is restarted and given the current weights again, while calls fail fast with the retryable
+``EngineUnavailable``. Launching and stopping the process is ``appliance.engines.vllm_process``;
+chat templates, tools and HTTP to agents are the proxy's.
 
 What vLLM 0.32 returns, measured on the tiny model (float32, CPU): the completion's ids include
 a sampled stop id (so ``finish_reason == "stop"`` ends with it, as the contract wants); the

@@ -420,7 +420,12 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
 
     Explicit stop ids replace the model's end-of-sequence ids (``ignore_eos``), as in the engine
     contract; ids outside the vocabulary (the contract's "never stop" id) are left out, since no
-    sampled token can equal them. ``return_tokens_as_token_ids`` keys the top log-probs by id.
+    sampled token can equal them. ``return_tokens_as_token_ids`` writes each sampled token of the
+    log-probs, and the keys of its alternatives, as ``token_id:N``: that is where the sampled ids
+    are read from. ``return_token_ids`` would send them once more, and with them the whole
+    prompt's ids in every answer (in a stream's first event): a conversation's length of JSON
+    for vLLM to write and for the engine to read on every call (30k ids: ~0.8 ms to parse alone),
+    so only a scored prompt asks for it (its scores are matched to the prompt's ids).
     ``top_k`` is always sent, 0 when off (vLLM 0.32's "off", which it prefers to the -1 of older
     releases; a top_k of at least the vocabulary's size is off too): left out, vLLM would take
     the one in the model's ``generation_config.json``, which the torch engine never applies.
@@ -436,7 +441,7 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k < vocab_size else 0,
         "logprobs": params.top_logprobs,
-        "return_token_ids": True,
+        "return_token_ids": request.prompt_logprobs is not None,
         "return_tokens_as_token_ids": True,
         "skip_special_tokens": False,
         # vLLM scores prompts only in whole answers (``VLLMEngine`` replays the tokens then).
@@ -462,13 +467,13 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
 def parse_choice(response: dict[str, Any]) -> ParsedChoice:
     """The tokens of ``choices[0]`` of a completion response or stream chunk.
 
-    vLLM returns a sampled stop id as the last of ``token_ids`` (with its log-prob), so nothing
-    is added here; the response must end with "stop" or "length".
+    vLLM returns a sampled stop id as the last token (with its log-prob), so nothing is added
+    here; the response must end with "stop" or "length".
     """
     try:
         choice = response["choices"][0]
-        token_ids = tuple(int(t) for t in choice.get("token_ids") or ())
         logprobs_block = choice.get("logprobs") or {}
+        token_ids = tuple(token_ids_of(logprobs_block.get("tokens")))
         logprobs = tuple(float(lp) for lp in logprobs_block.get("token_logprobs") or ())
         tops = tuple(_top(entry) for entry in logprobs_block.get("top_logprobs") or ())
         finish = choice.get("finish_reason")
@@ -490,8 +495,8 @@ def read_chunks(
     for event in events:
         try:
             choice = event["choices"][0]
-            ids = list(map(int, choice.get("token_ids") or ()))
             block = choice.get("logprobs") or {}
+            ids = token_ids_of(block.get("tokens"))
             values = list(map(float, block.get("token_logprobs") or ()))
             if entries := block.get("top_logprobs"):
                 tops.extend(_top(entry) for entry in entries)
@@ -505,6 +510,22 @@ def read_chunks(
         token_ids += ids
         logprobs += values
     return finish
+
+
+#: How ``return_tokens_as_token_ids`` writes a token: this, then its id.
+TOKEN_ID_PREFIX = "token_id:"
+_PREFIX_LENGTH = len(TOKEN_ID_PREFIX)
+
+
+def token_ids_of(tokens: list[str] | None) -> list[int]:
+    """The ids of the sampled tokens of a completion's log-probs (``logprobs.tokens``, each
+    ``token_id:N``); ValueError for a token written otherwise."""
+    if not tokens:
+        return []
+    ids = [int(token[_PREFIX_LENGTH:]) for token in tokens if token[:_PREFIX_LENGTH] == TOKEN_ID_PREFIX]
+    if len(ids) != len(tokens):
+        raise ValueError(f"a sampled token is not written as {TOKEN_ID_PREFIX}N: {tokens!r:.200}")
+    return ids
 
 
 #: What vLLM writes for a log-prob of -inf (a token a grammar forbids): JSON has no infinity.

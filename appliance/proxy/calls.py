@@ -414,7 +414,7 @@ class CallService:
             rollout=call.rollout.rollout,
             call_id=call.call_id,
             surface=call.surface,
-            prompt_ids=tuple(call.rendered.prompt_ids),
+            prompt_ids=call.rendered.prompt_ids,
             response_ids=token_ids,
             response_logprobs=logprobs,
             # The oldest version that sampled any of it (the whole response when not preempted).

@@ -72,7 +72,7 @@ def test_segment_tokenization_equals_whole_text_tokenization(
 ) -> None:
     messages = messages_from_openai(raw)
     rendered = Conversation(tokenizer).render(messages, tools)
-    assert rendered.prompt_ids == tokenizer.encode(render_text(messages, tools))
+    assert list(rendered.prompt_ids) == tokenizer.encode(render_text(messages, tools))
     assert rendered.spliced_tokens == 0
 
 
@@ -89,7 +89,7 @@ def test_sampled_turn_is_spliced_token_for_token(tokenizer: Tokenizer) -> None:
     second = conversation.render([*history, reply, Message("user", "Sure?")])
     assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
     after = second.prompt_ids[len(first.prompt_ids) :]
-    assert after[: len(sampled)] == sampled
+    assert list(after[: len(sampled)]) == sampled
     assert second.spliced_tokens == len(sampled)
     assert second.unmatched_assistant_turns == 0
 
@@ -127,7 +127,7 @@ def test_tool_call_turn_splices_when_echoed_back(tokenizer: Tokenizer) -> None:
     conversation.remember(first.digest, reply, sampled)
     echoed = Message("assistant", "", (ToolCall("client-rewrote-id", "add", '{"a": 1, "b": 2}'),))
     second = conversation.render([*history, echoed, Message("tool", "3", tool_call_id="x")], [ADD])
-    assert second.prompt_ids[: len(first.prompt_ids) + len(sampled)] == first.prompt_ids + sampled
+    assert second.prompt_ids[: len(first.prompt_ids) + len(sampled)] == (*first.prompt_ids, *sampled)
 
 
 def test_incremental_ids_equal_a_fresh_render_after_every_kind_of_edit(tokenizer: Tokenizer) -> None:
@@ -147,7 +147,7 @@ def test_incremental_ids_equal_a_fresh_render_after_every_kind_of_edit(tokenizer
     for messages, tools in requests:
         rendered = conversation.render(messages, tools)
         assert rendered.prompt_ids == Conversation(tokenizer).render(messages, tools).prompt_ids
-        assert rendered.prompt_ids == tokenizer.encode(render_text(messages, tools))
+        assert list(rendered.prompt_ids) == tokenizer.encode(render_text(messages, tools))
         assert rendered.prompt_json == orjson.dumps(rendered.prompt_ids)
 
 
@@ -222,7 +222,7 @@ def test_incremental_ids_equal_a_fresh_render_for_any_sequence_of_requests(
         messages = messages_from_openai([dict(m) for m in raw], memo)
         rendered = conversation.render(messages, tools)
         assert rendered.prompt_ids == Conversation(tokenizer, fmt).render(messages, tools).prompt_ids
-        assert rendered.prompt_ids == tokenizer.encode(render_text(messages, tools, fmt))
+        assert list(rendered.prompt_ids) == tokenizer.encode(render_text(messages, tools, fmt))
         assert rendered.prompt_json == orjson.dumps(rendered.prompt_ids)
 
 
@@ -232,7 +232,7 @@ def test_a_continued_run_of_tool_results_is_one_segment(tokenizer: Tokenizer) ->
     conversation.render(history, [ADD])
     more = [*history, Message("tool", "7", tool_call_id="b")]
     rendered = conversation.render(more, [ADD])
-    assert rendered.prompt_ids == tokenizer.encode(render_text(more, [ADD]))
+    assert list(rendered.prompt_ids) == tokenizer.encode(render_text(more, [ADD]))
     results = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in ("3", "7"))
     run = f"<|im_start|>user{results}<|im_end|>\n"
     assert rendered.tokenized_tokens == len(tokenizer.encode(run))

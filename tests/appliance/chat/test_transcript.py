@@ -20,18 +20,18 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
 def test_a_text_prompt_that_extends_the_last_continues_its_exact_ids(tokenizer: Tokenizer) -> None:
     transcript = Transcript(tokenizer)
     first = transcript.render_text("The answer is")
-    assert first.prompt_ids == tokenizer.encode("The answer is")
+    assert list(first.prompt_ids) == tokenizer.encode("The answer is")
     # Sampled ids that would tokenize differently from their text: kept as sampled.
     sampled = [*tokenizer.encode(" t"), *tokenizer.encode("he"), tokenizer.im_end_id]
     text = tokenizer.decode(sampled[:-1])
     assert tokenizer.encode(text) != sampled[:-1]
     transcript.remember(first, Message("assistant", text), sampled, text, (tokenizer.im_end_id,))
     second = transcript.render_text("The answer is" + text + ". Why?")
-    assert second.prompt_ids == [*first.prompt_ids, *sampled[:-1], *tokenizer.encode(". Why?")]
+    assert second.prompt_ids == (*first.prompt_ids, *sampled[:-1], *tokenizer.encode(". Why?"))
     assert second.spliced_tokens == len(first.prompt_ids) + len(sampled) - 1
     assert second.tokenized_tokens == len(tokenizer.encode(". Why?"))
     # Another text starts afresh.
-    assert transcript.render_text("Unrelated").prompt_ids == tokenizer.encode("Unrelated")
+    assert list(transcript.render_text("Unrelated").prompt_ids) == tokenizer.encode("Unrelated")
 
 
 def test_a_completion_cut_at_a_stop_string_is_not_continued(tokenizer: Tokenizer) -> None:
@@ -40,15 +40,15 @@ def test_a_completion_cut_at_a_stop_string_is_not_continued(tokenizer: Tokenizer
     sampled = tokenizer.encode(" b STOP c")
     transcript.remember(first, Message("assistant", " b "), sampled, " b ", ())
     # The client saw "a b " only; the ids hold more, so they cannot stand for that text.
-    assert transcript.render_text("a b  more").prompt_ids == tokenizer.encode("a b  more")
+    assert list(transcript.render_text("a b  more").prompt_ids) == tokenizer.encode("a b  more")
 
 
 def test_empty_and_token_prompts(tokenizer: Tokenizer) -> None:
     transcript = Transcript(tokenizer)
-    assert transcript.render_text("").prompt_ids == [tokenizer.document_start_id]
+    assert list(transcript.render_text("").prompt_ids) == [tokenizer.document_start_id]
     ids = tokenizer.encode("hello there")
     rendered = transcript.render_text(tuple(ids))
-    assert (rendered.prompt_ids, rendered.text) == (ids, "hello there")
+    assert (rendered.prompt_ids, rendered.text) == (tuple(ids), "hello there")
     with pytest.raises(BadRequest, match="token ids must lie in"):
         transcript.render_text((tokenizer.vocab_size,))
 
@@ -61,5 +61,5 @@ def test_chat_turns_are_spliced_through_the_transcript(tokenizer: Tokenizer) -> 
     reply = Message("assistant", tokenizer.decode(sampled[:-1]))
     transcript.remember(first, reply, sampled, reply.content, (tokenizer.im_end_id,))
     second = transcript.render_chat([*history, reply, Message("user", "again")])
-    assert second.prompt_ids[: len(first.prompt_ids) + len(sampled)] == [*first.prompt_ids, *sampled]
+    assert second.prompt_ids[: len(first.prompt_ids) + len(sampled)] == (*first.prompt_ids, *sampled)
     assert second.spliced_tokens == len(sampled)

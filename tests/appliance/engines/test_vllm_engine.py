@@ -110,12 +110,17 @@ class TestVLLMEngine(EngineContract):
         self, engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """vLLM sends the first token alone, then ``stream_interval`` tokens per event, then the
-        rest at the end: 20 tokens in batches of 8 come as 1 + 8 + 8 + 3, not 20 events."""
+        rest at the end: 20 tokens in batches of 8 come as 1 + 8 + 8 + 3, not 20 events. No
+        event echoes the prompt's ids (nor the sampled ones: they are the log-probs' tokens)."""
         sizes: list[int] = []  # tokens per streamed event
+        echoed: list[str] = []
         real_read = vllm_process.read_chunks
 
         def read_chunks(events: list[dict[str, Any]], *lists: Any) -> str | None:
-            sizes.extend(len(event["choices"][0].get("token_ids") or ()) for event in events)
+            for event in events:
+                choice = event["choices"][0]
+                sizes.append(len((choice.get("logprobs") or {}).get("tokens") or ()))
+                echoed.extend(key for key in ("prompt_token_ids", "token_ids") if choice.get(key) is not None)
             return real_read(events, *lists)
 
         monkeypatch.setattr("appliance.engines.vllm_engine.read_chunks", read_chunks)
@@ -126,6 +131,7 @@ class TestVLLMEngine(EngineContract):
         result = await engine.generate(request)
         assert len(result.token_ids) == 20
         assert [n for n in sizes if n] == [1, 8, 8, 3]
+        assert echoed == []
 
     @pytest.mark.parametrize(
         ("temperature", "top_p"),

@@ -1,4 +1,5 @@
-"""The ``/v1/completions`` body the vLLM engine sends for a request (no server needed)."""
+"""The ``/v1/completions`` body the vLLM engine sends for a request, and how it reads vLLM's
+answers (no server needed; tests/appliance/engines/test_vllm_engine.py holds them to a real one)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import orjson
 import pytest
 
 from appliance.engines.base import GenerateRequest, SamplingParams
-from appliance.engines.vllm_process import completion_body, encode_json
+from appliance.engines.vllm_process import completion_body, encode_json, parse_choice, read_chunks
+from appliance.errors import EngineUnavailable
 
 VOCAB = 1002
 
@@ -33,3 +35,40 @@ def test_a_prompt_already_written_as_json_gives_the_same_body(seed: int | None) 
     written = encode_json(body, prompt_json=orjson.dumps(prompt))
     assert written == encode_json(body)
     assert json.loads(written)["prompt"] == prompt
+
+
+@pytest.mark.parametrize("prompt_logprobs", [None, 0, 3])
+def test_only_a_scored_prompt_asks_for_the_prompt_ids_back(prompt_logprobs: int | None) -> None:
+    """``return_token_ids`` would echo the whole prompt's ids in every answer; the sampled ids
+    come from the log-probs' tokens (``token_id:N``), so only a scored prompt asks for them."""
+    request = GenerateRequest(prompt_ids=[1, 2, 3], params=SamplingParams(), prompt_logprobs=prompt_logprobs)
+    body = completion_body(request, "policy", VOCAB)
+    assert body["return_token_ids"] is (prompt_logprobs is not None)
+    assert body["return_tokens_as_token_ids"] is True
+    assert body["logprobs"] == 0
+
+
+def choice(tokens: list[str], logprobs: list[float], finish: str | None = "stop") -> dict[str, object]:
+    """A completion as vLLM 0.32 writes it without ``return_token_ids``."""
+    block = {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
+    return {"choices": [{"index": 0, "text": "x", "logprobs": block, "finish_reason": finish}]}
+
+
+def test_the_sampled_ids_are_read_from_the_log_prob_tokens() -> None:
+    whole = parse_choice(choice(["token_id:5", "token_id:151645"], [-0.5, -0.25]))
+    assert (whole.token_ids, whole.logprobs, whole.finish_reason) == ((5, 151645), (-0.5, -0.25), "stop")
+    ids: list[int] = []
+    logprobs: list[float] = []
+    events = [choice(["token_id:7"], [-1.0], None), choice(["token_id:8", "token_id:0"], [-2.0, -3.0])]
+    assert read_chunks(events, ids, logprobs, []) == "stop"
+    assert (ids, logprobs) == ([7, 8, 0], [-1.0, -2.0, -3.0])
+
+
+@pytest.mark.parametrize("token", ["7", "hello", "token_id:", "token_id:x", "id:7"])
+def test_a_sampled_token_not_written_as_its_id_is_refused(token: str) -> None:
+    """A server that writes tokens as text (``return_tokens_as_token_ids`` ignored) fails the call
+    with the retryable error, not with ids read from text."""
+    with pytest.raises(EngineUnavailable, match="unexpected shape"):
+        parse_choice(choice(["token_id:5", token], [-0.5, -0.5]))
+    with pytest.raises(EngineUnavailable, match="unexpected shape"):
+        read_chunks([choice([token], [-0.5])], [], [], [])
