@@ -119,8 +119,8 @@ def messages_from_openai(raw: Any, memo: MessageMemo | None = None) -> list[Mess
     the deprecated ``function`` as ``tool``).
 
     With a memo (given, or set by ``reading_conversation``), the messages the conversation sent
-    last time are taken from it when they come again unchanged, and the memo then holds this
-    array."""
+    last time are taken from it when they come again unchanged (their converted messages, and in
+    ``raw`` their JSON objects), and the memo then holds this array."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     if memo is None:
@@ -142,6 +142,16 @@ def messages_from_openai(raw: Any, memo: MessageMemo | None = None) -> list[Mess
         if memo is not None and not _exact(item):
             inexact.append(i)
     if memo is not None:
+        if start:
+            # ``raw`` (the request, as its call records it) keeps the memo's objects for what it
+            # repeats: equal values, so the same request (an object's key order aside), and a
+            # recorded call holds only what it added, not another copy of the conversation; the
+            # store's comparison with the last call's request then meets the same objects. A
+            # message with a number or a boolean stays the request's own.
+            repeated = memo.raw[:]
+            for i in memo.inexact:
+                repeated[i] = raw[i]
+            raw[:start] = repeated
         memo.raw, memo.messages, memo.inexact = raw[:], out[:], inexact
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
@@ -34,6 +35,22 @@ def test_repeated_messages_are_taken_from_the_memo() -> None:
     assert second == messages_from_openai(longer)
     assert all(a is b for a, b in zip(first, second, strict=False))
     assert len(second) == len(longer)
+
+
+def test_a_request_keeps_the_objects_of_the_messages_it_repeats() -> None:
+    """A recorded call holds what it added, not another copy of its conversation: the repeated
+    messages of the request become the memo's objects, except one with a number (equal to a
+    boolean, so it stays the request's own)."""
+    memo = MessageMemo()
+    history = [*copy.deepcopy(HISTORY), {"role": "tool", "tool_call_id": 7, "content": "r"}]
+    messages_from_openai(history, memo)
+    longer = [*copy.deepcopy(history), {"role": "user", "content": "next"}]
+    added = longer[-1]
+    converted = messages_from_openai(longer, memo)
+    assert converted == messages_from_openai(copy.deepcopy(longer))
+    assert longer == [*history, {"role": "user", "content": "next"}]
+    assert [a is b for a, b in zip(longer, history, strict=False)] == [True] * len(HISTORY) + [False]
+    assert longer[-1] is added
 
 
 def test_numbers_and_booleans_are_converted_every_time() -> None:
