@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import gc
 import io
 import json
 import os
@@ -286,6 +287,11 @@ def cpu_seconds(pid: int | None) -> float:
         return time.process_time()
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (``/proc/self/statm``)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def event_loop_seconds() -> float:
@@ -737,8 +743,11 @@ async def history(calls: int, profile: Path | None) -> None:
                     rollouts.append((length, f"{app.proxy_url}/rollouts/{active.rollout}/v1/chat/completions",
                                      active.token))  # fmt: skip
                 spec = {"rollouts": rollouts, "calls": calls}
+                resident = resident_bytes()
                 with profiled(profile) as profiler:
                     result, marks = await run_child(["--conversation", json.dumps(spec)], None, profiler)
+                gc.collect()
+                grown = resident_bytes() - resident
     print(
         f"one client; each conversation grown with ~{GROW_WORDS}-word user turns to its length, then "
         f"{calls} calls each adding the last answer and a {NEW_WORDS}-word user turn; "
@@ -751,6 +760,11 @@ async def history(calls: int, profile: Path | None) -> None:
             f"{r['length']:>8} {r['messages']:>8} {r['start']:>7}-{r['end']:<7} "
             f"{cpu * 1e6:>7.0f} us {statistics.median(r['latencies']) * 1e3:>6.2f} ms"
         )
+    calls = sum(len(r["latencies"]) for r in result["rollouts"])
+    print(
+        f"the appliance's resident memory grew by {grown / 2**20:.1f} MiB over the conversations' "
+        f"{calls} measured and their growing calls (it keeps the calls of rollouts no step consumed)"
+    )
 
 
 # -- the tiny model in process vs through the proxy ------------------------------------------
