@@ -7,9 +7,17 @@ import json
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from appliance.engines.base import GenerateRequest, SamplingParams
-from appliance.engines.vllm_process import completion_body, encode_json, parse_choice, read_chunks
+from appliance.engines.vllm_process import (
+    completion_body,
+    encode_json,
+    parse_choice,
+    read_chunks,
+    token_ids_of,
+)
 from appliance.errors import EngineUnavailable
 
 VOCAB = 1002
@@ -64,7 +72,16 @@ def test_the_sampled_ids_are_read_from_the_log_prob_tokens() -> None:
     assert (ids, logprobs) == ([7, 8, 0], [-1.0, -2.0, -3.0])
 
 
-@pytest.mark.parametrize("token", ["7", "hello", "token_id:", "token_id:x", "id:7"])
+@given(st.lists(st.integers(min_value=0, max_value=2**63 - 1), max_size=300))
+def test_every_id_written_as_a_token_is_read_back(ids: list[int]) -> None:
+    assert token_ids_of([f"token_id:{i}" for i in ids]) == ids
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["7", "hello", "token_id:", "token_id:x", "id:7", "token_id:-1", "token_id:1.5", "token_id:١",
+     "token_id:007", "token_id:1,token_id:2", "token_id:1token_id:2", " token_id:1", "token_id:\ud800"],
+)  # fmt: skip
 def test_a_sampled_token_not_written_as_its_id_is_refused(token: str) -> None:
     """A server that writes tokens as text (``return_tokens_as_token_ids`` ignored) fails the call
     with the retryable error, not with ids read from text."""
@@ -72,3 +89,8 @@ def test_a_sampled_token_not_written_as_its_id_is_refused(token: str) -> None:
         parse_choice(choice(["token_id:5", token], [-0.5, -0.5]))
     with pytest.raises(EngineUnavailable, match="unexpected shape"):
         read_chunks([choice([token], [-0.5])], [], [], [])
+
+
+def test_a_sampled_token_that_is_not_a_string_is_refused() -> None:
+    with pytest.raises(EngineUnavailable, match="unexpected shape"):
+        parse_choice(choice(["token_id:5", 6], [-0.5, -0.5]))  # type: ignore[list-item]
