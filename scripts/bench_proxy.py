@@ -760,10 +760,10 @@ async def history(calls: int, profile: Path | None) -> None:
             f"{r['length']:>8} {r['messages']:>8} {r['start']:>7}-{r['end']:<7} "
             f"{cpu * 1e6:>7.0f} us {statistics.median(r['latencies']) * 1e3:>6.2f} ms"
         )
-    calls = sum(len(r["latencies"]) for r in result["rollouts"])
     print(
         f"the appliance's resident memory grew by {grown / 2**20:.1f} MiB over the conversations' "
-        f"{calls} measured and their growing calls (it keeps the calls of rollouts no step consumed)"
+        f"{calls * len(result['rollouts'])} measured and their growing calls (it keeps the calls of "
+        "rollouts no step consumed)"
     )
 
 
