@@ -9,14 +9,8 @@ controller and the scheduler, and on exit stops them in reverse order (every bac
 cancelled and awaited). Each part is built from its section of the config (``config.engine``,
 ``config.trainer``, ``config.scheduler``, ``config.proxy``, ``config.harness``) plus what only
 the run knows (the model's name, the admin token, the placement plan, the held-out tasks).
-Once every part has started, what exists then (imported modules, torch's among them, the model,
-the parts' state: all of it lives as long as the process) is collected once and moved out of
-the cyclic collector's sight (``gc.freeze``, once per process), so a full collection while
-serving does not walk it all again (about 0.4 s with torch imported, every thousand calls or so).
-From then on the youngest generation is collected every ``GC_YOUNG_THRESHOLD`` allocations
-instead of Python's 700: a call's large short-lived containers (a long conversation's parsed
-request, its prompt's ids) are then seldom alive when a collection runs, which walks each of
-them (measured at 30k tokens: ten collections per hundred calls, 2.5 ms each, without it).
+Once every part has started, the process's collector is set for serving (``appliance.collector``:
+what exists then is frozen, the youngest generation collected less often).
 Nothing else constructs these parts for a real run, so tests that build an ``Appliance``
 exercise the production wiring.
 
@@ -34,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import secrets
@@ -50,6 +43,7 @@ import torch
 from appliance import preflight
 from appliance.chat.formats import detect_format
 from appliance.chat.tokenizer import Tokenizer
+from appliance.collector import freeze_startup_objects
 from appliance.config import ApplianceConfig
 from appliance.controller import RolloutController
 from appliance.engines.base import Engine
@@ -359,7 +353,7 @@ class Appliance:
         )
         if self._stop_requested:
             self.runner.request_stop()
-        _freeze_startup_objects()
+        freeze_startup_objects()
 
     async def evaluate(self, tasks: Sequence[Task], *, split: str, repeat: int = 1) -> EvaluationCompleted:
         """Run every task ``repeat`` times on the policy served now, with no training, and record
@@ -484,24 +478,6 @@ class Appliance:
         await self.training.checkpoint(state, "shutdown")
         exported = await self.training.export(state, self.config.export_path)
         log.info("exported policy v%d to %s", exported.policy_version, exported.path)
-
-
-_frozen = False
-#: Allocations between two collections of the youngest generation, once serving (module docstring).
-GC_YOUNG_THRESHOLD = 10_000
-
-
-def _freeze_startup_objects() -> None:
-    """Once per process, when the appliance has started: collect, then move every object left
-    out of the cyclic collector's sight, and collect the youngest generation less often (see the
-    module docstring)."""
-    global _frozen
-    if not _frozen:
-        _frozen = True
-        gc.collect()
-        gc.freeze()
-        _young, *older = gc.get_threshold()
-        gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
 
 
 def _admin_token(path: Path) -> str:

@@ -5,7 +5,8 @@ Prints:
 1. Durable events/s at 64 and 512 concurrent appenders (each appending one event at a time and
    waiting for its commit, as the proxy's calls do), next to SQLite alone doing the same
    transactions of 64 and 512 ready-made rows (BEGIN IMMEDIATE, head check, executemany, COMMIT)
-   through stdlib sqlite3 and through aiosqlite, and the ratios; then group commit vs one commit
+   through stdlib sqlite3 and through aiosqlite, and the ratios (the store twice: with Python's
+   collector as it comes, and as a started appliance runs it); then group commit vs one commit
    per event, and the cost of the checksum chain per event.
 2. How fast the chain of the resulting log verifies on open.
 3. Bytes per stored token for long multi-call rollouts, with sharing (a call's prompt stored as a
@@ -43,6 +44,7 @@ from typing import Any
 
 import aiosqlite
 
+from appliance.collector import GC_YOUNG_THRESHOLD, serving_collector
 from store import (
     EventStore,
     LLMCallCompleted,
@@ -367,21 +369,34 @@ async def main() -> None:
                 run = await group_commit(root / f"group-{tag}.db", events, appenders)
                 runs[appenders].append(run)
                 rates.setdefault((appenders, "store"), []).append(run.rate)
+                with serving_collector():  # as a started appliance runs Python's collector
+                    served = await group_commit(root / f"served-{tag}.db", events, appenders)
+                rates.setdefault((appenders, "served"), []).append(served.rate)
         print(
-            f"{'appenders':>9} {'store':>8} {'sqlite3':>8} {'aiosqlite':>9}"
-            "  store/sqlite3 (range)   store/aiosqlite (range)  events/commit"
+            f"{'appenders':>9} {'store':>8} {'up-gc':>8} {'sqlite3':>8} {'aiosqlite':>9}"
+            "  store/sqlite3 (range)   store/aiosqlite (range)  up-gc/sqlite3 (range)  events/commit"
         )
         for appenders in (64, 512):
-            store_r, sqlite3_r, aio_r = (rates[appenders, name] for name in ("store", "sqlite3", "aiosqlite"))
+            store_r, served_r, sqlite3_r, aio_r = (
+                rates[appenders, name] for name in ("store", "served", "sqlite3", "aiosqlite")
+            )
             vs_sqlite3 = [a / b for a, b in zip(store_r, sqlite3_r, strict=True)]
             vs_aio = [a / b for a, b in zip(store_r, aio_r, strict=True)]
+            served_vs = [a / b for a, b in zip(served_r, sqlite3_r, strict=True)]
             commits = statistics.median(r.commits for r in runs[appenders])
             print(
-                f"{appenders:>9} {statistics.median(store_r):>8.0f} {statistics.median(sqlite3_r):>8.0f}"
-                f" {statistics.median(aio_r):>9.0f}  {statistics.median(vs_sqlite3):>5.2f}x"
-                f" ({min(vs_sqlite3):.2f}-{max(vs_sqlite3):.2f})  {statistics.median(vs_aio):>10.2f}x"
-                f" ({min(vs_aio):.2f}-{max(vs_aio):.2f})  {args.events / commits:>12.0f}"
+                f"{appenders:>9} {statistics.median(store_r):>8.0f} {statistics.median(served_r):>8.0f}"
+                f" {statistics.median(sqlite3_r):>8.0f} {statistics.median(aio_r):>9.0f}"
+                f"  {statistics.median(vs_sqlite3):>5.2f}x ({min(vs_sqlite3):.2f}-{max(vs_sqlite3):.2f})"
+                f"  {statistics.median(vs_aio):>10.2f}x ({min(vs_aio):.2f}-{max(vs_aio):.2f})"
+                f"  {statistics.median(served_vs):>8.2f}x ({min(served_vs):.2f}-{max(served_vs):.2f})"
+                f"  {args.events / commits:>12.0f}"
             )
+        print(
+            "(up-gc: the store again with Python's collector as a started appliance runs it:"
+            " what exists then frozen, the youngest generation collected every"
+            f" {GC_YOUNG_THRESHOLD:,} allocations; appliance.collector)"
+        )
         print("\nwhere the store's wall time goes (median over rounds):")
         for appenders in (64, 512):
             floor = statistics.median(

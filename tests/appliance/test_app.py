@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from appliance.app import GC_YOUNG_THRESHOLD, Appliance
+from appliance.app import Appliance
 from appliance.chat.render import GENERATION_PROMPT
+from appliance.collector import GC_YOUNG_THRESHOLD
 from appliance.engines.base import GenerateRequest, GenerateResult
 from appliance.engines.buckets import WeightBucket
 from appliance.errors import BadRequest
