@@ -4,7 +4,9 @@ Owns ``Appliance``: it locks the data directory (one appliance per directory, he
 exits) and runs the preflight checks (``appliance.preflight``) before anything loads, so a
 start that cannot work fails in one line with nothing written; then it opens the store,
 replays the log into the run's state, recovers what a crash left behind, loads the engine and
-the trainer at the stored policy version, starts the proxy, the live projection, the rollout
+the trainer at the stored policy version (collocated on GPUs: the engine started, then asleep
+while the trainer is built and restored, then the trainer offloaded and the engine woken, so
+the two never hold their full memory at once), starts the proxy, the live projection, the rollout
 controller and the scheduler, and on exit stops them in reverse order (every background loop
 cancelled and awaited). Each part is built from its section of the config (``config.engine``,
 ``config.trainer``, ``config.scheduler``, ``config.proxy``, ``config.harness``) plus what only
@@ -206,6 +208,13 @@ class Appliance:
         )
         await self.engine.start()
         self._stack.push_async_callback(self.engine.close)
+        # Collocated on GPUs, the trainer is built and restored while the engine sleeps, and
+        # offloaded before it wakes: awake, vLLM holds its fraction of each GPU, and the trainer's
+        # fp32 weights beside it would overcommit the GPU (the plan's start-up phases,
+        # ``appliance.placement_planner``).
+        collocated = on_gpus and plan is not None and plan.placement == "collocated"
+        if collocated:
+            await self.engine.sleep(config.scheduler.sleep_level)
 
         train = config.trainer
         verl = train.backend == "verl"
@@ -231,7 +240,8 @@ class Appliance:
             if verl
             else CheckpointStore(config.checkpoint_dir, keep=train.keep_checkpoints)
         )
-        bf16 = train.param_dtype == "bf16" or (train.param_dtype is None and config.device.startswith("cuda"))
+        # The one dtype the trainer computes in and vLLM serves in (``config.engine_dtype``).
+        dtype = getattr(torch, config.engine_dtype())
         self.training = training = TrainingService(
             trainer=trainer,
             checkpoints=checkpoints,
@@ -241,14 +251,23 @@ class Appliance:
             checkpoint_every=train.checkpoint_every,
             push_bucket_bytes=train.push_bucket_mb << 20,
             keep_versions=train.keep_versions,
-            weights_dtype=torch.bfloat16 if verl and bf16 else None,
-            # A trainer computing in bf16 hands the engine bf16 weights (half the bytes).
-            push_dtype=torch.bfloat16 if verl and bf16 else None,
+            weights_dtype=torch.bfloat16 if verl and dtype == torch.bfloat16 else None,
+            # A trainer computing in 16 bits hands the engine weights in that dtype, the one it
+            # serves in (half the bytes of fp32).
+            push_dtype=dtype if verl and dtype != torch.float32 else None,
             weight_group=config.weight_group_backend(),
         )
         self._stack.push_async_callback(training.close)
+
+        async def hand_over() -> None:
+            """The GPU from the trainer to the engine, as after every step."""
+            await training.offload()
+            await self.engine.wake()
+
         if state.policy_version > 0:
-            await training.restore(state)
+            await training.restore(state, before_push=hand_over if collocated else None)
+        elif collocated:
+            await hand_over()
 
         proxy = config.proxy
         gate = ServingGate(hold_timeout_s=proxy.hold_timeout_s)

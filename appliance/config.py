@@ -56,6 +56,8 @@ VERL_ONLY = (
 )
 #: What ``param_dtype`` may name.
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
+#: The torch name of each of them (what vLLM's ``--dtype`` takes).
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: What ``push_transport`` may name.
 PUSH_TRANSPORTS = ("auto", "files", "group")
 
@@ -168,7 +170,8 @@ class TrainerConfig:
     #: How the pushed weights reach the engine: "files" (buckets in shared memory, any engine),
     #: "group" (verl's rank 0 broadcasts each bucket to vLLM's workers over a process group: NCCL
     #: GPU to GPU, gloo on CPU) or "auto" (group with split placement on GPUs, where the trainer's
-    #: GPUs are not vLLM's; files otherwise: NCCL cannot join two ranks on one GPU).
+    #: GPUs are not vLLM's; files otherwise: NCCL cannot join two ranks on one GPU, so "group"
+    #: with placement = "collocated" on cuda is refused).
     push_transport: str = "auto"
     #: verl only: LoRA adapters of this rank instead of full fine-tuning (0: full fine-tuning),
     #: and their alpha (None: 2 * lora_rank).
@@ -180,7 +183,8 @@ class TrainerConfig:
     #: separates them by their position ids); False pads them to the longest.
     remove_padding: bool = True
     #: verl only: dtype of the FSDP parameters, "bf16", "fp16" or "fp32" (None: bf16 on cuda,
-    #: fp32 on cpu); gradients are reduced and kept in fp32.
+    #: fp32 on cpu); gradients are reduced and kept in fp32. vLLM serves in the same dtype and the
+    #: weights are pushed in it (see ``compute_dtype``).
     param_dtype: str | None = None
     #: verl only: weight of the KL penalty to the initial policy (0: no reference model is
     #: loaded) and verl's KL estimator ("low_var_kl", "kl", "mse", ...).
@@ -247,6 +251,16 @@ class TrainerConfig:
 
         return max(1, torch.cuda.device_count())
 
+    def compute_dtype(self, device: str) -> str:
+        """The dtype the trainer computes in on ``device`` ("bf16", "fp16" or "fp32"), which is
+        also the one vLLM serves in (``ApplianceConfig.engine_dtype``) and the weights are pushed
+        in: ``param_dtype``, else bf16 for verl on cuda and fp32 otherwise (the torch backend
+        computes in fp32 everywhere). One dtype on both sides keeps the sampler's log-probs the
+        trainer's (a float32 checkpoint served as stored would differ from bf16 training)."""
+        if self.param_dtype is not None:
+            return self.param_dtype
+        return "bf16" if self.backend == "verl" and device.startswith("cuda") else "fp32"
+
     def options(self, *, device: str, temperature: float | None) -> dict[str, Any]:
         """Keyword arguments of ``trainer.factory.make_trainer(self.backend, model_dir, **options)``
         on ``device``, for samples drawn at ``temperature`` (the proxy's; None: the client's,
@@ -265,6 +279,8 @@ class TrainerConfig:
         }
         if self.backend == "verl":
             options.update({name: getattr(self, name) for name in VERL_ONLY})
+            # Decided here, once, for the trainer and the engine alike.
+            options["param_dtype"] = self.compute_dtype(device)
         return options
 
 
@@ -503,6 +519,18 @@ class ApplianceConfig:
                 'push_transport = "group" needs engine = "vllm" and trainer = "verl" (the trainer\'s '
                 "rank 0 broadcasts to vLLM's workers); use files"
             )
+        # Known once the device is: as built for "cuda", when "auto" resolves for "auto"
+        # (``with_resolved_device`` replaces the device, which checks the whole again).
+        if (
+            self.trainer.push_transport == "group"
+            and self.placement == "collocated"
+            and self.device.startswith("cuda")
+        ):
+            raise ConfigError(
+                'push_transport = "group" cannot be used with placement = "collocated" on cuda: the '
+                "trainer's rank 0 and a vLLM worker would be two NCCL ranks on one GPU, which NCCL "
+                "refuses; use --push-transport files (or auto) or --placement split"
+            )
 
     def weight_group_backend(self) -> str | None:
         """The process-group backend pushes go over (``push_transport``): "nccl" on GPUs, "gloo"
@@ -536,6 +564,11 @@ class ApplianceConfig:
     @property
     def models_dir(self) -> Path:
         return self.data_dir / "models"
+
+    def engine_dtype(self) -> str:
+        """vLLM's ``--dtype``: the torch name of the trainer's compute dtype on this config's
+        device (``TrainerConfig.compute_dtype``): "bfloat16" for verl on cuda, "float32" on cpu."""
+        return TORCH_DTYPES[self.trainer.compute_dtype(self.device)]
 
     def resolved_trainer_ranks(self) -> int:
         """The trainer's ranks on this config's device (``TrainerConfig.resolved_ranks``)."""

@@ -13,7 +13,10 @@ What fails and what only warns: a fail is what makes the run this config describ
 silently waste the machine (torch missing, GPUs visible to a CPU build of torch, device =
 "cuda" without one, too little disk, verl missing for trainer = "verl", vLLM missing or broken
 for engine = "vllm"). vLLM's venv is a warning when the engine is torch: only ``--engine vllm``
-needs it, and ``doctor --engine vllm`` makes it a failure.
+needs it, and ``doctor --engine vllm`` makes it a failure. Two venvs with different torch
+releases (on CUDA also different NCCL versions) fail whatever the engine: NCCL refuses a group
+of mismatched ranks at init, and the venvs are one install (the Makefile pins one torch per
+build for both), so one of them is stale.
 """
 
 from __future__ import annotations
@@ -191,6 +194,42 @@ def check_vllm(f: Facts) -> Check:
     return Check("vllm", "ok", summary)
 
 
+def check_venvs(f: Facts) -> Check:
+    """One torch in the trainer's venv and vLLM's: a weight push joins both in one process group,
+    and NCCL refuses ranks of different versions ("Mismatched NCCL version detected")."""
+    v = f.vllm
+    if f.engine == "vllm" and f.vllm_url:
+        return Check("venvs", "ok", f"vLLM at {f.vllm_url}: its torch is not seen from here")
+    if not v.exists:
+        return Check("venvs", "ok", "one venv (no vLLM venv): nothing to compare")
+    if f.torch_version is None or v.torch_version is None:
+        why = "not probed (--no-vllm)" if not v.probed else "vLLM's venv did not answer"
+        return Check("venvs", "ok", f"torch of the two venvs not compared: {why}")
+    ours = f"{f.torch_version} at {f.python_executable}"
+    theirs = f"{v.torch_version} at {v.python}"
+    if _release(f.torch_version) != _release(v.torch_version):
+        return Check(
+            "venvs",
+            "fail",
+            f"torch {ours} but {theirs}: NCCL refuses ranks of different versions",
+            "rebuild the venv whose torch is not the Makefile's for this build (make vllm checks both "
+            "and names it): rm -rf .venv && make bootstrap, or make clean-vllm && make vllm",
+        )
+    if f.torch_nccl != v.torch_nccl and "cuda" in (f.torch_build, v.torch_build):
+        nccl = f"NCCL {f.torch_nccl or 'unknown'} in torch {ours}, {v.torch_nccl or 'unknown'} in {theirs}"
+        if f.torch_nccl and v.torch_nccl:
+            return Check(
+                "venvs",
+                "fail",
+                f"{nccl}: NCCL refuses ranks of different versions",
+                "one torch build in both (another index's build or a reinstalled nvidia-nccl brings "
+                "another NCCL): rm -rf .venv && make bootstrap without TORCH_PIP_ARGS (PyPI's, as vLLM's)",
+            )
+        return Check("venvs", "ok", f"torch {_release(f.torch_version)} in both; {nccl}")
+    nccl = f", NCCL {f.torch_nccl}" if f.torch_nccl else ""
+    return Check("venvs", "ok", f"torch {_release(f.torch_version)} in both venvs{nccl}")
+
+
 def check_ram(f: Facts) -> Check:
     if f.ram_total_bytes is None or f.ram_available_bytes is None:
         return Check(
@@ -262,6 +301,7 @@ CHECKS: tuple[Callable[[Facts], Check], ...] = (
     check_device,
     check_verl,
     check_vllm,
+    check_venvs,
     check_ram,
     check_cpu,
     check_shm,
@@ -306,6 +346,11 @@ def _build_text(build: str | None, cuda: str | None) -> str:
     if build == "cuda":
         return f"CUDA {cuda} build" if cuda else "CUDA build"
     return "CPU build" if build == "cpu" else "build unknown"
+
+
+def _release(version: str) -> str:
+    """A version without its local label: "2.13.0+cpu" -> "2.13.0"."""
+    return version.split("+", 1)[0]
 
 
 def _gpu_count(n: int) -> str:

@@ -1,17 +1,17 @@
 """What ``lightning-appliance doctor`` looks at: this machine and the venvs, gathered once.
 
-Owns :class:`Facts` (the trainer venv's torch and its build, the GPUs and their free memory,
-vLLM's venv and its build, ``/dev/shm``, disk, RAM, CPUs, verl, Python, and the config's
-settings they are measured against) and :func:`gather`, the only part of ``doctor`` that
-touches the machine: it imports torch and verl, reads the GPUs and host RAM as ``plan`` and
-``up`` do (``appliance.machine``: ``nvidia-smi`` first, torch's view only where it does not
-answer), and probes vLLM's interpreter in a subprocess with a timeout (the slow part, ~5 s
-here; ``probe_vllm=False`` skips it), while the rest is measured.
+Owns :class:`Facts` (the trainer venv's torch, its build and its NCCL, the GPUs and their free
+memory, vLLM's venv, its build, its torch and that torch's NCCL, ``/dev/shm``, disk, RAM, CPUs,
+verl, Python, and the config's settings they are measured against) and :func:`gather`, the
+only part of ``doctor`` that touches the machine: it imports torch and verl, reads the GPUs and
+host RAM as ``plan`` and ``up`` do (``appliance.machine``: ``nvidia-smi`` first, torch's view
+only where it does not answer), and probes vLLM's interpreter in a subprocess with a timeout
+(the slow part, ~5 s here; ``probe_vllm=False`` skips it), while the rest is measured.
 
 It does not own the checks over the facts nor the report (``appliance.doctor``: pure, tested
-with made-up facts), nor how the venvs are built (the Makefile: ``make bootstrap`` records the
-torch build it installed in ``.venv/.torch-build``, ``make vllm-cpu`` / ``make vllm-gpu`` leave
-``.vllm-cpu`` / ``.vllm-gpu`` in ``.venv-vllm``).
+with made-up facts), nor how the venvs are built (the Makefile: one torch release per build for
+both venvs; ``make bootstrap`` records the torch build it installed in ``.venv/.torch-build``,
+``make vllm-cpu`` / ``make vllm-gpu`` leave ``.vllm-cpu`` / ``.vllm-gpu`` in ``.venv-vllm``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,17 @@ VLLM_PROBE_TIMEOUT_S = 60.0
 TORCH_STAMP = ".torch-build"
 VLLM_STAMPS = {".vllm-cpu": "cpu", ".vllm-gpu": "cuda"}
 
-_PROBE = (
-    "import json, torch, vllm; "
-    "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, 'cuda': torch.version.cuda}))"
-)
+#: Run by vLLM's interpreter: its vLLM, its torch, and that torch's NCCL (CUDA builds).
+_PROBE = """
+import json, torch, vllm
+try:
+    import torch.cuda.nccl as nccl
+    version = ".".join(str(part) for part in nccl.version()) if torch.version.cuda else None
+except Exception:
+    version = None
+print(json.dumps({"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": version}))
+"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +69,8 @@ class VllmFacts:
     #: "cuda" or "cpu": from the probe, else from the stamp; None: unknown.
     torch_build: str | None = None
     torch_cuda: str | None = None
+    #: ``torch.cuda.nccl.version()`` of its torch, "2.30.7" (None: a CPU build, or not probed).
+    torch_nccl: str | None = None
     #: Why the probe failed (the import's last error line, or the timeout).
     error: str | None = None
 
@@ -78,6 +87,9 @@ class Facts:
     #: "cuda" or "cpu" (``torch.version.cuda`` set or not).
     torch_build: str | None
     torch_cuda: str | None = None
+    #: ``torch.cuda.nccl.version()``, "2.30.7": what a weight push's NCCL group checks against
+    #: vLLM's (None: a CPU build, or NCCL not loadable).
+    torch_nccl: str | None = None
     torch_error: str | None = None
     #: What ``make bootstrap`` recorded in ``<venv>/.torch-build`` (None: no stamp).
     torch_stamp: str | None = None
@@ -170,8 +182,20 @@ def _torch_facts() -> dict[str, Any]:
         "torch_version": torch.__version__,
         "torch_build": "cuda" if cuda else "cpu",
         "torch_cuda": cuda,
+        "torch_nccl": _nccl_version() if cuda else None,
         "cuda_available": bool(torch.cuda.is_available()),
     }
+
+
+def _nccl_version() -> str | None:
+    """The NCCL this (CUDA) torch loads, "2.30.7"; it asks the library, no GPU needed."""
+    try:
+        import torch.cuda.nccl as nccl
+
+        parts: tuple[object, ...] = nccl.version()  # type: ignore[no-untyped-call]
+        return ".".join(str(part) for part in parts)
+    except Exception:  # a build without NCCL, or its library missing
+        return None
 
 
 def _statvfs(path: Path) -> tuple[int | None, int | None]:
@@ -268,7 +292,7 @@ def _vllm_facts(python: Path, probe: tuple[subprocess.Popen[str], float] | None)
         lines = [line for line in stderr.splitlines() if line.strip()]
         why = lines[-1].strip() if lines else f"exit status {process.returncode}"
         return dataclasses.replace(base, probed=True, error=why[:300])
-    cuda = answer.get("cuda")
+    cuda, nccl = answer.get("cuda"), answer.get("nccl")
     return dataclasses.replace(
         base,
         probed=True,
@@ -276,6 +300,7 @@ def _vllm_facts(python: Path, probe: tuple[subprocess.Popen[str], float] | None)
         torch_version=str(answer.get("torch")),
         torch_build="cuda" if cuda else "cpu",
         torch_cuda=str(cuda) if cuda else None,
+        torch_nccl=str(nccl) if nccl else None,
     )
 
 

@@ -5,10 +5,14 @@ estimated from the parameter count), the bytes one vLLM worker needs per GPU
 (``engine_memory``: its weight shard, the KV cache of one full-length sequence, an overhead
 allowance) and the bytes one trainer rank needs at its peak (``trainer_memory``: the sharded
 weights, gradients and optimizer state, the FSDP units gathered at a time, a full micro-batch's
-activations and logits, an overhead allowance), and the constants behind them, each with what
-it stands for. Pure arithmetic: where things go is ``appliance.placement``.
+activations and logits, an overhead allowance; ``load_bytes`` while it is built and restored),
+and the constants behind them, each with what it stands for. Pure arithmetic: where things go
+is ``appliance.placement``.
 
 The figures are estimates meant to refuse what cannot work, not to predict memory to the GiB.
+What a process keeps on a collocated GPU while the other one has it (``GPU_CHECK_FIGURES``:
+an offloaded trainer rank, a sleeping vLLM, vLLM's CUDA graphs) are allowances not yet measured
+on a GPU; the GPU check measures them.
 """
 
 from __future__ import annotations
@@ -51,15 +55,29 @@ REFERENCE_BYTES = 4
 #: Per trainer rank: CUDA context, NCCL buffers, the caching allocator's fragmentation.
 TRAINER_OVERHEAD = 2 * GIB
 #: What an offloaded trainer rank keeps on its GPU while vLLM generates (collocated): its CUDA
-#: context and NCCL buffers.
+#: context and NCCL buffers. Every backend's offload ends by emptying torch's cache
+#: (``trainer.device_memory.release_cached``), so no parameter, gradient or optimizer block
+#: stays reserved. An allowance, not yet measured on a GPU: the GPU check
+#: (``scripts/gpu_check.py``) measures it (nvidia-smi's per-process memory of an offloaded rank).
 TRAINER_OFFLOADED = 3 * GIB // 2
 
-# --- vLLM (--enforce-eager, --enable-sleep-mode; appliance/engines/vllm_process.py)
-#: Per GPU besides weights and KV cache: CUDA context, the activations of vLLM's profiling
-#: forward pass over a full batch of tokens, the sampler; no CUDA graphs (eager).
+# --- vLLM (CUDA graphs, --enable-sleep-mode --sleep-mode-offload-cudagraph on GPUs;
+# appliance/engines/vllm_process.py)
+#: Per GPU besides weights, KV cache and CUDA graphs: CUDA context, the activations of vLLM's
+#: profiling forward pass over a full batch of tokens, the sampler.
 VLLM_OVERHEAD = 3 * GIB
-#: What a sleeping vLLM keeps on each of its GPUs (both levels release weights and KV cache
-#: from its memory pool): CUDA context, NCCL buffers, non-pool allocations.
+#: The CUDA graphs vLLM captures on GPUs (the server runs without ``--enforce-eager`` there
+#: unless ``enforce_eager`` is set; then this is a margin): their memory pool, per GPU. Awake it
+#: is part of ``gpu_memory_utilization`` (vLLM profiles the capture before it sizes the KV
+#: cache). Asleep it would stay on the GPU (vLLM 0.33's
+#: ``sleep_mode_offload_cudagraph`` is off by default), so the server runs with
+#: ``--sleep-mode-offload-cudagraph``: sleep, at both levels, copies the pool to pinned host
+#: memory and releases it, and a wake restores it in place. An allowance for vLLM's default
+#: capture sizes, not yet measured on a GPU: the GPU check measures it.
+VLLM_CUDA_GRAPHS = GIB
+#: What a sleeping vLLM keeps on each of its GPUs (both levels release weights, KV cache and,
+#: with the flag above, the CUDA graph pool): CUDA context, NCCL buffers, non-pool allocations,
+#: graph executables outside torch's pools. Not yet measured on a GPU: the GPU check measures it.
 VLLM_ASLEEP = 3 * GIB // 2
 #: Bytes per KV-cache element: vLLM's "auto" cache dtype is the 16-bit model dtype on GPUs.
 KV_BYTES = 2
@@ -74,6 +92,14 @@ CPU_PROCESS = GIB // 2
 
 #: Context length assumed when neither the settings nor the model name one.
 DEFAULT_MAX_MODEL_LEN = 4096
+
+#: The allowances for what a process keeps on a collocated GPU between its phases, by name: the
+#: figures the GPU check (``scripts/gpu_check.py``) measures. None is measured on a GPU yet.
+GPU_CHECK_FIGURES = {
+    "TRAINER_OFFLOADED": TRAINER_OFFLOADED,
+    "VLLM_ASLEEP": VLLM_ASLEEP,
+    "VLLM_CUDA_GRAPHS": VLLM_CUDA_GRAPHS,
+}
 
 
 def gib(n: float) -> str:
@@ -193,6 +219,8 @@ class EngineMemory:
     max_model_len: int
     max_num_seqs: int
     overhead_bytes: int
+    #: The CUDA graph pool (0 on CPU, where vLLM runs eager): in host RAM while asleep.
+    graph_bytes: int = 0
 
     @property
     def kv_one_sequence_bytes(self) -> int:
@@ -205,12 +233,13 @@ class EngineMemory:
 
     @property
     def need_bytes(self) -> int:
-        return self.weights_bytes + self.kv_one_sequence_bytes + self.overhead_bytes
+        return self.weights_bytes + self.kv_one_sequence_bytes + self.overhead_bytes + self.graph_bytes
 
     def breakdown(self) -> str:
+        graphs = f" + {gib(self.graph_bytes)} CUDA graphs" if self.graph_bytes else ""
         return (
             f"{gib(self.weights_bytes)} weights + {gib(self.kv_one_sequence_bytes)} KV cache for one "
-            f"{self.max_model_len}-token sequence + {gib(self.overhead_bytes)} overhead"
+            f"{self.max_model_len}-token sequence + {gib(self.overhead_bytes)} overhead{graphs}"
         )
 
 
@@ -243,6 +272,14 @@ class TrainerMemory:
             + self.overhead_bytes
         )
 
+    @property
+    def load_bytes(self) -> int:
+        """While it is built and restored (start-up, a restart of its ranks): the peak less the
+        activations. Building holds the fp32 weights (the reference model's too, until verl
+        offloads it) and FSDP's gathers; restoring adds the optimizer state. A bound from the
+        terms above, not yet measured on a GPU."""
+        return self.peak_bytes - self.activation_bytes
+
     def breakdown(self) -> str:
         reference = f" + {gib(self.reference_bytes)} KL reference" if self.reference_bytes else ""
         return (
@@ -259,6 +296,7 @@ def engine_memory(
     weight_bytes = model.dtype_bytes if cpu else min(model.dtype_bytes, 2)  # "auto": 16-bit on GPUs
     kv_heads = math.ceil(shape.num_kv_heads / t)  # replicated when t exceeds them
     kv_bytes = model.dtype_bytes if cpu else KV_BYTES
+    graphs = 0 if cpu else VLLM_CUDA_GRAPHS
     return EngineMemory(
         tensor_parallel_size=t,
         weights_bytes=math.ceil(model.params * weight_bytes / t),
@@ -266,6 +304,7 @@ def engine_memory(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         overhead_bytes=CPU_PROCESS if cpu else VLLM_OVERHEAD,
+        graph_bytes=graphs,
     )
 
 

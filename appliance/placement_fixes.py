@@ -142,10 +142,11 @@ def trainer_reason(
     )
 
 
-def host_reason(host: int, ram: int, sleep_host: int, offload_host: int) -> str:
-    """Why collocation's ``host`` bytes of host RAM (``sleep_host`` for vLLM asleep,
-    ``offload_host`` for the offloaded trainer) do not fit in ``ram``."""
-    if sleep_host and host - sleep_host <= ram:
+def host_reason(host: int, ram: int, sleep_host: int, offload_host: int, *, sleep_weights: int) -> str:
+    """Why collocation's ``host`` bytes of host RAM (``sleep_host`` for vLLM asleep, of which
+    ``sleep_weights`` its weights at level 1; ``offload_host`` for the offloaded trainer) do not
+    fit in ``ram``."""
+    if sleep_weights and host - sleep_weights <= ram:
         fix = "--sleep-level 2 (vLLM discards its weights while asleep and gets them back from the trainer)"
     else:
         fix = "--placement split (nothing is offloaded) or a machine with more RAM"

@@ -4,7 +4,8 @@ Owns the decision ``appliance.placement.plan`` asks for, given a machine, a mode
 settings: the GPU pools (collocated: every GPU generates and trains; split: the first K x t
 generate, the next N train), t when it is not given (the smallest power of two whose vLLM
 shard fits), what vLLM and a trainer rank may take of each GPU (``gpu_memory_utilization``
-less what an offloaded trainer rank keeps there; what a sleeping vLLM leaves), the plan on the
+less what an offloaded trainer rank keeps there; what a sleeping vLLM leaves), the collocated
+start-up's phases (:class:`Startup`: vLLM asleep while the trainer loads), the plan on the
 CPU, and the checks in order (engine, trainer, host RAM), the first that fails being the
 reason. Pure: the memory figures are ``appliance.memory_model``'s, the reason's words and the
 fix it offers ``appliance.placement_fixes``'s.
@@ -44,7 +45,29 @@ from appliance.placement_text import ram_text
 if TYPE_CHECKING:
     from appliance.placement import Gpu, Machine, PlacementSettings
 
-__all__ = ["Plan", "Planner"]
+__all__ = ["Plan", "Planner", "Startup"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Startup:
+    """A collocated start on its tightest GPU, in the order ``appliance.app`` takes: vLLM starts
+    awake, sleeps while the trainer is built and restored, and wakes once the trainer has
+    offloaded. Bytes on the GPU in each phase."""
+
+    gpu: int
+    free_bytes: int
+    #: vLLM started, at its fraction.
+    engine_bytes: int
+    #: vLLM asleep and the trainer rank loading (``TrainerMemory.load_bytes``).
+    loading_bytes: int
+    #: vLLM awake again beside the offloaded trainer rank.
+    serving_bytes: int
+    #: The order not taken: the trainer loading beside an awake vLLM.
+    beside_awake_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.engine_bytes, self.loading_bytes, self.serving_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,8 +93,9 @@ class Plan:
     trainer_memory: TrainerMemory
     #: Full-length sequences vLLM's KV cache holds at once (None on CPU).
     kv_sequences: int | None
-    #: Host RAM: vLLM's level-1 sleep (every replica's weights), the offloaded trainer ranks'
-    #: state, and all the plan needs (on CPU: what stays resident).
+    #: Host RAM: vLLM asleep (every replica's weights at level 1, its CUDA graph pools at both
+    #: levels), the offloaded trainer ranks' state, and all the plan needs (on CPU: what stays
+    #: resident).
     sleep_host_bytes: int
     offload_host_bytes: int
     host_ram_bytes: int
@@ -80,6 +104,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     #: The model's figures estimated from its parameter count (``Shape.of``).
     estimated: tuple[str, ...] = ()
+    #: The start-up's phases where vLLM and a trainer rank share a GPU (None: none does).
+    startup: Startup | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON types (``ApplianceStarted.placement`` records it)."""
@@ -309,6 +335,26 @@ class Planner:
         """What a trainer rank may take of ``gpu`` while vLLM sleeps there (collocated)."""
         return gpu.free_bytes - (VLLM_ASLEEP if gpu.index in engines and not self.split else 0)
 
+    def startup(self, engine_gpus: Sequence[Gpu], trains: set[int], trainer: TrainerMemory) -> Startup | None:
+        """The start-up's phases on the GPU where they leave the least room (collocated: those
+        that hold both a vLLM worker and a trainer rank)."""
+        if self.split:
+            return None
+
+        def phases(gpu: Gpu) -> Startup:
+            awake = int(self.utilization(gpu, trains) * gpu.total_bytes)
+            return Startup(
+                gpu=gpu.index,
+                free_bytes=gpu.free_bytes,
+                engine_bytes=awake,
+                loading_bytes=VLLM_ASLEEP + trainer.load_bytes,
+                serving_bytes=awake + TRAINER_OFFLOADED,
+                beside_awake_bytes=awake + trainer.load_bytes,
+            )
+
+        shared = [phases(gpu) for gpu in engine_gpus if gpu.index in trains]
+        return min(shared, key=lambda s: s.free_bytes - s.peak_bytes, default=None)
+
     # --- GPUs: the checks ----------------------------------------------------------------------
 
     def checked(self, t: int, k: int, n: int, engine_gpus: int, reason: str = "") -> Plan:
@@ -327,10 +373,12 @@ class Planner:
         kv_sequences = None
         if engine_list:
             room = min(self.engine_budget(g, trains) for g in engine_list)
-            kv_room = room - engine.weights_bytes - engine.overhead_bytes
+            kv_room = room - engine.weights_bytes - engine.overhead_bytes - engine.graph_bytes
             kv_sequences = max(0, int(kv_room // max(1, engine.kv_one_sequence_bytes)))
-        collocated_sleep = not self.split and s.sleep_level == 1
-        sleep_host = k * t * engine.weights_bytes if collocated_sleep else 0
+        # Asleep, each vLLM worker keeps its weights in host RAM at level 1 and its CUDA graph
+        # pool at both levels (--sleep-mode-offload-cudagraph).
+        sleep_weights = k * t * engine.weights_bytes if not self.split and s.sleep_level == 1 else 0
+        sleep_host = sleep_weights + (0 if self.split else k * t * engine.graph_bytes)
         offload_host = 0 if self.split else n * trainer.state_bytes
         reference_host = self.model.params * REFERENCE_BYTES if s.reference_model else 0
         host = HOST_BASE + sleep_host + offload_host + reference_host
@@ -340,7 +388,7 @@ class Planner:
             reason = trainer_reason(self, n, trainer, trainer_list, engines, engine_gpus)
         ram = self.machine.ram_bytes
         if not reason and ram is not None and host > ram:
-            reason = host_reason(host, ram, sleep_host, offload_host)
+            reason = host_reason(host, ram, sleep_host, offload_host, sleep_weights=sleep_weights)
         fits = not reason
         if fits and kv_sequences is not None and kv_sequences < s.max_num_seqs:
             self.notes.append(
@@ -374,4 +422,5 @@ class Planner:
             host_ram_bytes=host,
             fits=fits,
             reason=reason,
+            startup=self.startup(engine_list, trains, trainer),
         )

@@ -72,6 +72,14 @@ def describe(plan: Plan) -> list[str]:
                 f"  trainer: {plan.trainer_ranks} rank(s) on {_gpu_list(plan.trainer_gpus)}, "
                 f"{gib(tr.peak_bytes)} per GPU ({tr.breakdown()})"
             )
+    if plan.startup is not None:
+        st = plan.startup
+        lines.append(
+            f"  start-up on GPU {st.gpu}: vLLM starts ({gib(st.engine_bytes)}), sleeps while the trainer "
+            f"loads ({gib(st.loading_bytes)} in all), wakes once the trainer has offloaded "
+            f"({gib(st.serving_bytes)}): peak {gib(st.peak_bytes)} of {gib(st.free_bytes)} free (loading "
+            f"beside an awake vLLM would take {gib(st.beside_awake_bytes)})"
+        )
     if plan.placement == "collocated" and plan.device == "cuda":
         lines.append(
             f"  host RAM: {gib(plan.host_ram_bytes)} of {ram_text(m.ram_bytes)} "

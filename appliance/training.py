@@ -148,12 +148,16 @@ class TrainingService:
     def _relative(self, path: Path) -> str:
         return str(path.relative_to(self.run_dir))
 
-    async def restore(self, state: RunState) -> int:
+    async def restore(
+        self, state: RunState, *, before_push: Callable[[], Awaitable[None]] | None = None
+    ) -> int:
         """Load the trainer and the engine at the log's policy version; returns the step.
 
         The version's file is the one its ``PolicyVersionPublished`` names: a full checkpoint,
         or weights that take their optimizer state from the last full checkpoint at or before
-        it. Files of versions the log never published are deleted first.
+        it. Files of versions the log never published are deleted first. ``before_push`` runs
+        between loading the trainer and pushing to the engine (a collocated start hands the
+        GPU from the trainer to the engine there).
         """
         version = state.policy_version
         stores: list[CheckpointStore | ShardedStore | PublishedWeights] = [self.checkpoints, self.weights]
@@ -163,6 +167,8 @@ class TrainingService:
             if discarded := store.discard_after(version):
                 log.info("discarded unpublished versions %s in %s", discarded, store.directory)
         await self._load_trainer(state)
+        if before_push is not None:
+            await before_push()
         await self.push(version)
         last = state.last_checkpoint
         self._retain(version, state.checkpoint, last.policy_version if last is not None else None)

@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from appliance.engines.buckets import WeightBucket, pack_buckets
 from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model
+from trainer.device_memory import release_cached
 from trainer.items import (
     StepOutput,
     TrainItem,
@@ -275,8 +276,10 @@ class PolicyTrainer:
     # --- collocation -----------------------------------------------------------------------------
 
     def offload(self) -> None:
-        """Move the parameters and the optimizer state to host memory (a no-op on CPU)."""
+        """Move the parameters and the optimizer state to host memory, then the GPU's cached
+        blocks back to the driver (``release_cached``; a no-op on CPU)."""
         self._move(torch.device("cpu"))
+        release_cached(self.device)  # last: after the optimizer state has moved
         self._offloaded = True
 
     def onload(self) -> None:
@@ -292,8 +295,6 @@ class PolicyTrainer:
                 # Adam's ``step`` counter stays on the CPU (torch keeps it there unless fused).
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(device)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     # --- weights and checkpoints ---------------------------------------------------------------
 

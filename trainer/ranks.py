@@ -12,7 +12,8 @@ Why processes and pipes: torch.distributed needs one process per rank, and
 is opened.
 
 Nothing hangs: every wait for a reply polls the pipe and checks that every rank is alive. A rank
-that died, raised, or (with ``reply_timeout_s``) stopped answering fails the call with
+that died, raised, or stopped answering (within ``reply_timeout_s`` where it is set; during a
+push over the weight group, within the group's timeout plus a margin) fails the call with
 :class:`~trainer.rank_rpc.TrainerRankFailed` and every rank is stopped (a rank that raised
 inside a collective leaves the others waiting in it; they are killed, not waited for). The
 group must then be restarted (:meth:`RankedTrainer.restart`), and the caller loads the last
@@ -72,6 +73,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between liveness checks while waiting for a rank.
 _POLL_S = 0.05
+#: Seconds a rank may take for a bucket of a push over the weight group beyond the group's
+#: ``timeout_s`` (which bounds its wait for the previous broadcast): gathering and packing.
+GROUP_PUSH_MARGIN_S = 120.0
 
 
 def rank_options(options: dict[str, Any], gpus: Sequence[int] | None, rank: int) -> dict[str, Any]:
@@ -164,18 +168,21 @@ class RankGroup:
         """The same command to every rank."""
         return self.call([command] * self.world_size, timeout_s=timeout_s)
 
-    def push(self, command: PushWeights) -> Iterator[WeightBucket]:
+    def push(self, command: PushWeights, *, timeout_s: float | None = None) -> Iterator[WeightBucket]:
         """Run a weight push: yields rank 0's buckets one at a time; each must be consumed
-        before the next is asked for. Closing the generator early stops the ranks."""
+        before the next is asked for. Closing the generator early stops the ranks.
+        ``timeout_s``: how long each rank may take to answer (its next bucket, its reply)
+        once the previous bucket was consumed; None: ``reply_timeout_s``."""
         self._ensure_running()
         for rank in range(self.world_size):
             self._send(rank, command)
+        what = "PushWeights over the weight group" if command.via_group else "PushWeights"
         done = False
         try:
             while True:
-                message = self._receive(0, timeout_s=None, what="PushWeights")
+                message = self._receive(0, timeout_s=timeout_s, what=what)
                 if not isinstance(message, BucketReady):
-                    self._finish_push(message)
+                    self._finish_push(message, timeout_s, what)
                     done = True
                     return
                 self._bucket_paths.add(message.bucket.path)
@@ -184,7 +191,7 @@ class RankGroup:
                 except GeneratorExit:
                     if message.bucket.last:  # the consumer stopped after the last bucket: fine
                         self._send(0, Continue())
-                        self._finish_push(self._receive(0, timeout_s=None, what="PushWeights"))
+                        self._finish_push(self._receive(0, timeout_s=timeout_s, what=what), timeout_s, what)
                         done = True
                     raise
                 self._send(0, Continue())
@@ -193,11 +200,11 @@ class RankGroup:
                 self.kill()  # a push abandoned half-way leaves ranks inside collectives
             self._bucket_paths.clear()
 
-    def _finish_push(self, reply: Any) -> None:
+    def _finish_push(self, reply: Any, timeout_s: float | None, what: str) -> None:
         """Rank 0's reply to a push, then every other rank's."""
         self._check(0, reply)
         for rank in range(1, self.world_size):
-            self._check(rank, self._receive(rank, timeout_s=None, what="PushWeights"))
+            self._check(rank, self._receive(rank, timeout_s=timeout_s, what=what))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ask every rank to exit, then kill what is still there after ``timeout_s``."""
@@ -314,6 +321,11 @@ class RankedTrainer:
         self.group = RankGroup(
             model_dir, ranks, options, threads=threads, gpus=gpus, reply_timeout_s=reply_timeout_s
         )
+        #: The timeout of the weight group rank 0 hosts (``host_weight_group``), if any.
+        self._group_timeout_s: float | None = None
+        #: Whether the ranks were last told to offload: fresh ranks (``restart``) offload too, so
+        #: a collocated engine that wakes next finds the GPU as the plan left it.
+        self._offloaded = False
         self.group.start()
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -324,9 +336,11 @@ class RankedTrainer:
 
     def restart(self) -> None:
         """Stop whatever is left of the ranks and start fresh ones (weights from ``model_dir``:
-        load a version next)."""
+        load a version next), offloaded if the ranks they replace were."""
         self.group.kill()
         self.group.start()
+        if self._offloaded:
+            self.group.broadcast(Offload())
 
     def close(self) -> None:
         """Stop the ranks (idempotent)."""
@@ -361,10 +375,13 @@ class RankedTrainer:
         return int(loaded)
 
     def offload(self) -> None:
+        """Every rank offloads (``VerlFSDPTrainer.offload``: its GPU's cache emptied last)."""
         self.group.broadcast(Offload())
+        self._offloaded = True
 
     def onload(self) -> None:
         self.group.broadcast(Onload())
+        self._offloaded = False
 
     def weight_buckets(
         self,
@@ -377,16 +394,23 @@ class RankedTrainer:
     ) -> Iterator[WeightBucket]:
         """The engine's weights (with LoRA: the adapters, unless ``merged``) in buckets, written
         by the ranks and handed on by rank 0 (``VerlFSDPTrainer.weight_buckets``); ``via_group``:
-        broadcast over the weight group (:meth:`host_weight_group`)."""
+        broadcast over the weight group (:meth:`host_weight_group`), each bucket waited for at
+        most the group's timeout plus ``GROUP_PUSH_MARGIN_S`` (then ``TrainerRankFailed``)."""
         name = str(dtype).removeprefix("torch.") if dtype is not None else None
         where = str(directory) if directory else None
         command = PushWeights(bucket_bytes, name, where, merged=merged, via_group=via_group)
-        yield from self.group.push(command)
+        timeout_s = None
+        if via_group and self._group_timeout_s is not None:
+            timeout_s = self._group_timeout_s + GROUP_PUSH_MARGIN_S
+        yield from self.group.push(command, timeout_s=timeout_s)
 
     def host_weight_group(self, spec: GroupSpec) -> None:
         """Rank 0 hosts the weight group ``spec`` and joins it; returns once every member has
-        joined (the engine's workers join at the same time: ``join_weight_group``)."""
+        joined and the group is connected (the engine's workers join at the same time:
+        ``join_weight_group``)."""
+        self._group_timeout_s = None
         self.group.broadcast(HostWeightGroup(spec), timeout_s=spec.timeout_s + 30)
+        self._group_timeout_s = spec.timeout_s
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = self.group.broadcast(StateDict())[0]

@@ -58,6 +58,7 @@ from trainer.checkpoints import (
     buckets_to_hf,
     export_hf_model,
 )
+from trainer.device_memory import release_cached
 from trainer.items import StepOutput, TrainItem
 from trainer.losses import OFF_POLICY_MODES, LossMode, OffPolicy, actor_config, check_option
 from trainer.normalization import Normalization, check_normalization
@@ -327,11 +328,12 @@ class VerlFSDPTrainer:
     # --- collocation -----------------------------------------------------------------------------
 
     def offload(self) -> None:
-        """Parameters, gradients and optimizer state to host memory (verl's ``engine.to``).
-        On CPU they are already there: the calls run and change nothing."""
+        """Parameters, gradients and optimizer state to host memory (verl's ``engine.to``), then
+        the GPU's cached blocks back to the driver (``release_cached``: verl empties the cache
+        before it moves the optimizer state, and copies non-blocking). On CPU they are already
+        there: the calls run and change nothing."""
         self.engine.to("cpu", model=True, optimizer=True, grad=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # verl copies non-blocking; host reads must wait for it
+        release_cached(self.device)  # last: after the optimizer state has moved
         self._offloaded = True
 
     def onload(self) -> None:
@@ -459,15 +461,15 @@ class VerlFSDPTrainer:
         )
 
     def host_weight_group(self, spec: GroupSpec) -> bool:
-        """Rank 0: host the weight group ``spec`` describes and join it (blocks until every
-        member has joined), replacing an earlier one; other ranks: nothing. Returns whether this
-        rank joined."""
+        """Rank 0: host the weight group ``spec`` describes and join it on the training device
+        (blocks until every member has joined and the group is connected: ``WeightGroup``),
+        replacing an earlier one; other ranks: nothing. Returns whether this rank joined."""
         if self.rank != 0:
             return False
         if self._weight_group is not None:
             self._weight_group.close()
             self._weight_group = None
-        self._weight_group = WeightGroup(spec)
+        self._weight_group = WeightGroup(spec, self.device)
         return True
 
     def _group_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[WeightBucket]:

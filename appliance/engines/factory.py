@@ -80,6 +80,8 @@ def _replica(
         port=engine.vllm_port + (index or 0) if engine.vllm_port else 0,
         base_url=engine.vllm_url,
         device=config.device,
+        # The trainer's compute dtype: sampled log-probs are the ones it trains on.
+        dtype=config.engine_dtype(),
         max_batch_size=engine.max_batch_size,
         gpu_memory_utilization=engine.gpu_memory_utilization or gpu_memory_utilization or MAX_UTILIZATION,
         tensor_parallel_size=engine.tensor_parallel_size,

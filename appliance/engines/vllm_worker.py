@@ -26,6 +26,30 @@ next) would be finalised half-loaded. So the first bucket initialises, every buc
 above). Between buckets a half-loaded layer keeps the tensors it was given; those are views of
 the bucket file, which the next bucket overwrites, so they are cloned before the call returns:
 the worker's extra memory is the layers in flight, about one bucket, never the whole model.
+
+The runner on GPUs (read from vLLM 0.33.0's wheel; not run on a GPU). The CPU tests meet vLLM
+0.32's CPU runner, a subclass of the V1 ``GPUModelRunner``; on a GPU vLLM 0.33 defaults to the
+new "V2" runner (``vllm.v1.worker.gpu.model_runner``; ``VLLM_USE_V2_MODEL_RUNNER=0`` or a
+feature it lacks brings V1 back; neither applies to how the appliance starts vLLM). What this
+extension reaches, checked against V2: the worker (``gpu_worker.Worker``, the same class under
+either runner) holds ``vllm_config``, ``model_config`` and ``rank`` (``WorkerBase``) and its
+``reload_weights(**kw)`` calls the runner's under ``set_current_vllm_config``; V2's
+``reload_weights(weights_iterator, weights_path, is_checkpoint_format)`` runs the same in-place
+reload (``model_loader.reload.inplace``) and then ``reset_lora_state``, ``reset_encoder_cache``
+and ``reset_mm_cache``, all three present in V2 (its ``reset_lora_state`` also refreshes a draft
+model's LM head; its ``reset_encoder_cache`` also clears a pooling runner), which is what
+``reset_caches`` calls after the last bucket. V2's ``get_model()`` is the model itself: it keeps
+CUDA graphs outside the module, where V1 unwraps its graph wrapper; either way the live weights,
+which the layerwise reload copies into in place, so captured graphs read the new values.
+``model_loader.reload.layerwise`` (``initialize_layerwise_reload``,
+``finalize_layerwise_reload(model, model_config)``, ``LAYERWISE_INFO`` and its
+``loaded_weights``) is the same file in 0.32 and 0.33, and the reload's metadata is recorded as
+any runner builds the model. The layer classes and methods ``weight_digests`` reads
+(``VocabParallelEmbedding``, ``ParallelLMHead``, ``quant_method.apply(layer, x, bias)``,
+``input_size_per_partition``, ``output_sizes``, ``packed_modules_mapping``) are unchanged; on a
+GPU ``UnquantizedEmbeddingMethod.process_weights_after_loading`` does nothing (it prepacks on CPU
+only), so ``reprocess_tied_lm_heads`` costs nothing there. Nothing differed, so nothing here
+depends on which runner serves.
 """
 
 from __future__ import annotations
@@ -38,8 +62,12 @@ from typing import Any
 
 #: The worker attribute that is True while a bucketed push is half-way.
 _PUSHING = "_appliance_bucket_push"
-#: The worker attribute holding the weight group it joined: (process group, store, backend).
+#: The worker attribute holding the weight group it joined: (process group, store, the device
+#: its buffers are on, its timeout).
 _GROUP = "_appliance_weight_group"
+#: The store key a member of the weight group sets once its process group is built
+#: (``trainer.weight_group.JOINED_KEY``: this file imports nothing from the appliance).
+_JOINED = "appliance-weight-group-joined/{rank}"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 
 
@@ -73,14 +101,20 @@ class ApplianceWorkerExtension:
         """Join the weight group a trainer hosts (``trainer.weight_group``), replacing any
         earlier one. ``spec`` is JSON: ``{"host", "port", "world_size", "rank_offset", "backend"
         ("gloo" or "nccl"), "prefix", "timeout_s"}``; this worker's rank is ``rank_offset`` plus its
-        own rank in the server (tensor parallelism). Blocks until every member has joined;
-        returns the rank."""
+        own rank in the server (tensor parallelism). Returns the rank once every member has
+        joined and the group is connected: as ``trainer.weight_group.WeightGroup`` does at the
+        same time, the worker marks itself in the store, waits for every member's mark, then
+        receives the group's first broadcast (the world size, checked) on the device its buckets
+        will use. NCCL builds its communicator at that first collective, so no push has to.
+        Every wait is bounded by ``timeout_s``."""
         from datetime import timedelta
 
+        import torch
         import torch.distributed
 
         dist: Any = torch.distributed  # (its store classes are not in the type stubs' exports)
         worker: Any = self
+        setattr(worker, _GROUP, None)
         info = json.loads(spec)
         rank = int(info["rank_offset"]) + int(getattr(worker, "rank", 0))
         timeout = timedelta(seconds=float(info["timeout_s"]))
@@ -88,29 +122,42 @@ class ApplianceWorkerExtension:
         prefixed = dist.PrefixStore(info["prefix"], store)
         size = int(info["world_size"])
         if info["backend"] == "nccl":
-            group: Any = dist.ProcessGroupNCCL(prefixed, rank, size, dist.ProcessGroupNCCL.Options())
+            device = torch.device("cuda", torch.cuda.current_device())
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         else:
+            device = torch.device("cpu")
             group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-        setattr(worker, _GROUP, (group, store, info["backend"]))
+        prefixed.set(_JOINED.format(rank=rank), "1")
+        prefixed.wait([_JOINED.format(rank=r) for r in range(size)], timeout)
+        probe = torch.zeros(1, dtype=torch.int64, device=device)
+        group.broadcast(probe, 0).wait(timeout)
+        if int(probe.item()) != size:
+            raise RuntimeError(
+                f"the weight group's rank 0 counts {int(probe.item())} members, this worker {size}"
+            )
+        setattr(worker, _GROUP, (group, store, device, timeout))
         return rank
 
     def appliance_receive_bucket(self, bucket: str) -> dict[str, int]:
         """``appliance_load_bucket`` for a bucket whose bytes come by broadcast from the trainer
         (rank 0 of the weight group) rather than in a file: ``{"entries", "nbytes", "first",
-        "last"}``. The bytes land in a buffer on this worker's device."""
+        "last"}``. The bytes land in a buffer on this worker's device; the broadcast is waited
+        for at most the group's ``timeout_s`` (on the CPU: a ``Work.wait`` given a timeout
+        blocks until the collective completes)."""
         import torch
 
         worker: Any = self
         joined = getattr(worker, _GROUP, None)
         if joined is None:
             raise RuntimeError("no weight group: appliance_join_group first")
-        group, _, backend = joined
+        group, _, device, timeout = joined
         spec = json.loads(bucket)
 
         def received() -> tuple[Any, Iterator[tuple[str, Any]]]:
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
             raw = torch.empty(max(int(spec["nbytes"]), 1), dtype=torch.uint8, device=device)
-            group.broadcast(raw, 0).wait()
+            group.broadcast(raw, 0).wait(timeout)
             return raw, tensor_views(raw, spec["entries"])
 
         return self._appliance_load(spec, received)
@@ -251,15 +298,31 @@ def _digest(tensor: Any) -> str:
     return hashlib.sha256(values.numpy().tobytes()).hexdigest()
 
 
+def _identity(module: Any, size: int, dtype: Any) -> Any:
+    """A ``size`` x ``size`` identity on the device of ``module``'s weight and in its dtype
+    (``dtype`` where the weight is not floating point, or the module has no weight). vLLM's CPU
+    GEMMs empty a prepacked weight but keep its device and dtype (0.32 and 0.33)."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        weight = next(iter(module.parameters(recurse=False)), None)
+    if weight is None:
+        return torch.eye(size, dtype=dtype)
+    return torch.eye(size, dtype=weight.dtype if weight.is_floating_point() else dtype, device=weight.device)
+
+
 def weight_digests(model: Any, dtype: Any) -> dict[str, str]:
     """Per HF weight name, the SHA-256 of the weight (as float32 bytes, -0.0 as 0.0) that the
     served model computes with: linear layers and the LM head are read back through their own
-    kernels (input @ W^T with an identity input, exact in floating point), so a prepacked copy
-    that missed an update shows; fused projections (``packed_modules_mapping``: qkv_proj,
-    gate_up_proj) are split into their HF parts; other parameters are read directly. For
-    unquantized models without tensor parallelism whose vLLM names are the HF names."""
-    import torch
-
+    kernels (input @ W^T with an identity input, exact in floating point: fp32 GEMMs at vLLM's
+    default ``VLLM_FLOAT32_MATMUL_PRECISION`` "highest", no TF32), so a prepacked copy that
+    missed an update shows; fused projections (``packed_modules_mapping``: qkv_proj,
+    gate_up_proj) are split into their HF parts; other parameters are read directly. The
+    identity is built where each layer's weight lives and in its dtype (``dtype``, the served
+    model's, where the layer holds no floating-point weight), as the layer's own input would be:
+    on a GPU the kernel refuses an input on the CPU. For unquantized models without tensor
+    parallelism whose vLLM names are the HF names."""
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     out: dict[str, str] = {}
     handled: set[int] = set()
@@ -268,13 +331,13 @@ def weight_digests(model: Any, dtype: Any) -> dict[str, str]:
         method: Any = getattr(module, "quant_method", None)
         prefix, _, leaf = name.rpartition(".")
         if kind == "ParallelLMHead":
-            eye = torch.eye(module.embedding_dim, dtype=dtype)
+            eye = _identity(module, module.embedding_dim, dtype)
             weight = method.apply(module, eye).T[: module.org_vocab_size]
             out[f"{name}.weight"] = _digest(weight)
         elif kind == "VocabParallelEmbedding":
             out[f"{name}.weight"] = _digest(module.weight[: module.org_vocab_size])
         elif hasattr(module, "input_size_per_partition") and method is not None:
-            eye = torch.eye(module.input_size_per_partition, dtype=dtype)
+            eye = _identity(module, module.input_size_per_partition, dtype)
             weight = method.apply(module, eye, None).T
             bias = getattr(module, "bias", None)
             parts = packed.get(leaf)

@@ -168,3 +168,66 @@ async def test_an_engine_that_lost_its_weights_gets_them_pushed_again(
         served = engine._model.state_dict()
         for name, tensor in app.training.trainer.state_dict_for_engine().items():
             assert torch.equal(served[name], tensor), name
+
+
+async def test_collocated_on_gpus_the_trainer_loads_while_the_engine_sleeps(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started awake at its fraction with the trainer built beside it, vLLM and the trainer's
+    fp32 weights overcommit a collocated GPU. With a collocated GPU plan (the CPU standing in
+    for the GPU) the engine sleeps while the trainer is built and restored, and wakes only once
+    the trainer has offloaded; the restored version is pushed after that."""
+    from appliance import preflight
+    from appliance.engines.torch_engine import TorchEngine
+    from appliance.memory_model import ModelSpec
+    from appliance.placement import Machine, PlacementSettings, plan
+    from appliance.training import TrainingService
+    from trainer.policy import PolicyTrainer
+
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1)) as app:
+        await app.run()  # version 1, which the next start restores
+
+    gpu_plan = plan(
+        Machine.described(1, 80 * 1024**3, 64 * 1024**3),
+        ModelSpec(params=10**6),
+        PlacementSettings(engine="torch", trainer_ranks=1),
+        device="cuda",
+    )
+    assert gpu_plan.fits and gpu_plan.placement == "collocated"
+    monkeypatch.setattr(preflight, "check", lambda config: gpu_plan)
+    calls: list[str] = []
+
+    def record(cls: Any, name: str) -> None:
+        real = getattr(cls, name)
+        if asyncio.iscoroutinefunction(real):
+
+            async def wrapped_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+                calls.append(f"{name} {args[0] if args else ''}".strip())
+                return await real(self, *args, **kwargs)
+
+            monkeypatch.setattr(cls, name, wrapped_async)
+        else:
+
+            def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+                calls.append(name)
+                return real(self, *args, **kwargs)
+
+            monkeypatch.setattr(cls, name, wrapped)
+
+    for name in ("start", "sleep", "wake"):
+        record(TorchEngine, name)
+    for name in ("__init__", "load", "offload"):
+        record(PolicyTrainer, name)
+    record(TrainingService, "push")
+    async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1)) as app:
+        assert app.engine.policy_version == 1
+        assert not app.engine.is_sleeping
+    assert calls[:7] == [
+        "start",
+        "sleep 1",
+        "__init__",
+        "load",
+        "offload",
+        "wake",
+        "push 1",
+    ]

@@ -193,7 +193,8 @@ def test_trainer_options_are_make_trainers_arguments() -> None:
     verl_options = verl.trainer.options(device=verl.device, temperature=verl.proxy.temperature)
     assert verl_options.keys() - torch_options.keys() == VERL_ONLY_OPTIONS
     assert verl_options["lora_rank"] == 8 and verl_options["lora_alpha"] is None
-    assert verl_options["param_dtype"] is None  # the backend picks bf16 on cuda, fp32 on cpu
+    # Decided by the config (bf16 on cuda, fp32 on cpu), which gives vLLM the same one.
+    assert verl_options["param_dtype"] == ("bf16" if verl.device.startswith("cuda") else "fp32")
     assert "trainer_ranks" not in verl_options and "push_bucket_mb" not in verl_options
 
 
@@ -579,6 +580,41 @@ def test_the_push_transport_follows_the_placement_unless_named(tmp_path: Path) -
     with pytest.raises(ConfigError, match="push_transport"):
         backend(push_transport="ipc")
     assert load_config(overrides={"push_transport": "files"}, env={}).trainer.push_transport == "files"
+
+
+def test_a_weight_group_on_collocated_gpus_is_refused_once_the_device_is_known(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Collocated, the trainer's rank 0 and a vLLM worker share each GPU: NCCL refuses two ranks
+    on one GPU, so "group" is refused with one line naming the placement, as the config is built
+    (cuda) or as "auto" resolves to cuda; on CPU (gloo) and split it stands."""
+    import torch
+
+    group = {"data_dir": tmp_path, "engine": "vllm", "trainer": "verl", "push_transport": "group"}
+    refused = 'push_transport = "group" cannot be used with placement = "collocated" on cuda'
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ConfigError, match=refused) as raised:
+            load_config(overrides={**group, "device": device, "placement": "collocated"}, env={})
+        assert "\n" not in raised.value.message and "--placement split" in raised.value.message
+    with pytest.raises(ConfigError, match=refused):  # built directly, before any look at the machine
+        ApplianceConfig(device="cuda", trainer=TrainerConfig(backend="verl", push_transport="group"))
+    split = load_config(overrides={**group, "device": "cuda", "placement": "split"}, env={})
+    assert split.weight_group_backend() == "nccl"
+    assert load_config(overrides={**group, "device": "cpu"}, env={}).weight_group_backend() == "gloo"
+
+    # "auto": the device is known when it resolves (with_resolved_device), and checked then.
+    auto = ApplianceConfig(
+        device="auto",
+        engine=EngineConfig(kind="vllm"),
+        trainer=TrainerConfig(backend="verl", push_transport="group"),
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match=refused):
+        auto.with_resolved_device()
+    with pytest.raises(ConfigError, match=refused):
+        load_config(overrides=group, env={})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert auto.with_resolved_device().weight_group_backend() == "gloo"
 
 
 def test_the_engine_auto_is_vllm_on_gpus_where_its_venv_exists(tmp_path: Path) -> None:

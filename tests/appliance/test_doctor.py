@@ -50,12 +50,13 @@ CPU_BOX = Facts(
     ),
 )
 H200 = GpuInfo(index=0, name="NVIDIA H200", free_bytes=139 * GIB, total_bytes=140 * GIB)
-#: A healthy GPU machine (two GPUs, CUDA builds everywhere).
+#: A healthy GPU machine (two GPUs, CUDA builds everywhere, the torch vLLM 0.33.0 pins in both).
 GPU_BOX = dataclasses.replace(
     CPU_BOX,
-    torch_version="2.13.0",
+    torch_version="2.14.0",
     torch_build="cuda",
     torch_cuda="13.0",
+    torch_nccl="2.30.7",
     torch_stamp="cuda",
     cuda_available=True,
     nvidia_smi=True,
@@ -63,7 +64,13 @@ GPU_BOX = dataclasses.replace(
     gpus=(H200, dataclasses.replace(H200, index=1)),
     device="cuda",
     vllm=dataclasses.replace(
-        CPU_BOX.vllm, stamps=(".vllm-gpu",), version="0.33.0", torch_build="cuda", torch_cuda="13.0"
+        CPU_BOX.vllm,
+        stamps=(".vllm-gpu",),
+        version="0.33.0",
+        torch_version="2.14.0",
+        torch_build="cuda",
+        torch_cuda="13.0",
+        torch_nccl="2.30.7",
     ),
 )
 
@@ -81,7 +88,7 @@ def only(facts: Facts, name: str) -> Check:
 def test_a_healthy_machine_passes_every_check(box: Facts) -> None:
     checks = doctor.run_checks(box)
     assert [c.name for c in checks] == [
-        "python", "torch", "gpu", "device", "verl", "vllm", "ram", "cpu", "shm", "disk",
+        "python", "torch", "gpu", "device", "verl", "vllm", "venvs", "ram", "cpu", "shm", "disk",
     ]  # fmt: skip
     assert [c for c in checks if c.status != "ok"] == []
     assert all(c.fix is None for c in checks)
@@ -251,6 +258,48 @@ CASES: list[tuple[str, Facts, str, str, tuple[str, ...]]] = [
         ("not built by make",),
     ),
     (
+        "the trainer's torch 2.13.0 (NCCL 2.29.7) beside vLLM 0.33.0's 2.14.0 (NCCL 2.30.7)",
+        dataclasses.replace(GPU_BOX, torch_version="2.13.0", torch_nccl="2.29.7"),
+        "venvs",
+        "fail",
+        ("torch 2.13.0 at .venv/bin/python", "2.14.0 at .venv-vllm/bin/python", "NCCL refuses", "make vllm"),
+    ),
+    (
+        "different torch releases fail whatever the engine (here torch, on CPU)",
+        with_vllm(CPU_BOX, torch_version="2.12.0+cpu"),
+        "venvs",
+        "fail",
+        ("torch 2.13.0+cpu", "2.12.0+cpu", "rm -rf .venv && make bootstrap", "make clean-vllm && make vllm"),
+    ),
+    (
+        "one torch release from two indexes: different NCCL",
+        dataclasses.replace(GPU_BOX, torch_version="2.14.0+cu128", torch_cuda="12.8", torch_nccl="2.28.3"),
+        "venvs",
+        "fail",
+        ("NCCL 2.28.3", "2.30.7", "NCCL refuses", "TORCH_PIP_ARGS"),
+    ),
+    (
+        "CPU builds: one release, labels apart",
+        with_vllm(CPU_BOX, torch_version="2.13.0"),
+        "venvs",
+        "ok",
+        ("torch 2.13.0 in both venvs",),
+    ),
+    (
+        "no vLLM venv: nothing to compare",
+        with_vllm(CPU_BOX, exists=False, stamps=(), probed=False, version=None, torch_version=None),
+        "venvs",
+        "ok",
+        ("nothing to compare",),
+    ),
+    (
+        "vLLM's venv not probed: not compared",
+        with_vllm(GPU_BOX, probed=False, version=None, torch_version=None, torch_nccl=None),
+        "venvs",
+        "ok",
+        ("not compared", "--no-vllm"),
+    ),
+    (
         "little RAM for a real model",
         dataclasses.replace(CPU_BOX, ram_available_bytes=2 * GIB),
         "ram",
@@ -320,8 +369,15 @@ def fake_interpreter(tmp_path: Path, script: str, stamp: str | None = ".vllm-gpu
     [
         (
             "echo 'INFO vllm logs to stdout first'\n"
-            'echo \'{"vllm": "0.33.0", "torch": "2.14.0", "cuda": "13.0"}\'',
-            {"probed": True, "version": "0.33.0", "torch_build": "cuda", "torch_cuda": "13.0", "error": None},
+            'echo \'{"vllm": "0.33.0", "torch": "2.14.0", "cuda": "13.0", "nccl": "2.30.7"}\'',
+            {
+                "probed": True,
+                "version": "0.33.0",
+                "torch_build": "cuda",
+                "torch_cuda": "13.0",
+                "torch_nccl": "2.30.7",
+                "error": None,
+            },
         ),
         (
             "echo \"ModuleNotFoundError: No module named 'vllm'\" >&2; exit 1",
@@ -343,6 +399,25 @@ def test_the_vllm_probe_reads_its_interpreter(
         load_config(overrides={"vllm_python": python, "data_dir": tmp_path}, env={}), probe_vllm=False
     )
     assert not skipped.vllm.probed and skipped.vllm.torch_build == "cuda"  # by its stamp
+
+
+def test_a_vllm_venv_on_another_torch_fails_doctor(tmp_path: Path) -> None:
+    """This venv's real torch against a vLLM interpreter that answers with another release."""
+    import torch
+
+    other = "2.13.0" if torch.__version__.split("+")[0] != "2.13.0" else "2.14.0"
+    answer = json.dumps({"vllm": "0.33.0", "torch": other, "cuda": None, "nccl": None})
+    python = fake_interpreter(tmp_path, f"echo '{answer}'", stamp=".vllm-cpu")
+    config = load_config(overrides={"vllm_python": python, "data_dir": tmp_path}, env={})
+    facts = doctor_facts.gather(config)
+    assert facts.torch_version == torch.__version__ and facts.vllm.torch_version == other
+    check = only(facts, "venvs")
+    assert check.status == "fail", check.line()
+    assert f"torch {torch.__version__}" in check.line() and f"{other} at " in check.line()
+    assert check.fix is not None and "make bootstrap" in check.fix and "\n" not in check.line()
+    out = io.StringIO()
+    assert doctor.run(config, out=out) == 1
+    assert any(line.startswith("fail  venvs") for line in out.getvalue().splitlines()), out.getvalue()
 
 
 def test_gpus_are_read_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -413,5 +488,13 @@ def test_doctor_probes_the_real_vllm_venv(tmp_path: Path) -> None:
         assert (vllm["version"], vllm["torch_build"]) == ("0.32.0", "cpu")
     checks = {c["name"]: c for c in report["checks"]}
     assert f"vLLM {vllm['version']}" in checks["vllm"]["summary"]
+    # make builds both venvs on one torch release (the Makefile's "One torch in both venvs").
+    trainer_torch = report["facts"]["torch_version"].split("+")[0]
+    assert vllm["torch_version"].split("+")[0] == trainer_torch
+    assert (checks["venvs"]["status"], checks["venvs"]["summary"]) == (
+        "ok",
+        f"torch {trainer_torch} in both venvs"
+        + (f", NCCL {report['facts']['torch_nccl']}" if vllm["torch_nccl"] else ""),
+    ), checks["venvs"]
     text = cli("doctor", "--engine", "vllm", "--data-dir", str(tmp_path / "run"), timeout=180)
     assert any(line.startswith("ok    vllm  ") for line in text.stdout.splitlines()), text.stdout

@@ -75,6 +75,9 @@ class Case:
     #: Words the reason line must hold (its key figures and the suggested flags).
     reason: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: Words the described start-up line must hold (collocated GPUs: vLLM asleep while the
+    #: trainer loads, awake once it has offloaded).
+    startup: tuple[str, ...] = ()
 
 
 CASES = {
@@ -92,6 +95,16 @@ CASES = {
         gpus(1, 80), QWEN_7B, fits=False, reason=("141.7 GiB per GPU at 1 rank", "use --lora-rank 16")
     ),
     "1x80 GiB, 7B LoRA fits": Case(gpus(1, 80), QWEN_7B, PlacementSettings(lora_rank=16), trainer_gpus=(0,)),
+    "1x140 GiB, 7B LoRA: the start-up fits with vLLM asleep while the trainer loads": Case(
+        gpus(1, 140), QWEN_7B, PlacementSettings(lora_rank=16), trainer_gpus=(0,),
+        startup=("vLLM starts (126.0 GiB)", "loads (34.9 GiB in all)", "offloaded (127.5 GiB)",
+                 "peak 127.5 GiB of 140.0 GiB free", "beside an awake vLLM would take 159.4 GiB"),
+    ),
+    "1x120 GiB, 7B full fine-tune: neither the start-up nor a step fits": Case(
+        gpus(1, 120), QWEN_7B, fits=False,
+        reason=("the trainer needs 141.7 GiB per GPU at 1 rank", "use --lora-rank 16"),
+        startup=("loads (125.5 GiB in all)", "peak 125.5 GiB of 120.0 GiB free"),
+    ),
     "1x24 GiB, 7B: not on this machine, 3 such GPUs with LoRA": Case(
         gpus(1, 24), QWEN_7B, fits=False,
         reason=("GPU 0 has 22.5 GiB", "3 GPUs of this size with --lora-rank 16 --gradient-checkpointing"),
@@ -123,7 +136,8 @@ CASES = {
     ),
     "32B at t=1 on 48 GiB GPUs: t=2": Case(
         gpus(4, 48), QWEN_32B, PlacementSettings(tensor_parallel_size=1, lora_rank=16), fits=False,
-        reason=("vLLM needs 72.0 GiB per GPU at tensor parallel 1", "61.0 GiB weights", "43.2 GiB",
+        reason=("vLLM needs 73.0 GiB per GPU at tensor parallel 1", "61.0 GiB weights", "1.0 GiB CUDA graphs",
+                "43.2 GiB",
                 "use --tensor-parallel-size 2"),
     ),
     "32B on 8x80 GiB: t derived 2, LoRA": Case(
@@ -135,7 +149,7 @@ CASES = {
     ),
     "a long context that does not fit: a shorter one": Case(
         gpus(1, 80), QWEN_7B, PlacementSettings(max_model_len=1_048_576, lora_rank=16), fits=False,
-        reason=("KV cache for one 1048576-token sequence", "--max-model-len 1026048"),
+        reason=("KV cache for one 1048576-token sequence", "--max-model-len 1007616"),
     ),
     "tensor parallel that does not divide the heads": Case(
         gpus(2, 80), REGISTERED["smollm2-135m"], PlacementSettings(tensor_parallel_size=2), fits=False,
@@ -143,7 +157,7 @@ CASES = {
     ),
     "collocation's host RAM: sleep level 2": Case(
         gpus(8, 80, ram_gib=128), QWEN_7B, fits=False,
-        reason=("229.0 GiB of host RAM", "113.5 GiB vLLM asleep", "--sleep-level 2"),
+        reason=("237.0 GiB of host RAM", "121.5 GiB vLLM asleep", "--sleep-level 2"),
     ),
     "sleep level 2 needs less host RAM": Case(
         gpus(8, 80, ram_gib=128), QWEN_7B, PlacementSettings(sleep_level=2)
@@ -213,6 +227,8 @@ def test_the_plan(name: str) -> None:
         assert words in result.reason
     for words in case.notes:
         assert any(words in note for note in result.notes), result.notes
+    for words in case.startup:
+        assert any(words in line for line in describe(result) if "start-up" in line), describe(result)
     assert "\n" not in result.reason
     assert_invariants(result)
 
@@ -227,6 +243,12 @@ def assert_invariants(result: Plan) -> None:
         assert set(used) <= machine and set(result.trainer_gpus) <= machine
     if result.placement == "split":
         assert not set(used) & set(result.trainer_gpus)
+    if result.placement == "collocated" and result.device == "cuda" and result.trainer_gpus and used:
+        # Where vLLM and the trainer share a GPU, a plan that fits fits its start-up too.
+        assert result.startup is not None
+        assert result.startup.peak_bytes <= result.startup.free_bytes or not result.fits
+    else:
+        assert result.startup is None
     lines = describe(result)
     assert lines[0].startswith("placement: ")
     assert lines[0].endswith(": fits" if result.fits else ": DOES NOT FIT")

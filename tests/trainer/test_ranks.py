@@ -244,3 +244,28 @@ def test_ranks_are_placed_on_the_gpus_given() -> None:
         RankGroup("unused", 2, options, gpus=(3,))
     with pytest.raises(ValueError, match="distinct"):
         RankGroup("unused", 2, options, gpus=(3, 3))
+
+
+def test_ranks_restarted_while_offloaded_offload_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that fails while the engine generates (the push, a checkpoint) is restarted then:
+    fresh ranks hold their whole state on the GPU, beside a collocated vLLM that wakes next,
+    unless they offload as the ones they replace had. Only the commands are recorded here (no
+    process is spawned)."""
+    sent: list[str] = []
+
+    def broadcast(self: RankGroup, command: Any, **kw: Any) -> list[Any]:
+        sent.append(type(command).__name__)
+        return []
+
+    monkeypatch.setattr(RankGroup, "start", lambda self: sent.append("start"))
+    monkeypatch.setattr(RankGroup, "kill", lambda self: sent.append("kill"))
+    monkeypatch.setattr(RankGroup, "broadcast", broadcast)
+    trainer = RankedTrainer("unused", ranks=2)
+    trainer.restart()
+    trainer.offload()
+    trainer.restart()
+    trainer.onload()
+    trainer.restart()
+    assert sent == [
+        "start", "kill", "start", "Offload", "kill", "start", "Offload", "Onload", "kill", "start"
+    ]  # fmt: skip

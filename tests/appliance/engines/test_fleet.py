@@ -474,6 +474,8 @@ def test_vllm_servers_get_the_placements_gpus_and_cuda_graphs_on_gpu(
     assert [s.visible_devices for s in settings] == ["2,3", "6,7"]
     commands = [server_command(s, 8000) for s in settings]
     assert all("--enforce-eager" not in c and "--enable-sleep-mode" in c for c in commands)
+    # Asleep, the CUDA graph pool goes to host RAM too (vLLM 0.33 keeps it on the GPU otherwise).
+    assert all("--sleep-mode-offload-cudagraph" in c for c in commands)
     eager = make_config(tmp_path, tiny_model_dir, engine="vllm", device="cuda", enforce_eager=True)
     assert "--enforce-eager" in server_command(create_engine(eager, tiny_model_dir)._settings, 8000)  # type: ignore[attr-defined]
     cpu = make_config(tmp_path, tiny_model_dir, engine="vllm", device="cpu")

@@ -13,14 +13,16 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from aiohttp import web
 from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
-from appliance.engines.buckets import WeightBucket, stream_buckets
+from appliance.engines import vllm_engine
+from appliance.engines.buckets import TensorEntry, WeightBucket, stream_buckets
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.engines.vllm_process import free_port
-from appliance.errors import BadRequest
+from appliance.errors import BadRequest, EngineUnavailable
 from appliance.training import TrainingService
 from store.eventstore import EventStore
 from tests.appliance.engines.test_vllm_engine import digests, relaunched, served_digests
@@ -197,3 +199,66 @@ async def test_an_appliance_in_split_placement_pushes_over_the_group(
         assert training._groups == 1 and engine.policy_version == 2
         trainer = training.trainer
         assert await served_digests(engine) == digests(trainer.state_dict_for_engine())
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def stuck_workers() -> AsyncIterator[str]:
+    """A server whose workers never finish what waits on the weight group (joining it,
+    receiving a bucket): as if the trainer never broadcast. Every other call is answered."""
+    released = asyncio.Event()
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 256}]})
+
+    async def collective_rpc(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["method"] in ("appliance_join_group", "appliance_receive_bucket"):
+            await released.wait()
+        return web.json_response({"results": [None]})
+
+    async def anything(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/collective_rpc", collective_rpc)
+    app.router.add_route("*", "/{tail:.*}", anything)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}"
+    released.set()
+    await runner.cleanup()
+
+
+async def test_calls_that_wait_on_the_group_are_bounded(
+    stuck_workers: str, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's session has no total timeout (generations take what they take): a join or
+    a bucket whose workers never finish waited for ever. Each now fails after the group's
+    timeout plus a margin, and the engine leaves the group."""
+    monkeypatch.setattr(vllm_engine, "GROUP_RPC_MARGIN_S", 0.5)
+    engine = VLLMEngine(tiny_model_dir, base_url=stuck_workers)
+    await engine.start()
+    try:
+        spec = GroupSpec("127.0.0.1", free_port(), 2, "gloo", "stuck", timeout_s=0.5).as_dict()
+        async with asyncio.timeout(10):
+            with pytest.raises(EngineUnavailable, match="joining the weight group within 1 s"):
+                await engine.join_weight_group(spec)
+        assert not engine.in_weight_group
+
+        engine._in_group = True  # as if it had joined
+        name, shape = "model.norm.weight", engine._checkpoint_shapes()["model.norm.weight"]
+        entry = TensorEntry(name, "float32", shape, 0, 4 * shape[0])
+
+        async def one() -> AsyncIterator[WeightBucket]:
+            yield WeightBucket("", (entry,), 0, False, via_group=True)
+
+        async with asyncio.timeout(10):
+            with pytest.raises(EngineUnavailable, match="receiving weight bucket 0 within 1 s"):
+                await engine.load_weight_buckets(one(), 9)
+        assert not engine.in_weight_group and engine.policy_version != 9
+    finally:
+        await engine.close()

