@@ -1,209 +1,1151 @@
-"""GPU check: the collocation switches of one machine, timed on a ~0.5B-parameter model.
+"""GPU check: the collocated time-slice of one GPU, run once through the appliance's own parts.
 
-One straight-line run of what the appliance does around a training step when generation and
-training share an accelerator, printing how long each switch takes:
+A straight-line program for a box with one GPU, after ``make`` and ``make vllm``: it builds what
+``up`` builds (the placement plan, the engine from ``appliance.engines.factory.create_engine`` with
+the plan's ``gpu_memory_utilization``, the verl trainer from ``trainer.factory.make_trainer``) and
+drives them as the scheduler does, printing one JSON line per phase and a verdict line last.
+Every phase has its own timeout and the whole run is limited (``--timeout``, 600 s by default);
+a phase that fails or times out is reported and the phases that need it are not run. Exit status
+0 when the verdict is "pass", 1 when it is "fail", 2 for a usage error.
 
-    build a random Qwen2 (~0.5B, Qwen2.5-0.5B's shape; random weights are fine for timing)
-    torch engine: load -> generate -> sleep(1)
-    verl FSDP trainer (bf16 mixed precision on CUDA, fp32 on CPU): init -> step (on the
-        engine's own samples) -> offload -> GPU memory left (trainer offloaded, engine asleep)
-    torch engine: wake weights -> bucketed weight push (trainer -> engine through one reusable
-        /dev/shm file, checked exact) -> full weight push (the whole state dict) -> wake kv
-        cache -> generate
-    again: sleep -> trainer onload -> step -> offload -> wake -> pushes -> generate
-    LoRA: a second verl trainer (rank 8, alpha 16): init -> step -> bucketed push of its merged
-        weights (checked exact) -> generate
-    ranks (--ranks N): the verl trainer in N worker processes (trainer.ranks): init -> step ->
-        bucketed push (checked exact) -> generate. One process per GPU on CUDA (skipped when
-        N exceeds the GPUs here); N processes on gloo on CPU.
+Phases (each line is ``{"phase": ..., "ok": true|false|null, "seconds": ..., ...}``; ``ok`` null
+means not run, with ``reason``):
 
-    python scripts/gpu_check.py                      # CUDA, ~0.5B
-    python scripts/gpu_check.py --ranks 1            # ... and the trainer in a worker process
-    python scripts/gpu_check.py --device cpu --tiny  # the same code path on CPU in seconds
-    python scripts/gpu_check.py --device cpu --tiny --ranks 2 --bucket-mb 0.1
+    versions          this interpreter's torch, CUDA and NCCL (``torch.cuda.nccl.version()``) and
+                      those of vLLM's interpreter (``.venv-vllm/bin/python``, run apart), and
+                      whether they match (``torch_match``, ``nccl_match``): NCCL refuses ranks of
+                      another version, so a weight group between the venvs needs one torch
+    nccl_probe        torch only, two spawned processes: rank 0 hosts ``trainer.weight_group``'s
+                      ``WeightGroup`` and pushes ``group_buckets``; the other joins and receives
+                      through the vLLM worker extension's own ``appliance_join_group`` /
+                      ``appliance_receive_bucket``, entering each broadcast only after rank 0 has
+                      handed the bucket on (as ``/collective_rpc`` delivers it). ``result``:
+                      "pass", "hang" (nothing finished in time) or "error". NCCL on CUDA (on one
+                      GPU both ranks share it: each gets its own ``NCCL_HOSTID``, so NCCL takes
+                      them for two hosts and connects them over sockets), gloo on CPU
+    model             the model served and trained: built at random unless ``--model`` is given
+                      (CUDA: a ~0.36B Qwen2 in bf16; CPU: the project's tiny model in fp32)
+    plan              ``appliance.preflight.check_placement`` on this machine (collocated)
+    engine_start      the engine ``up`` would start (vLLM: its command line as the server got it:
+                      ``dtype``, ``enforce_eager``, ``gpu_memory_utilization``, sleep mode)
+    trainer_build     the verl trainer, built as ``up`` builds it: collocated on GPUs while the
+                      engine sleeps, then offloaded and the engine woken (``--trainer-while-awake``:
+                      beside the awake engine); ``memory_mib_built``: memory before the hand-over
+    generate_0        the first samples (the first step trains on them) and the engine's prompt
+                      log-probs on fixed tokens before any push
+    cycle_N/<step>    N = 1, 2: sleep -> onload -> step -> checkpoint -> offload -> wake_weights ->
+                      push -> wake_kv_cache -> generate -> logprobs; the scheduler's order
+    sleep_1/...       sleep level 1, then wake and generate (the weights come back from host RAM)
+    sleep_2/...       sleep level 2, wake_weights, push (level 2 discarded them), wake_kv_cache,
+                      generate, logprobs
+    figures           the memory model's allowances (``memory_model.GPU_CHECK_FIGURES``) against
+                      what was measured: an offloaded trainer rank, vLLM asleep, vLLM's CUDA
+                      graphs (from its log); a figure above its allowance fails (CUDA, vLLM only)
+    shutdown          the engine and the trainer closed
 
-Without verl (or when it cannot be imported) the trainer, LoRA and ranks parts are skipped with a
-message and the weights pushed are the model's own, perturbed: the engine's sleep/wake/pushes
-are still timed. A part that fails (the bucketed push, LoRA, ranks) prints why and the rest of
-the check still runs; the exit status is then 1 and ``failed_parts`` names it.
-``scripts/gpu_check.sh`` sets verl up on a machine that lacks it and runs this. The last line of
-output is a JSON object with every timing (seconds) and these results:
+Every phase from ``engine_start`` on also carries ``memory_mib``: GPU memory per process from
+``nvidia-smi --query-compute-apps=pid,used_memory``, summed by process tree into "vllm" (the
+server and its children) and "appliance/trainer" (this process and its other children: the
+trainer ranks, a torch engine), "other" for the rest; on CPU the resident memory of the same
+trees. ``logprobs`` phases compare the engine's prompt log-probs (``prompt_logprobs``) on fixed
+tokens with the trainer's: the trainer's weights (``state_dict_for_engine``) through transformers'
+forward in fp32 on the CPU. ``max_abs_diff`` must stay within ``--logprob-tolerance`` and, after a
+step's push, below ``moved`` (how far the engine's log-probs moved since the last reading), so a
+push that did not land fails.
 
-    param_dtype            the verl trainer's compute dtype ("bf16" or "fp32")
-    bf16_step_s            the second (warm) verl step when param_dtype is bf16, else null
-    bucketed_push_s        the last bucketed push (buckets of --bucket-mb MiB); ``buckets``: how
-                           many; ``push_exact``: the engine's weights equal the trainer's
-                           state_dict_for_engine() cast to the engine's dtype after every
-                           bucketed push; ``push_changed``: tensors the last one changed
-    weight_push            the last full push (trainer_state_dict: building its state dict)
-    memory_after_offload   {"allocated_mib", "reserved_mib"} on CUDA after the trainer's offload
-                           with the engine asleep (second round); null on CPU
-    lora_step_s, lora_push_s, lora_push_exact     the LoRA trainer's first step, its push
-    ranked_step_s, ranked_push_s, ranked_push_exact   the ranks part's first step, its push
-    failed_parts           the parts that failed (empty when all ran or were skipped)
+Modes:
 
-Keys of a part that was skipped or failed are null.
+    .venv/bin/python scripts/gpu_check.py                        # the whole check (CUDA, vLLM)
+    .venv/bin/python scripts/gpu_check.py --torch-only           # no vLLM: the torch engine
+    .venv/bin/python scripts/gpu_check.py --torch-only --device cpu   # the same on CPU (gloo)
+
+``--torch-only`` serves with the appliance's torch engine instead of vLLM (versions, memory, the
+trainer cycle, the probe), for a machine with torch but without vLLM's venv. Where verl and the
+project's other dependencies are missing too (a bare device image), ``--fetch-wheels DIR`` (here,
+with PyPI) downloads the wheels of this venv's versions that such an image lacks, and ``--wheels
+DIR`` (there) unpacks them onto the path first; modules imported but never called on this path
+(verl's ray and datasets, the torch engine's grammar library llguidance) get stand-ins.
+
+Nothing here has run on a GPU yet: the CUDA figures are not measured (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import random
+import multiprocessing
+import os
+import queue
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+import zipfile
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
-from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
-from appliance.engines.buckets import WeightBucket, bucket_tensors, pack_buckets, stream_buckets
-from appliance.engines.lora import served_adapter
-from appliance.engines.torch_engine import TorchEngine
-
-T = TypeVar("T")
-TIMINGS: dict[str, Any] = {}
-#: Whether the check runs on CUDA (timings then synchronize the device first).
-ON_CUDA = False
-#: The parts that failed (each printed its error; the rest of the check ran on).
-FAILED: list[str] = []
-#: Keys every run's JSON has (null when their part was skipped or failed).
-RESULT_KEYS = (
-    "param_dtype",
-    "bf16_step_s",
-    "bucketed_push_s",
-    "buckets",
-    "push_exact",
-    "push_changed",
-    "memory_after_offload",
-    "lora_step_s",
-    "lora_push_s",
-    "lora_push_exact",
-    "ranked_step_s",
-    "ranked_push_s",
-    "ranked_push_exact",
+#: The steps of one collocation cycle, in the scheduler's order.
+CYCLE = (
+    "sleep",
+    "onload",
+    "step",
+    "checkpoint",
+    "offload",
+    "wake_weights",
+    "push",
+    "wake_kv_cache",
+    "generate",
+    "logprobs",
 )
+SLEEP_1 = ("sleep", "wake", "generate")
+SLEEP_2 = ("sleep", "wake_weights", "push", "wake_kv_cache", "generate", "logprobs")
+#: Every phase, in the order they run.
+PHASES = (
+    "versions",
+    "nccl_probe",
+    "model",
+    "plan",
+    "engine_start",
+    "trainer_build",
+    "generate_0",
+    *(f"cycle_{n}/{step}" for n in (1, 2) for step in CYCLE),
+    *(f"sleep_1/{step}" for step in SLEEP_1),
+    *(f"sleep_2/{step}" for step in SLEEP_2),
+    "figures",
+    "shutdown",
+)
+#: Seconds each kind of phase may take (bounded by what is left of the whole run).
+TIMEOUTS = {
+    "versions": 120.0,
+    "nccl_probe": 120.0,
+    "model": 180.0,
+    "plan": 60.0,
+    "engine_start": 300.0,
+    "trainer_build": 240.0,
+    "step": 180.0,
+    "checkpoint": 120.0,
+    "shutdown": 60.0,
+}
+DEFAULT_TIMEOUT_S = 90.0
+#: Seconds of the run kept back for the shutdown phase; the last few of them for the watchdog,
+#: which ends the run at its limit whatever is still running.
+SHUTDOWN_RESERVE_S = 60.0
+WATCHDOG_MARGIN_S = 5.0
+#: Distributions the torch-only mode imports that a torch-only image may lack (``--fetch-wheels``).
+CARRIED = (
+    "verl",
+    "tensordict",
+    "pyvers",
+    "orjson",
+    "omegaconf",
+    "hydra-core",
+    "antlr4-python3-runtime",
+    "codetiming",
+    "dill",
+    "aiosqlite",
+    # verl 0.9.1 declares transformers < 5.11: the version tested here, not the image's own.
+    "transformers",
+    "tokenizers",
+)
+#: Modules imported at module level that the torch-only path never calls (verl: ray, datasets;
+#: the torch engine's grammar constraints: llguidance).
+STAND_INS = ("ray", "datasets", "llguidance")
 
-Batch = tuple[list[list[int]], list[GenerateResult]]
+
+class PhaseFailed(Exception):
+    """A phase whose check did not hold (the message says what)."""
 
 
-def report(name: str, seconds: float, extra: str = "") -> None:
-    TIMINGS[name] = round(seconds, 4)
-    print(f"  {name:<28} {seconds:9.3f} s  {extra}", flush=True)
+# --- the report ---------------------------------------------------------------------------------
 
 
-def note(text: str) -> None:
-    """A result line under the timings (no time of its own)."""
-    print(f"  {'':<28} {'':>9}    {text}", flush=True)
+@dataclass
+class Report:
+    """The phase lines printed so far, the failed and the not-run phases."""
+
+    deadline: float
+    failed: list[str] = field(default_factory=list)
+    not_run: list[str] = field(default_factory=list)
+    done: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: bool = False
+    #: The exit status, once the verdict is printed.
+    status: int = 1
+
+    def emit(self, phase: str, ok: bool | None, seconds: float | None, **fields: Any) -> None:
+        with self.lock:
+            if self.finished or phase in self.done:
+                return
+            self.done.add(phase)
+            if ok is False:
+                self.failed.append(phase)
+            elif ok is None:
+                self.not_run.append(phase)
+            line = {"phase": phase, "ok": ok, "seconds": None if seconds is None else round(seconds, 3)}
+            print(json.dumps({**line, **fields}, default=str), flush=True)
+
+    def skip(self, phase: str, reason: str) -> None:
+        self.emit(phase, None, None, reason=reason)
+
+    def verdict(self, extra_failed: Sequence[str] = ()) -> int:
+        """Print the verdict line (phases never reached count as not run); the exit status."""
+        for phase in PHASES:
+            if phase not in self.done:
+                self.skip(phase, "not reached")
+        with self.lock:
+            if self.finished:
+                return self.status
+            self.finished = True
+            failed = [*self.failed, *extra_failed]
+            verdict = "fail" if failed else "pass"
+            print(json.dumps({"verdict": verdict, "failed": failed, "not_run": self.not_run}), flush=True)
+            self.status = 1 if failed else 0
+            return self.status
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
 
-def timed(name: str, fn: Callable[[], T], extra: Callable[[T], str] = lambda _: "") -> T:
-    sync()
-    start = time.perf_counter()
-    value = fn()
-    sync()
-    report(name, time.perf_counter() - start, extra(value))
-    return value
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    fields: dict[str, Any]
 
 
-async def atimed(name: str, aw: Awaitable[T]) -> T:
-    sync()
-    start = time.perf_counter()
-    value = await aw
-    sync()
-    report(name, time.perf_counter() - start)
-    return value
+class Check:
+    """One run: the report, the memory sampler and the phase runner."""
+
+    def __init__(self, args: argparse.Namespace, report: Report) -> None:
+        self.args = args
+        self.report = report
+        self.device: str = args.device
+        self.engine: Any = None
+        self.trainer: Any = None
+        #: Whose memory is whose: the engine's server pid (vLLM), set once it runs.
+        self.server_pid: int | None = None
+        #: The memory each phase ended with (``memory``), by phase.
+        self.memories: dict[str, dict[str, Any]] = {}
+        self.trainer_ranks = 0
+
+    async def phase(
+        self,
+        name: str,
+        body: Callable[[], Awaitable[dict[str, Any]]],
+        *,
+        kind: str | None = None,
+        memory: bool = True,
+    ) -> Outcome | None:
+        """Run ``body`` as phase ``name`` within its timeout; print its line. None when it did not
+        complete (raised or timed out): what needs it is not run."""
+        budget = min(TIMEOUTS.get(kind or name, DEFAULT_TIMEOUT_S), self.report.left() - SHUTDOWN_RESERVE_S)
+        if name == "shutdown":
+            budget = min(TIMEOUTS["shutdown"], self.report.left() - WATCHDOG_MARGIN_S)
+        if budget <= 0:
+            self.report.skip(name, "the run's time limit was reached")
+            return None
+        started = time.monotonic()
+        completed = False
+        try:
+            fields = await asyncio.wait_for(body(), budget)
+            completed = True
+        except TimeoutError:
+            fields = {"error": f"timed out after {budget:.0f} s"}
+        except PhaseFailed as exc:
+            fields = {"error": str(exc)}
+        except Exception as exc:
+            if self.args.verbose:
+                traceback.print_exc(file=sys.stderr)
+            fields = {"error": f"{type(exc).__name__}: {one_line(str(exc))}"}
+        seconds = time.monotonic() - started
+        ok = completed and bool(fields.pop("check_ok", True))
+        if memory:
+            try:
+                fields["memory_mib"] = self.memories[name] = await asyncio.to_thread(self.memory)
+            except Exception as exc:  # a figure missing is no reason to stop the run
+                fields["memory_mib"] = {"error": f"{type(exc).__name__}: {one_line(str(exc))}"}
+        self.report.emit(name, ok, seconds, **fields)
+        return Outcome(ok, fields) if completed else None
+
+    def skip_rest(self, phases: Sequence[str], reason: str) -> None:
+        """Report ``phases`` as not run (but the shutdown, which runs whatever came before)."""
+        for phase in phases:
+            if phase != "shutdown":
+                self.report.skip(phase, reason)
+
+    # --- memory -------------------------------------------------------------------------------
+
+    def memory(self) -> dict[str, Any]:
+        """Memory per process tree (MiB): "vllm" (the server and its children), "appliance/trainer"
+        (this process and its other children), "other"; GPU memory on CUDA, RSS on CPU."""
+        tree = children_map()
+        vllm = descendants(tree, self.server_pid) if self.server_pid is not None else set()
+        ours = descendants(tree, os.getpid()) - vllm
+
+        def owner(pid: int) -> str:
+            return "vllm" if pid in vllm else "appliance/trainer" if pid in ours else "other"
+
+        totals = {"appliance/trainer": 0.0, "vllm": 0.0}
+        if self.device == "cuda":
+            apps = nvidia_smi(["--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
+            if apps is None:
+                return {"source": "nvidia-smi", "error": "nvidia-smi did not answer"}
+            for line in apps.splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                if len(parts) == 2 and parts[0].isdigit():
+                    who = owner(int(parts[0]))
+                    totals[who] = totals.get(who, 0.0) + float(parts[1])
+            gpu = nvidia_smi(["--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"])
+            out: dict[str, Any] = {"source": "nvidia-smi", **totals}
+            if gpu:
+                used, total = (float(x) for x in gpu.splitlines()[0].split(","))
+                out["gpu_used"], out["gpu_total"] = used, total
+            cuda: Any = torch.cuda  # (is_initialized is untyped)
+            if cuda.is_initialized():
+                out["this_process_reserved"] = round(torch.cuda.memory_reserved() / 2**20, 1)
+            return out
+        for pid in vllm | ours:
+            totals[owner(pid)] += rss_mib(pid)
+        return {"source": "rss", **{k: round(v, 1) for k, v in totals.items()}}
 
 
-async def guarded(part: str, aw: Awaitable[None]) -> bool:
-    """Run one part of the check; a failure prints why and is recorded, and the check goes on."""
+def one_line(text: str, limit: int = 400) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first[:limit]
+
+
+def nvidia_smi(arguments: list[str]) -> str | None:
     try:
-        await aw
-        return True
-    except Exception as exc:
-        traceback.print_exc()
-        print(f"\n{part.upper()} FAILED: {type(exc).__name__}: {exc}", flush=True)
-        print("  the rest of the check still runs\n", flush=True)
-        FAILED.append(part)
-        TIMINGS[f"{part}_error"] = f"{type(exc).__name__}: {exc}"
-        return False
-
-
-def sync() -> None:
-    if ON_CUDA:
-        torch.cuda.synchronize()
-
-
-def gpu_memory() -> str:
-    if not ON_CUDA:
-        return ""
-    return f"(GPU allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB)"
-
-
-def memory_mib() -> dict[str, float] | None:
-    """What this process holds on the GPU (allocated by tensors, reserved by the caching
-    allocator), MiB; None on CPU."""
-    if not ON_CUDA:
+        done = subprocess.run(
+            ["nvidia-smi", *arguments], capture_output=True, text=True, timeout=15, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    return {
-        "allocated_mib": round(torch.cuda.memory_allocated() / 2**20, 1),
-        "reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1),
+    return done.stdout if done.returncode == 0 else None
+
+
+def children_map() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from /proc."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command may hold spaces and parentheses: the fields after its closing one.
+        fields = stat.rsplit(")", 1)[1].split()
+        tree.setdefault(int(fields[1]), []).append(int(entry.name))
+    return tree
+
+
+def descendants(tree: dict[int, list[int]], root: int) -> set[int]:
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(tree.get(pid, ()))
+    return found
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+# --- versions -------------------------------------------------------------------------------------
+
+VERSIONS_SNIPPET = """
+import json, sys
+import torch
+nccl = None
+if torch.version.cuda is not None:
+    try:
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    except Exception as exc:
+        nccl = f"unknown ({type(exc).__name__})"
+print(json.dumps({"python": sys.version.split()[0], "torch": torch.__version__,
+                  "cuda": torch.version.cuda, "nccl": nccl}))
+"""
+
+
+def own_versions() -> dict[str, Any]:
+    namespace: dict[str, Any] = {}
+    # The same snippet in-process: its print is this process's figures.
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        exec(VERSIONS_SNIPPET, namespace)  # a fixed snippet of this file
+    versions: dict[str, Any] = json.loads(buffer.getvalue())
+    return versions
+
+
+def vllm_versions(python: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run(
+        [str(python), "-c", VERSIONS_SNIPPET],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise PhaseFailed(f"{python} could not report its torch: {one_line(done.stderr[-2000:])}")
+    versions: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return versions
+
+
+# --- the NCCL probe -----------------------------------------------------------------------------
+
+
+def probe_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """What the probe pushes: a few tensors of several dtypes, the same in both processes."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        ("a.weight", torch.randn(64, 32, generator=generator)),
+        ("b.weight", torch.randn(300, generator=generator).to(torch.bfloat16)),
+        ("c.bias", torch.arange(17, dtype=torch.float32)),
+        ("d.weight", torch.randn(128, 64, generator=generator)),
+    ]
+
+
+def probe_setup(device: str, rank: int, gpus: int) -> str:
+    """The device of ``rank`` in the probe; on one GPU both ranks share it, each as its own
+    "host" for NCCL (which refuses two ranks of one host on one GPU)."""
+    if device != "cuda":
+        return "cpu"
+    index = rank if gpus > 1 else 0
+    if gpus < 2:
+        os.environ["NCCL_HOSTID"] = f"gpu-check-probe-{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def probe_rank0(
+    spec: dict[str, Any],
+    device: str,
+    gpus: int,
+    bucket_bytes: int,
+    to_member: Any,
+    from_member: Any,
+    results: Any,
+) -> None:
+    """Rank 0: host the group, push in buckets; each bucket goes to the member only once rank 0
+    has handed it on (the broadcast already called), and rank 0 waits for the member's answer
+    before it resumes the generator, as the engine's ``/collective_rpc`` does."""
+    try:
+        from trainer.weight_group import GroupSpec, WeightGroup, group_buckets
+
+        where = probe_setup(device, 0, gpus)
+        group = WeightGroup(GroupSpec(**spec), device=where)
+        count = 0
+        for bucket in group_buckets(
+            probe_tensors(), group=group, bucket_bytes=bucket_bytes, device=torch.device(where)
+        ):
+            entries = [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in bucket.entries]
+            message = {
+                "entries": entries,
+                "nbytes": max(bucket.end, 1),
+                "first": bucket.index == 0,
+                "last": bucket.last,
+            }
+            to_member.put(json.dumps(message))
+            answer = from_member.get(timeout=spec["timeout_s"])
+            if answer.get("error"):
+                raise RuntimeError(f"the member failed: {answer['error']}")
+            count += 1
+        group.close()
+        results.put(("rank0", {"buckets": count}))
+    except BaseException as exc:
+        results.put(("rank0", {"error": f"{type(exc).__name__}: {one_line(str(exc))}"}))
+
+
+def probe_member(
+    spec: dict[str, Any], device: str, gpus: int, to_member: Any, from_member: Any, results: Any
+) -> None:
+    """The member: joins and receives through the vLLM worker extension's own methods (a
+    stand-in worker whose "load" checks the bytes against what rank 0 pushed)."""
+    try:
+        from appliance.engines.vllm_worker import ApplianceWorkerExtension
+
+        probe_setup(device, 1, gpus)
+        expected = dict(probe_tensors())
+        checked: list[str] = []
+
+        class ProbeWorker(ApplianceWorkerExtension):
+            rank = 0  # the worker's rank within its server (tensor parallelism)
+
+            def _appliance_load(self, spec: dict[str, Any], tensors: Any) -> dict[str, int]:
+                _, views = tensors()
+                for name, view in views:
+                    if not torch.equal(view.cpu(), expected[name]):
+                        raise RuntimeError(f"{name} arrived changed")
+                    checked.append(name)
+                return {"tensors": len(spec["entries"]), "tied_heads": 0}
+
+        worker = ProbeWorker()
+        rank = worker.appliance_join_group(json.dumps({**spec, "rank_offset": 1}))
+        while True:
+            message = to_member.get(timeout=spec["timeout_s"])
+            try:
+                worker.appliance_receive_bucket(message)
+                from_member.put({"ok": True})
+            except BaseException as exc:
+                from_member.put({"error": f"{type(exc).__name__}: {one_line(str(exc))}"})
+                raise
+            if json.loads(message)["last"]:
+                break
+        missing = sorted(expected.keys() - set(checked))
+        if missing:
+            raise RuntimeError(f"never received {missing}")
+        results.put(("member", {"rank": rank, "tensors": len(checked)}))
+    except BaseException as exc:
+        results.put(("member", {"error": f"{type(exc).__name__}: {one_line(str(exc))}"}))
+
+
+def run_probe(device: str, timeout_s: float) -> dict[str, Any]:
+    """Both ranks in spawned processes; "hang" if they have not both finished in ``timeout_s``."""
+    from appliance.engines.vllm_process import free_port
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    group_timeout = max(5.0, timeout_s / 2)
+    spec = {
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "world_size": 2,
+        "backend": backend,
+        "prefix": "gpu-check-probe",
+        "timeout_s": group_timeout,
     }
+    context = multiprocessing.get_context("spawn")
+    to_member, from_member, results = context.Queue(), context.Queue(), context.Queue()
+    # Small buckets: the probe's ~50 KB of tensors take several, so the ordering repeats.
+    processes = [
+        context.Process(
+            target=probe_rank0, args=(spec, device, gpus, 16 << 10, to_member, from_member, results)
+        ),
+        context.Process(target=probe_member, args=(spec, device, gpus, to_member, from_member, results)),
+    ]
+    for process in processes:
+        process.start()
+    answers: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(answers) < 2 and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            who, answer = results.get(timeout=0.5)
+            answers[who] = answer
+    for process in processes:
+        process.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    errors = [f"{who}: {a['error']}" for who, a in answers.items() if "error" in a]
+    waited = round(timeout_s, 1)
+    if len(answers) < 2:
+        result, reason = (
+            "hang",
+            f"no answer from {sorted({'rank0', 'member'} - answers.keys())} in {waited} s",
+        )
+    elif errors:
+        result, reason = "error", "; ".join(errors)
+    else:
+        result, reason = "pass", None
+    fields: dict[str, Any] = {
+        "backend": backend,
+        "result": result,
+        "buckets": answers.get("rank0", {}).get("buckets"),
+        "one_gpu_hostid_split": device == "cuda" and gpus < 2,
+        "check_ok": result == "pass",
+    }
+    if reason:
+        fields["detail"] = reason
+    return fields
 
 
-def build_model(directory: Path, *, tiny: bool, device: str) -> Path:
-    """A random Qwen2 saved as an HF model dir: Qwen2.5-0.5B's shape (494M parameters) or tiny."""
+# --- the model ------------------------------------------------------------------------------------
+
+
+def build_model(directory: Path, size: str, dtype: torch.dtype) -> dict[str, Any]:
+    """A random model with the project's tiny tokenizer: the tiny model itself, or a ~0.36B
+    Qwen2 (Qwen2.5-0.5B's layers, the tiny vocabulary). Built on the CPU: no CUDA context here
+    before the engine starts, as with ``up``."""
+    import shutil
+
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    if tiny:
-        config = Qwen2Config(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-            max_position_embeddings=512,
-            tie_word_embeddings=True,
-        )
-    else:
-        config = Qwen2Config(
+    from appliance.engines.tiny_model import build_tiny_model
+
+    tiny = build_tiny_model(directory.with_name(directory.name + "-tiny"))
+    config = json.loads((tiny / "config.json").read_text())
+    directory.mkdir(parents=True, exist_ok=True)
+    for source in tiny.iterdir():  # the tokenizer, the chat template, the generation config
+        if source.suffix != ".safetensors" and source.name != "config.json":
+            shutil.copy2(source, directory / source.name)
+    if size == "small":
+        model_config = Qwen2Config(
+            vocab_size=config["vocab_size"],
             hidden_size=896,
             intermediate_size=4864,
             num_hidden_layers=24,
             num_attention_heads=14,
             num_key_value_heads=2,
-            vocab_size=151936,
             max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
             tie_word_embeddings=True,
+            initializer_range=0.02,
+            eos_token_id=config.get("eos_token_id"),
+            pad_token_id=config.get("pad_token_id"),
+            bos_token_id=None,
         )
-    torch.manual_seed(0)
-    model_class: Any = Qwen2ForCausalLM
-    # Initialised on the device (much faster than a CPU init for 0.5B), saved in bf16.
-    with torch.device(device):
-        model = model_class(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    model.to(torch.bfloat16).save_pretrained(directory)
-    del model
-    TIMINGS["parameters"] = n_params
-    return directory
+    else:
+        model_config = Qwen2Config.from_pretrained(tiny)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model_class: Any = Qwen2ForCausalLM
+        model: Any = model_class(model_config)
+    model.to(dtype).save_pretrained(directory, safe_serialization=True)
+    parameters = sum(p.numel() for p in model.parameters())
+    return {"parameters": parameters, "vocab": config["vocab_size"]}
 
 
-async def generate(engine: TorchEngine, prompts: list[list[int]], max_tokens: int) -> list[GenerateResult]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0)
-    requests = [GenerateRequest(prompt_ids=p, params=params) for p in prompts]
-    return await asyncio.gather(*(engine.generate(r) for r in requests))
+class Reference:
+    """The trainer's log-probs on fixed tokens: its weights through transformers' forward in
+    fp32 on the CPU (built once, weights loaded for each reading)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        auto: Any = AutoModelForCausalLM
+        self.model: Any = auto.from_config(config, dtype=torch.float32).eval()
+
+    def logprobs(self, state: dict[str, torch.Tensor], prompts: list[list[int]]) -> list[list[float]]:
+        self.model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        out = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                logits = self.model(ids).logits[0, :-1].float()
+                scores = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+                out.append(scores.tolist())
+        return out
 
 
-def train_items(prompts: list[list[int]], results: list[GenerateResult]) -> list[Any]:
+# --- the run --------------------------------------------------------------------------------------
+
+
+async def run(check: Check) -> None:
+    """Every phase but the shutdown, in order; what cannot run after a failure is reported."""
+    args = check.args
+    on_cuda = args.device == "cuda"
+
+    async def versions() -> dict[str, Any]:
+        from appliance.engines.vllm_process import vllm_python
+
+        own = own_versions()
+        python = vllm_python(Path(args.vllm_python))
+        if not python.exists():
+            if not args.torch_only:
+                raise PhaseFailed(f"vLLM's interpreter {python} does not exist: run `make vllm` first")
+            return {"appliance": own, "vllm": None, "torch_match": None, "nccl_match": None}
+        other = await asyncio.to_thread(vllm_versions, python)
+        torch_match = own["torch"].split("+")[0] == other["torch"].split("+")[0]
+        nccl_match = own["nccl"] == other["nccl"]
+        return {
+            "appliance": own,
+            "vllm": other,
+            "torch_match": torch_match,
+            "nccl_match": nccl_match,
+            "check_ok": torch_match and nccl_match,
+        }
+
+    await check.phase("versions", versions, memory=False)
+    await check.phase(
+        "nccl_probe",
+        lambda: asyncio.to_thread(run_probe, args.device, TIMEOUTS["nccl_probe"] - 20),
+        memory=False,
+    )
+
+    work = Path(args.work_dir)
+    model_dir = Path(args.model) if args.model else work / "model"
+
+    async def model() -> dict[str, Any]:
+        if args.model:
+            return {"path": str(model_dir), "built": False}
+        dtype = torch.bfloat16 if on_cuda else torch.float32
+        size = args.model_size or ("small" if on_cuda else "tiny")
+        built = await asyncio.to_thread(build_model, model_dir, size, dtype)
+        return {
+            "path": str(model_dir),
+            "built": True,
+            "size": size,
+            "dtype": str(dtype).removeprefix("torch."),
+            **built,
+        }
+
+    rest = [p for p in PHASES if p not in ("versions", "nccl_probe")]
+    if await check.phase("model", model, memory=False) is None:
+        check.skip_rest(rest[1:], "no model")
+        return
+
+    plan_holder: dict[str, Any] = {}
+
+    async def plan() -> dict[str, Any]:
+        """The config as ``up`` would build it from flags, and its placement plan."""
+        from appliance.config import build_config
+        from appliance.preflight import check_placement
+
+        config = build_config(
+            {
+                "data_dir": work / "data",
+                "model": str(model_dir),
+                "device": args.device,
+                "placement": "collocated",
+                "engine": "torch" if args.torch_only else "vllm",
+                "vllm_python": Path(args.vllm_python),
+                "max_batch_size": 8,
+                "vllm_max_model_len": 1024,
+                "trainer": "verl",
+                "lr": args.lr,
+                "push_bucket_mb": args.bucket_mb,
+                "threads": 1 if not on_cuda else None,
+            }
+        ).with_resolved_device()
+        plan_holder["config"] = config
+        made = await asyncio.to_thread(check_placement, config)
+        if made is None:
+            raise PhaseFailed("no placement plan for the model")
+        plan_holder["plan"] = made
+        return {
+            "device": made.device,
+            "gpu_memory_utilization": made.gpu_memory_utilization,
+            "trainer_ranks": made.trainer_ranks,
+            "trainer_gpus": list(made.trainer_gpus),
+            "replicas": [list(r) for r in made.replicas],
+            "fits": made.fits,
+        }
+
+    if await check.phase("plan", plan, memory=False) is None:
+        check.skip_rest(rest[2:], "no placement plan")
+        return
+    made, config = plan_holder["plan"], plan_holder["config"]
+    gpus_plan = made.device == "cuda"
+
+    async def engine_start() -> dict[str, Any]:
+        from appliance.engines.factory import create_engine
+
+        check.engine = create_engine(
+            config,
+            model_dir,
+            made.replicas if gpus_plan else None,
+            made.gpu_memory_utilization if gpus_plan else None,
+        )
+        await check.engine.start()
+        pid = getattr(check.engine, "server_pid", None)
+        check.server_pid = pid
+        fields: dict[str, Any] = {"engine": config.engine.kind, "server_pid": pid}
+        if pid is not None:
+            fields["server"] = server_flags(pid)
+            if on_cuda:
+                flags = fields["server"]
+                problems = [
+                    what
+                    for what, bad in (
+                        ("--enforce-eager is set (no CUDA graphs)", flags.get("enforce_eager")),
+                        (f"--dtype is {flags.get('dtype')}, not bfloat16", flags.get("dtype") != "bfloat16"),
+                        ("--enable-sleep-mode is missing", not flags.get("sleep_mode")),
+                        (
+                            f"--gpu-memory-utilization is {flags.get('gpu_memory_utilization')}, "
+                            f"not the plan's {made.gpu_memory_utilization}",
+                            flags.get("gpu_memory_utilization") != made.gpu_memory_utilization,
+                        ),
+                    )
+                    if bad
+                ]
+                if problems:
+                    fields.update(check_ok=False, problems=problems)
+        return fields
+
+    if await check.phase("engine_start", engine_start) is None:
+        check.skip_rest(rest[3:], "the engine did not start")
+        return
+
+    async def trainer_build() -> dict[str, Any]:
+        from trainer.factory import make_trainer
+
+        ranks, gpus = config.resolved_trainer_ranks(), None
+        if gpus_plan:
+            ranks, gpus = made.trainer_ranks, made.trainer_gpus
+        # As ``up``: collocated on GPUs the engine sleeps while the trainer is built, then the
+        # trainer offloads and the engine wakes (``--trainer-while-awake``: the engine stays
+        # awake, the start-up order that overcommits a GPU).
+        asleep = gpus_plan and made.placement == "collocated" and not args.trainer_while_awake
+        if asleep:
+            await check.engine.sleep(config.scheduler.sleep_level)
+        check.trainer = await asyncio.to_thread(
+            make_trainer,
+            "verl",
+            model_dir,
+            ranks=ranks,
+            threads=config.threads,
+            gpus=gpus,
+            **config.trainer.options(device=config.device, temperature=config.proxy.temperature),
+        )
+        group = getattr(check.trainer, "group", None)
+        check.trainer_ranks = ranks
+        fields: dict[str, Any] = {
+            "backend": "verl",
+            "ranks": ranks,
+            "pids": list(group.pids()) if group is not None else [],
+            "engine_while_building": "asleep" if asleep else "awake",
+            # The trainer built, before anything was handed over: the start-up's peak.
+            "memory_mib_built": await asyncio.to_thread(check.memory),
+        }
+        if asleep:
+            await asyncio.to_thread(check.trainer.offload)
+            await check.engine.wake()
+        return fields
+
+    if await check.phase("trainer_build", trainer_build) is None:
+        check.skip_rest(rest[4:], "no trainer")
+        return
+
+    await Cycles(check, config, model_dir).run()
+
+
+def cuda_graph_gib(log: Path) -> float | None:
+    """The CUDA graph memory vLLM's last start reported in its log, GiB (None: not there)."""
+    import re
+
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"Graph capturing finished in\s+\d+\s+secs?,\s*took\s+(-?[\d.]+)\s*GiB", text)
+    return float(found[-1]) if found else None
+
+
+def server_flags(pid: int) -> dict[str, Any]:
+    """What the server was started with, read from its command line."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return {}
+
+    def value(flag: str) -> str | None:
+        return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+
+    utilization = value("--gpu-memory-utilization")
+    return {
+        "dtype": value("--dtype"),
+        "enforce_eager": "--enforce-eager" in argv,
+        "gpu_memory_utilization": float(utilization) if utilization else None,
+        "sleep_mode": "--enable-sleep-mode" in argv,
+        "max_model_len": value("--max-model-len"),
+    }
+
+
+class Cycles:
+    """generate_0, the two collocation cycles, the two sleep levels."""
+
+    def __init__(self, check: Check, config: Any, model_dir: Path) -> None:
+        import random
+
+        self.check = check
+        self.config = config
+        self.model_dir = model_dir
+        self.version = 0
+        rng = random.Random(0)
+        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        on_cuda = config.device == "cuda"
+        length, count = (64, 8) if on_cuda else (12, 4)
+        self.max_tokens = 32 if on_cuda else 8
+        self.prompts = [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+        self.fixed = [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(2)]
+        self.samples: list[Any] = []
+        self.previous: list[list[float]] | None = None
+        self.reference: Reference | None = None
+        tolerance = check.args.logprob_tolerance
+        self.tolerance = tolerance if tolerance is not None else (0.25 if on_cuda else 1e-3)
+        # As ``up``: the trainer's compute dtype, the one the engine serves in (fp32: as it is).
+        dtype = getattr(torch, config.engine_dtype())
+        self.push_dtype = dtype if dtype != torch.float32 else None
+        from trainer.sharded import ShardedStore
+
+        self.store = ShardedStore(config.checkpoint_dir, keep=config.trainer.keep_checkpoints)
+
+    async def run(self) -> None:
+        check = self.check
+        if await check.phase("generate_0", self.first) is None:
+            self.not_run([p for p in PHASES if p.startswith(("cycle_", "sleep_"))], "generate_0 failed")
+        else:
+            for n in (1, 2):
+                if not await self.cycle(n):
+                    break
+            if await self.sleep_1():
+                await self.sleep_2()
+        await self.check.phase("figures", self.figures, memory=False)
+
+    async def figures(self) -> dict[str, Any]:
+        """What the memory model allows a process to keep on a collocated GPU
+        (``memory_model.GPU_CHECK_FIGURES``) against what the phases measured: an offloaded
+        trainer rank (``cycle_N/offload``), vLLM asleep (every sleep), vLLM's CUDA graphs (its
+        log's "Graph capturing finished ..., took X GiB"). Measured on CUDA with vLLM only (the
+        torch engine shares the trainer's process; on CPU memory is RSS)."""
+        from appliance.memory_model import GPU_CHECK_FIGURES
+
+        allowances = {name: round(value / 2**20) for name, value in GPU_CHECK_FIGURES.items()}
+        if self.config.device != "cuda" or self.config.engine.kind != "vllm":
+            return {"allowance_mib": allowances, "measured_mib": None, "reason": "measured on CUDA with vLLM"}
+        ranks = max(1, self.check.trainer_ranks)
+        offloaded = self.largest(("cycle_1/offload", "cycle_2/offload"), "appliance/trainer")
+        asleep = ("cycle_1/sleep", "cycle_2/sleep", "sleep_1/sleep", "sleep_2/sleep")
+        graphs = cuda_graph_gib(self.config.data_dir / "logs" / "vllm.log")
+        measured = {
+            "TRAINER_OFFLOADED": None if offloaded is None else round(offloaded / ranks),
+            "VLLM_ASLEEP": self.largest(asleep, "vllm"),
+            "VLLM_CUDA_GRAPHS": None if graphs is None else round(graphs * 1024),
+        }
+        fields: dict[str, Any] = {"allowance_mib": allowances, "measured_mib": measured}
+        over = [
+            f"{name}: {value} MiB measured, appliance/memory_model.py allows {allowances[name]} MiB"
+            for name, value in measured.items()
+            if name in allowances and value is not None and value > allowances[name]
+        ]
+        if over:
+            fields.update(check_ok=False, problems=over)
+        return fields
+
+    def largest(self, phases: Sequence[str], who: str) -> float | None:
+        values = [
+            float(memory[who])
+            for phase in phases
+            if isinstance(memory := self.check.memories.get(phase), dict)
+            and isinstance(memory.get(who), float)
+        ]
+        return max(values) if values else None
+
+    def not_run(self, phases: Sequence[str], reason: str) -> None:
+        for phase in phases:
+            if phase not in self.check.report.done:
+                self.check.report.skip(phase, reason)
+
+    async def generate(self, version: int) -> dict[str, Any]:
+        from appliance.engines.base import GenerateRequest, SamplingParams
+
+        engine = self.check.engine
+        requests = [
+            GenerateRequest(
+                prompt_ids=p, params=SamplingParams(max_tokens=self.max_tokens, temperature=1.0, seed=i)
+            )
+            for i, p in enumerate(self.prompts)
+        ]
+        started = time.monotonic()
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        seconds = time.monotonic() - started
+        versions = sorted({r.policy_version for r in results})
+        if versions != [version]:
+            raise PhaseFailed(f"the engine served versions {versions}, not {version}")
+        self.samples = train_items(self.prompts, results)
+        tokens = sum(len(r.token_ids) for r in results)
+        return {"version": version, "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+
+    async def engine_logprobs(self) -> list[list[float]]:
+        from appliance.engines.base import GenerateRequest, SamplingParams
+
+        engine = self.check.engine
+        out = []
+        for prompt in self.fixed:
+            request = GenerateRequest(
+                prompt_ids=prompt,
+                params=SamplingParams(max_tokens=1, temperature=1.0, seed=0),
+                prompt_logprobs=0,
+            )
+            result = await engine.generate(request)
+            scores = list(result.prompt_logprobs)[1:]
+            if any(s is None for s in scores) or len(scores) != len(prompt) - 1:
+                raise PhaseFailed("the engine did not score every prompt token")
+            out.append([float(s) for s in scores])
+        return out
+
+    async def first(self) -> dict[str, Any]:
+        fields = await self.generate(0)
+        self.previous = await self.engine_logprobs()
+        return fields
+
+    async def compare(self, *, pushed_a_step: bool) -> dict[str, Any]:
+        served = await self.engine_logprobs()
+        state = await asyncio.to_thread(self.check.trainer.state_dict_for_engine)
+        if self.reference is None:
+            self.reference = await asyncio.to_thread(Reference, self.model_dir)
+        trainer = await asyncio.to_thread(self.reference.logprobs, state, self.fixed)
+        del state
+        diff = max_abs(served, trainer)
+        moved = max_abs(served, self.previous) if self.previous is not None else None
+        self.previous = served
+        fields: dict[str, Any] = {
+            "max_abs_diff": diff,
+            "mean_abs_diff": mean_abs(served, trainer),
+            "moved": moved,
+            "tolerance": self.tolerance,
+            "tokens": sum(len(s) for s in served),
+        }
+        problems = []
+        if not diff <= self.tolerance:
+            problems.append(f"max_abs_diff {diff:.3g} is above the tolerance {self.tolerance:g}")
+        if pushed_a_step and moved is not None and not moved > diff:
+            problems.append(
+                f"the push moved the engine's log-probs by {moved:.3g}, not beyond their diff {diff:.3g}"
+            )
+        if problems:
+            fields.update(check_ok=False, problems=problems)
+        return fields
+
+    async def push(self, version: int) -> dict[str, Any]:
+        from appliance.engines.buckets import stream_buckets
+
+        count = 0
+        trainer = self.check.trainer
+        bucket_bytes = int(self.config.trainer.push_bucket_mb) << 20
+
+        def counted() -> Iterator[Any]:
+            nonlocal count
+            for bucket in trainer.weight_buckets(bucket_bytes, self.push_dtype):
+                count += 1
+                yield bucket
+
+        await self.check.engine.load_weight_buckets(stream_buckets(counted()), version)
+        return {
+            "version": version,
+            "buckets": count,
+            "dtype": str(self.push_dtype or "trainer's").removeprefix("torch."),
+        }
+
+    async def cycle(self, n: int) -> bool:
+        check, engine, trainer = self.check, self.check.engine, self.check.trainer
+        version = self.version + 1
+
+        async def step() -> dict[str, Any]:
+            out = await asyncio.to_thread(trainer.step, self.samples)
+            metrics = out.metrics()
+            return {
+                "loss": out.loss,
+                "grad_norm": out.grad_norm,
+                "updated": out.updated,
+                "is_weight_mean": metrics["is_weight_mean"],
+                "tokens": out.tokens,
+                **({} if out.updated else {"check_ok": False, "problems": ["the step did not update"]}),
+            }
+
+        async def checkpoint() -> dict[str, Any]:
+            trainer.global_step = n
+            path = await asyncio.to_thread(trainer.save, self.store, version)
+            return {"path": str(path)}
+
+        async def generate() -> dict[str, Any]:
+            return await self.generate(version)
+
+        steps: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+            "sleep": lambda: timed_none(engine.sleep(1)),
+            "onload": lambda: timed_none(asyncio.to_thread(trainer.onload)),
+            "step": step,
+            "checkpoint": checkpoint,
+            "offload": lambda: timed_none(asyncio.to_thread(trainer.offload)),
+            "wake_weights": lambda: timed_none(engine.wake(["weights"])),
+            "push": lambda: self.push(version),
+            "wake_kv_cache": lambda: timed_none(engine.wake(["kv_cache"])),
+            "generate": generate,
+            "logprobs": lambda: self.compare(pushed_a_step=True),
+        }
+        for name in CYCLE:
+            kind = name if name in TIMEOUTS else None
+            if await check.phase(f"cycle_{n}/{name}", steps[name], kind=kind) is None:
+                self.not_run(
+                    [p for p in PHASES if p.startswith(("cycle_", "sleep_"))], f"cycle_{n}/{name} failed"
+                )
+                return False
+            if name == "push":
+                self.version = version
+        return True
+
+    async def sleep_1(self) -> bool:
+        engine = self.check.engine
+        steps: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+            "sleep": lambda: timed_none(engine.sleep(1)),
+            "wake": lambda: timed_none(engine.wake(["weights", "kv_cache"])),
+            "generate": lambda: self.generate(self.version),
+        }
+        for name in SLEEP_1:
+            if await self.check.phase(f"sleep_1/{name}", steps[name]) is None:
+                self.not_run([p for p in PHASES if p.startswith("sleep_")], f"sleep_1/{name} failed")
+                return False
+        return True
+
+    async def sleep_2(self) -> None:
+        engine = self.check.engine
+        steps: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+            "sleep": lambda: timed_none(engine.sleep(2)),
+            "wake_weights": lambda: timed_none(engine.wake(["weights"])),
+            # Level 2 discarded the weights: the current version is pushed again (the scheduler's way).
+            "push": lambda: self.push(self.version),
+            "wake_kv_cache": lambda: timed_none(engine.wake(["kv_cache"])),
+            "generate": lambda: self.generate(self.version),
+            "logprobs": lambda: self.compare(pushed_a_step=False),
+        }
+        for name in SLEEP_2:
+            if await self.check.phase(f"sleep_2/{name}", steps[name]) is None:
+                self.not_run([p for p in PHASES if p.startswith("sleep_2/")], f"sleep_2/{name} failed")
+                return
+
+
+async def close_all(check: Check) -> None:
+    trainer, engine = check.trainer, check.engine
+    check.trainer = check.engine = None
+    if trainer is not None and hasattr(trainer, "close"):
+        await asyncio.to_thread(trainer.close)
+    if engine is not None:
+        await engine.close()
+
+
+async def timed_none(awaitable: Awaitable[Any]) -> dict[str, Any]:
+    await awaitable
+    return {}
+
+
+def max_abs(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(
+        (abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)), default=0.0
+    )
+
+
+def mean_abs(a: list[list[float]], b: list[list[float]]) -> float:
+    values = [abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(values) / len(values) if values else 0.0
+
+
+def train_items(prompts: list[list[int]], results: Sequence[Any]) -> list[Any]:
     """The engine's generations as training items, every other one rewarded (advantage +-1)."""
     from trainer.items import TrainItem
     from trainer.samples import NOT_SAMPLED, Sample
@@ -223,333 +1165,207 @@ def train_items(prompts: list[list[int]], results: list[GenerateResult]) -> list
     return items
 
 
-def make_trainer(model_dir: Path, device: str, param_dtype: str) -> Any:
-    """The verl FSDP trainer, or None (with the reason printed) if verl cannot run here."""
-    try:
-        from trainer.verl_backend import VerlFSDPTrainer
-
-        build = lambda: VerlFSDPTrainer(model_dir, device=device, lr=1e-6, param_dtype=param_dtype)  # noqa: E731
-        return timed("trainer_init", build, lambda _: f"{param_dtype} {gpu_memory()}")
-    except Exception as exc:
-        traceback.print_exc()
-        print(f"\nVERL TRAINER UNAVAILABLE: {type(exc).__name__}: {exc}", flush=True)
-        print("  the verl part is skipped; the engine's sleep/wake/weight push are still timed\n", flush=True)
-        TIMINGS["verl"] = f"unavailable: {type(exc).__name__}: {exc}"
-        return None
+# --- carried wheels ------------------------------------------------------------------------------
 
 
-def perturbed_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Stand-in for the trainer's weights: the checkpoint's own, nudged (so the push changes them)."""
-    from safetensors.torch import load_file
+def fetch_wheels(directory: Path, python_version: str) -> int:
+    """Download the wheels of ``CARRIED`` at this venv's versions for a Linux x86-64 CPython of
+    ``python_version``: what the torch-only mode needs on an image with torch alone."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(file))
-    return {k: v.float().add_(1e-3) for k, v in state.items()}
-
-
-def differing(engine: TorchEngine, expected: dict[str, torch.Tensor]) -> tuple[list[str], int]:
-    """The engine's tensors that differ from ``expected`` cast to the engine's dtype (a tied LM
-    head, when ``expected`` leaves it out, is compared with the embedding), and how many the
-    engine has."""
-    model: Any = engine._model
-    own: dict[str, torch.Tensor] = model.state_dict()
-    expected = dict(expected)
-    tied = "lm_head.weight", "model.embed_tokens.weight"
-    if model.config.tie_word_embeddings and tied[0] not in expected and tied[1] in expected:
-        expected[tied[0]] = expected[tied[1]]
-    names = sorted(own.keys() | expected.keys())
-    bad = [
-        name
-        for name in names
-        if name not in own
-        or name not in expected
-        or own[name].shape != expected[name].shape
-        or not torch.equal(own[name].detach().cpu(), expected[name].to(own[name].dtype))
-    ]
-    return bad, len(own)
-
-
-async def bucketed_push(engine: TorchEngine, buckets: Iterator[WeightBucket], version: int, name: str) -> int:
-    """``engine.load_weight_buckets`` over ``buckets`` (each next() in a worker thread), timed as
-    ``name``; returns how many buckets came."""
-    count = 0
-
-    def counted() -> Iterator[WeightBucket]:
-        nonlocal count
+    pins = []
+    for name in CARRIED:
         try:
-            for bucket in buckets:
-                count += 1
-                yield bucket
-        finally:
-            close = getattr(buckets, "close", None)  # unlinks the file; ends a ranks push
-            if close is not None:
-                close()
-
-    await atimed(name, engine.load_weight_buckets(stream_buckets(counted()), version))
-    return count
-
-
-async def checked_push(
-    engine: TorchEngine,
-    buckets: Iterator[WeightBucket],
-    expected: dict[str, torch.Tensor],
-    version: int,
-    name: str,
-) -> tuple[bool, int, int]:
-    """A bucketed push of ``expected``'s weights, then whether the engine holds exactly them.
-    Returns (exact, how many tensors the push changed, how many buckets came)."""
-    before, total = differing(engine, expected)
-    count = await bucketed_push(engine, buckets, version, name)
-    after, _ = differing(engine, expected)
-    exact = not after
-    verdict = "exact" if exact else f"NOT EXACT: {len(after)} tensors differ, e.g. {after[:3]}"
-    note(f"{count} bucket(s); changed {len(before)} of {total} tensors; {verdict}")
-    return exact, len(before), count
-
-
-async def train_and_push(
-    engine: TorchEngine,
-    trainer: Any,
-    model_dir: Path,
-    round_: int,
-    batch: Batch,
-    bucket_bytes: int,
-) -> None:
-    """One collocation round: [sleep, onload,] step, offload, wake weights, bucketed push, full
-    push, wake cache."""
-    if round_ > 1:
-        await atimed("engine_sleep", engine.sleep(1))
-    if trainer is not None:
-        if round_ > 1:
-            timed("trainer_onload", trainer.onload, lambda _: gpu_memory())
-        items = train_items(*batch)
-        out = timed(f"train_step_{round_}", lambda: trainer.step(items))
-        note(f"loss {out.loss:+.4f} grad_norm {out.grad_norm:.4f}")
-        TIMINGS[f"train_step_{round_}_metrics"] = out.metrics()
-        timed("trainer_offload", trainer.offload, lambda _: gpu_memory())
-        weights = timed("trainer_state_dict", trainer.state_dict_for_engine)
-    else:
-        weights = timed("load_stand_in_weights", lambda: perturbed_weights(model_dir))
-    memory = memory_mib()
-    TIMINGS["memory_after_offload"] = memory
-    where = "trainer offloaded, engine asleep" if trainer is not None else "engine asleep"
-    if memory is None:
-        note(f"memory after offload ({where}): not measured on CPU")
-    else:
-        note(
-            f"memory after offload ({where}): {memory['allocated_mib']:.0f} MiB allocated, "
-            f"{memory['reserved_mib']:.0f} MiB reserved"
-        )
-    await atimed("engine_wake_weights", engine.wake(["weights"]))
-
-    async def push_buckets() -> None:
-        if trainer is not None:
-            buckets = trainer.weight_buckets(bucket_bytes)
+            pins.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            print(f"{name} is not installed here; not fetched", file=sys.stderr)
+    directory.mkdir(parents=True, exist_ok=True)
+    platforms = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
+    download = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(directory),
+    ]
+    target = [
+        f"--python-version={python_version}",
+        "--implementation=cp",
+        *(f"--platform={p}" for p in platforms),
+    ]
+    failed = []
+    for pin in pins:
+        if pin.startswith("antlr4"):
+            # Published as a source archive only: built into a pure-Python wheel.
+            command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(directory), pin]
         else:
-            tied = bool(engine._model.config.tie_word_embeddings)
-            tensors = [(k, v) for k, v in weights.items() if not (tied and k == "lm_head.weight")]
-            buckets = pack_buckets(tensors, bucket_bytes=bucket_bytes)
-        exact, changed, count = await checked_push(engine, buckets, weights, round_, "bucketed_push_s")
-        # Exact only if every round's push was.
-        TIMINGS["push_exact"] = exact and TIMINGS.get("push_exact", True) is not False
-        TIMINGS["push_changed"], TIMINGS["buckets"] = changed, count
-
-    if not await guarded("bucketed_push", push_buckets()):
-        TIMINGS["push_exact"] = False  # not shown exact; failed_parts says why
-    await atimed("weight_push", engine.load_weights(weights, round_))
-    await atimed("engine_wake_kv_cache", engine.wake(["kv_cache"]))
+            command = [*download, *target, pin]
+        if subprocess.call(command, stdout=subprocess.DEVNULL) != 0:
+            failed.append(pin)
+    size = sum(f.stat().st_size for f in directory.glob("*.whl"))
+    print(f"{len(list(directory.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB, in {directory}")
+    if failed:
+        print(f"not fetched: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
-async def lora_part(
-    engine: TorchEngine,
-    model_dir: Path,
-    device: str,
-    param_dtype: str,
-    batch: Batch,
-    bucket_bytes: int,
-    version: int,
-) -> None:
-    """A LoRA trainer (rank 8, alpha 16): one step on the same samples, then a bucketed push of
-    its adapters alone, then the engine serves them on its base weights."""
-    from trainer.verl_backend import VerlFSDPTrainer
+def use_wheels(directory: Path) -> Path:
+    """Unpack the wheels in ``directory`` (no dependency resolution) into a temporary directory
+    put first on the path (this process's and its children's), with stand-ins for ``STAND_INS``
+    where they are missing."""
+    import atexit
+    import importlib.util
+    import shutil
 
-    print("LoRA (rank 8, alpha 16):", flush=True)
-    await engine.sleep(1)
-    build = lambda: VerlFSDPTrainer(  # noqa: E731
-        model_dir, device=device, lr=1e-5, param_dtype=param_dtype, lora_rank=8, lora_alpha=16
+    site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
+    atexit.register(shutil.rmtree, site, True)
+    for wheel in sorted(directory.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site)
+    sys.path.insert(0, str(site))
+    for module in STAND_INS:
+        if importlib.util.find_spec(module) is None:
+            (site / module).mkdir(exist_ok=True)
+            (site / module / "__init__.py").write_text(STAND_IN)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH")) if p
     )
-    lora = timed("lora_init_s", build, lambda _: gpu_memory())
-    out = timed("lora_step_s", lambda: lora.step(train_items(*batch)))
-    note(f"loss {out.loss:+.4f} grad_norm {out.grad_norm:.4f}")
-    lora.offload()
-    await engine.wake(["weights"])
-    pushed: dict[str, torch.Tensor] = {}
-
-    def capturing() -> Iterator[WeightBucket]:
-        for bucket in lora.weight_buckets(bucket_bytes):
-            pushed.update((name, tensor.clone()) for name, tensor in bucket_tensors(bucket))
-            yield bucket
-
-    count = await bucketed_push(engine, capturing(), version, "lora_push_s")
-    # Adapters alone travel; the engine serves exactly them (in its dtype) on its base weights.
-    served = served_adapter(engine._model)
-    exact = served.keys() == pushed.keys() and all(
-        torch.equal(served[name], tensor.to(served[name].dtype)) for name, tensor in pushed.items()
-    )
-    TIMINGS["lora_push_bytes"] = sum(t.numel() * t.element_size() for t in pushed.values())
-    note(f"{count} bucket(s), {len(pushed)} adapter tensors; {'exact' if exact else 'NOT EXACT'}")
-    TIMINGS["lora_push_exact"] = exact
-    await engine.wake(["kv_cache"])
-    await serves(engine, batch, version)
+    return site
 
 
-async def ranked_part(
-    engine: TorchEngine,
-    model_dir: Path,
-    args: argparse.Namespace,
-    param_dtype: str,
-    batch: Batch,
-    bucket_bytes: int,
-    version: int,
-) -> None:
-    """The verl trainer in ``args.ranks`` worker processes: one step, a bucketed push (rank 0
-    packs; at 2+ ranks each rank writes its own shards into the file), the engine serves it."""
-    from trainer.ranks import RankedTrainer
+STAND_IN = '''"""Stand-in: verl imports this module at module level; the check's path never calls it."""
 
-    print(f"ranks ({args.ranks} worker process(es), {args.device}):", flush=True)
-    await engine.sleep(1)
-    threads = args.threads if args.device == "cpu" else None
-    build = lambda: RankedTrainer(  # noqa: E731
-        model_dir, ranks=args.ranks, threads=threads, device=args.device, lr=1e-6, param_dtype=param_dtype
-    )
-    ranked = timed("ranked_init_s", build)
+
+class _Inert(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Inert(name, (_Placeholder,), {})
+
+
+class _Placeholder(metaclass=_Inert):
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Inert(name, (_Placeholder,), {})
+'''
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+
+def watchdog(check: Check) -> threading.Timer:
+    """At the run's limit, however stuck the event loop or a worker thread (a phase that timed
+    out leaves its thread running): stop the vLLM server's process group and every child, print
+    the verdict (if it was not printed yet), exit with its status."""
+
+    def fire() -> None:
+        if check.server_pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(check.server_pid, signal.SIGKILL)
+        for pid in descendants(children_map(), os.getpid()) - {os.getpid()}:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        os._exit(check.report.verdict(["the run's time limit"]))
+
+    timer = threading.Timer(max(0.0, check.report.left()), fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+async def main_async(check: Check) -> int:
+    """Every phase, the shutdown, the verdict; what was started is closed whatever happens."""
+    report = check.report
     try:
-        out = timed("ranked_step_s", lambda: ranked.step(train_items(*batch)))
-        note(f"loss {out.loss:+.4f} grad_norm {out.grad_norm:.4f}")
-        ranked.offload()
-        weights = ranked.state_dict_for_engine()
-        await engine.wake(["weights"])
-        buckets = ranked.weight_buckets(bucket_bytes)
-        exact, _, _ = await checked_push(engine, buckets, weights, version, "ranked_push_s")
-        TIMINGS["ranked_push_exact"] = exact
-        await engine.wake(["kv_cache"])
-        await serves(engine, batch, version)
-    finally:
-        ranked.close()
-
-
-async def serves(engine: TorchEngine, batch: Batch, version: int) -> None:
-    """The engine generates again (a few tokens), with the weights of ``version``."""
-    again = await generate(engine, batch[0], 4)
-    if not all(r.policy_version == version for r in again):
-        raise AssertionError(f"the engine does not serve the pushed version {version}")
-
-
-async def run(args: argparse.Namespace) -> int:
-    global ON_CUDA
-    device = args.device
-    ON_CUDA = device == "cuda"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    param_dtype = args.param_dtype or ("bf16" if ON_CUDA else "fp32")
-    bucket_bytes = max(1, int(args.bucket_mb * 2**20))
-    if device == "cpu":
-        torch.set_num_threads(max(1, args.threads))
-    prompt_len, max_tokens, batch = (8, 8, 4) if args.tiny else (64, 64, 8)
-    rng = random.Random(0)
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        import transformers
-
-        python = sys.version.split()[0]
-        versions = f"python {python}, torch {torch.__version__}, transformers {transformers.__version__}"
-        print(f"gpu check: device={device} tiny={args.tiny} ({versions})", flush=True)
-        model_dir = Path(args.model_dir) if args.model_dir else Path(tmp) / "model"
-        if not args.model_dir:
-            timed("build_random_model", lambda: build_model(model_dir, tiny=args.tiny, device=device))
-            print(f"  parameters: {TIMINGS['parameters'] / 1e6:.1f} M", flush=True)
-        engine = TorchEngine(model_dir, device=device, dtype=dtype, max_batch_size=batch)
-        await atimed("engine_load", engine.start())
-        vocab = min(engine_vocab(model_dir), 50000)
-        prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-        results = await atimed("generate_first", generate(engine, prompts, max_tokens))
-        samples: Batch = (prompts, results)
-        await atimed("engine_sleep", engine.sleep(1))
-        trainer = None if args.skip_verl else make_trainer(model_dir, device, param_dtype)
-        if trainer is not None:
-            TIMINGS["param_dtype"] = param_dtype
-        TIMINGS["bucket_mb"] = args.bucket_mb
-        for round_ in (1, 2):
-            await train_and_push(engine, trainer, model_dir, round_, samples, bucket_bytes)
-            results = await atimed(f"generate_after_push_{round_}", generate(engine, prompts, max_tokens))
-            assert all(r.policy_version == round_ for r in results), "the engine serves the pushed version"
-        if trainer is not None and param_dtype == "bf16":
-            TIMINGS["bf16_step_s"] = TIMINGS["train_step_2"]
-        version = 2
-        if trainer is None:
-            print("LoRA and ranks parts skipped: they need the verl trainer", flush=True)
+        try:
+            await run(check)
+        except Exception as exc:  # the check's own fault: reported as such, what was started closed
+            traceback.print_exc(file=sys.stderr)
+            report.emit("check", False, None, error=f"{type(exc).__name__}: {one_line(str(exc))}")
+        if check.engine is None and check.trainer is None:
+            report.skip("shutdown", "nothing was started")
         else:
-            version += 1
-            await guarded(
-                "lora", lora_part(engine, model_dir, device, param_dtype, samples, bucket_bytes, version)
-            )
-            gpus = torch.cuda.device_count() if ON_CUDA else 0
-            if args.ranks < 1:
-                print("ranks part skipped (--ranks 0)", flush=True)
-            elif ON_CUDA and args.ranks > gpus:
-                print(
-                    f"ranks part skipped: --ranks {args.ranks} needs a GPU per rank, {gpus} here", flush=True
-                )
-                TIMINGS["ranked"] = f"skipped: {gpus} GPU(s) for {args.ranks} ranks"
-            else:
-                version += 1
-                part = ranked_part(engine, model_dir, args, param_dtype, samples, bucket_bytes, version)
-                await guarded("ranked", part)
-        await engine.close()
-    TIMINGS["device"] = device
-    TIMINGS["verl_ran"] = trainer is not None
-    TIMINGS["ranks"] = args.ranks
-    for key in RESULT_KEYS:
-        TIMINGS.setdefault(key, None)
-    TIMINGS["failed_parts"] = FAILED
-    print(json.dumps(TIMINGS), flush=True)
-    return 1 if FAILED or (args.require_verl and trainer is None) else 0
+            await check.phase("shutdown", lambda: timed_none(close_all(check)))
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(close_all(check), 60)
+    return report.verdict()
 
 
-def engine_vocab(model_dir: Path) -> int:
-    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+def checked_run(args: argparse.Namespace) -> int:
+    """The run under its watchdog (cancelled once the event loop and its threads are done)."""
+    check = Check(args, Report(deadline=time.monotonic() + args.timeout))
+    timer = watchdog(check)
+    try:
+        return asyncio.run(main_async(check))
+    finally:
+        timer.cancel()
 
 
-def main() -> None:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model instead of ~0.5B")
-    parser.add_argument("--model-dir", help="an existing HF model directory instead of a random model")
-    parser.add_argument("--skip-verl", action="store_true", help="time the engine switches only")
-    parser.add_argument("--require-verl", action="store_true", help="exit 1 if the verl trainer cannot run")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
+    parser.add_argument("--torch-only", action="store_true", help="serve with the torch engine: no vLLM")
+    parser.add_argument("--model", help="an existing HF model directory (default: a random model)")
     parser.add_argument(
-        "--param-dtype",
-        choices=["bf16", "fp32"],
-        help="the verl trainers' compute dtype (default: bf16 on CUDA, fp32 on CPU)",
+        "--model-size", choices=["tiny", "small"], help="the random model (default: small on cuda)"
     )
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="vLLM's interpreter")
     parser.add_argument(
-        "--bucket-mb", type=float, default=256.0, help="bucket size of the bucketed pushes, MiB (default 256)"
+        "--lr", type=float, default=1e-3, help="the trainer's learning rate (a push must show)"
     )
+    parser.add_argument("--bucket-mb", type=int, default=64, help="push bucket size, MiB")
+    parser.add_argument("--logprob-tolerance", type=float, help="largest engine-vs-trainer log-prob gap")
     parser.add_argument(
-        "--ranks",
-        type=int,
-        default=0,
-        help="also run the trainer in N worker processes (trainer.ranks; one GPU each on CUDA); 0: skip",
+        "--trainer-while-awake",
+        action="store_true",
+        help="build the trainer with the engine awake (collocated GPUs: up sleeps it first)",
     )
-    args = parser.parse_args()
+    parser.add_argument("--timeout", type=float, default=600.0, help="the whole run's limit, seconds")
+    parser.add_argument("--work-dir", help="where the model and checkpoints go (default: a temporary one)")
+    parser.add_argument("--wheels", help="unpack these wheels onto the path first (a torch-only image)")
+    parser.add_argument("--fetch-wheels", metavar="DIR", help="download the wheels --wheels takes, then exit")
+    parser.add_argument("--python-version", default="3.12", help="the target of --fetch-wheels")
+    parser.add_argument("--verbose", action="store_true", help="tracebacks of failed phases on stderr")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    if args.fetch_wheels:
+        return fetch_wheels(Path(args.fetch_wheels), args.python_version)
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device here; use --device cpu (with --tiny for a quick smoke run)")
-    if args.bucket_mb <= 0 or args.ranks < 0:
-        parser.error("--bucket-mb must be > 0 and --ranks >= 0")
-    sys.exit(asyncio.run(run(args)))
+        print(
+            "gpu_check: no CUDA device here; use --device cpu (with --torch-only for the quick CPU run)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.wheels:
+        use_wheels(Path(args.wheels))
+    if args.timeout <= SHUTDOWN_RESERVE_S + WATCHDOG_MARGIN_S:
+        print(
+            f"gpu_check: --timeout must exceed {SHUTDOWN_RESERVE_S + WATCHDOG_MARGIN_S:.0f} s",
+            file=sys.stderr,
+        )
+        return 2
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    if args.work_dir is not None:
+        return checked_run(args)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        args.work_dir = work
+        return checked_run(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
