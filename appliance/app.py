@@ -125,6 +125,8 @@ class Appliance:
         self._force_timer: asyncio.TimerHandle | None = None
         self._stage = "start-up (loading the model and the store)"
         self._closing = False
+        #: Collocated on GPUs: the trainer and the engine time-slice the same GPUs.
+        self._trainer_shares_gpu = False
         self.runner: SchedulerRunner | None = None
 
     # The parts, available after ``__aenter__``.
@@ -213,6 +215,7 @@ class Appliance:
         # fp32 weights beside it would overcommit the GPU (the plan's start-up phases,
         # ``appliance.placement_planner``).
         collocated = on_gpus and plan is not None and plan.placement == "collocated"
+        self._trainer_shares_gpu = collocated
         if collocated:
             await self.engine.sleep(config.scheduler.sleep_level)
 
@@ -369,6 +372,7 @@ class Appliance:
             on_notice=self._on_notice,
             breaker_backoff_s=scheduler.breaker_backoff_s,
             breaker_backoff_max_s=scheduler.breaker_backoff_max_s,
+            trainer_shares_gpu=self._trainer_shares_gpu,
         )
         if self._stop_requested:
             self.runner.request_stop()
@@ -494,6 +498,8 @@ class Appliance:
         state = self.live.state
         if state.step == 0 and state.policy_version == 0:
             return
+        if self._trainer_shares_gpu:  # the checkpoint brings the trainer's state back to the GPUs
+            await self.engine.sleep(self.config.scheduler.sleep_level)
         await self.training.checkpoint(state, "shutdown")
         exported = await self.training.export(state, self.config.export_path)
         log.info("exported policy v%d to %s", exported.policy_version, exported.path)

@@ -79,7 +79,8 @@ VLLM_CUDA_GRAPHS = GIB
 #: with the flag above, the CUDA graph pool): CUDA context, NCCL buffers, non-pool allocations,
 #: graph executables outside torch's pools. Not yet measured on a GPU: the GPU check measures it.
 VLLM_ASLEEP = 3 * GIB // 2
-#: Bytes per KV-cache element: vLLM's "auto" cache dtype is the 16-bit model dtype on GPUs.
+#: Bytes per element vLLM serves in on GPUs by default: the 16-bit compute dtype (weights and
+#: the "auto" KV cache, which follows the served dtype).
 KV_BYTES = 2
 #: vLLM's own default ``gpu_memory_utilization``; a derived one never goes above it.
 MAX_UTILIZATION = 0.90
@@ -289,13 +290,23 @@ class TrainerMemory:
 
 
 def engine_memory(
-    model: ModelSpec, shape: Shape, t: int, max_model_len: int, max_num_seqs: int, *, cpu: bool = False
+    model: ModelSpec,
+    shape: Shape,
+    t: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    *,
+    cpu: bool = False,
+    serve_bytes: int | None = None,
 ) -> EngineMemory:
     """vLLM's need per GPU at tensor parallel ``t`` (on CPU: the engine's, in host RAM, in the
-    checkpoint's dtype)."""
-    weight_bytes = model.dtype_bytes if cpu else min(model.dtype_bytes, 2)  # "auto": 16-bit on GPUs
+    checkpoint's dtype). On GPUs vLLM serves in the trainer's compute dtype (``--dtype``,
+    ``ApplianceConfig.engine_dtype``), ``serve_bytes`` per element (None: 16-bit), and its
+    "auto" KV cache is in that dtype too."""
+    served = serve_bytes or KV_BYTES
+    weight_bytes = model.dtype_bytes if cpu else served
     kv_heads = math.ceil(shape.num_kv_heads / t)  # replicated when t exceeds them
-    kv_bytes = model.dtype_bytes if cpu else KV_BYTES
+    kv_bytes = model.dtype_bytes if cpu else served
     graphs = 0 if cpu else VLLM_CUDA_GRAPHS
     return EngineMemory(
         tensor_parallel_size=t,

@@ -139,7 +139,7 @@ def settings_from_config(config: ApplianceConfig) -> PlacementSettings:
         gradient_checkpointing=trainer.gradient_checkpointing,
         reference_model=verl and trainer.kl_coef > 0,
         tokens_per_microbatch=trainer.max_tokens_per_microbatch,
-        compute_bytes={None: None, "fp32": 4}.get(trainer.param_dtype, 2),
+        compute_bytes=compute_bytes(config),
         max_model_len=engine.vllm_max_model_len,
         max_num_seqs=engine.max_batch_size,
         gpu_memory_utilization=engine.gpu_memory_utilization if engine.kind == "vllm" else None,
@@ -147,6 +147,15 @@ def settings_from_config(config: ApplianceConfig) -> PlacementSettings:
         engine=engine.kind,
         cpu_kv_cache_bytes=engine.vllm_cpu_kv_cache_gib * GIB,
     )
+
+
+def compute_bytes(config: ApplianceConfig) -> int | None:
+    """Bytes of the dtype the trainer computes in and vLLM serves in (``TrainerConfig.compute_dtype``)
+    once the device is known; before that, ``param_dtype``'s (None: decided by the device)."""
+    trainer = config.trainer
+    if config.device == "cpu" or config.device.startswith("cuda"):
+        return 4 if trainer.compute_dtype(config.device) == "fp32" else 2
+    return {None: None, "fp32": 4}.get(trainer.param_dtype, 2)
 
 
 def plan(

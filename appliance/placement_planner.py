@@ -144,7 +144,13 @@ class Planner:
 
     def engine(self, t: int, max_len: int | None = None) -> EngineMemory:
         return engine_memory(
-            self.model, self.shape, t, max_len or self.max_len, self.settings.max_num_seqs, cpu=not self.gpus
+            self.model,
+            self.shape,
+            t,
+            max_len or self.max_len,
+            self.settings.max_num_seqs,
+            cpu=not self.gpus,
+            serve_bytes=self.settings.compute_bytes,
         )
 
     def result(self, **fields: Any) -> Plan:

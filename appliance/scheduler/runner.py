@@ -191,6 +191,7 @@ class SchedulerRunner:
         on_notice: Callable[[str], None] | None = None,
         breaker_backoff_s: float = 10.0,
         breaker_backoff_max_s: float = 300.0,
+        trainer_shares_gpu: bool = False,
     ) -> None:
         self.policy = policy
         self.live = live
@@ -207,6 +208,10 @@ class SchedulerRunner:
         self.phase_timeout_s = phase_timeout_s
         #: Called with a one-line message a person should see (headless progress output).
         self.on_notice = on_notice
+        #: The trainer and the engine time-slice the same GPUs (collocated on CUDA): whatever
+        #: brings the trainer's state back to the GPU (a checkpoint between steps) happens while
+        #: the engine sleeps, as a step does.
+        self.trainer_shares_gpu = trainer_shares_gpu
         self._stop = asyncio.Event()
         self._phase = "generate"
         #: Split mode: the step running beside the loop (None: none), and the version served
@@ -300,7 +305,7 @@ class SchedulerRunner:
                     case RestartEngine():
                         await self._restart_engine()
                     case SaveCheckpoint(reason=reason):
-                        await self.training.checkpoint(self.live.state, reason)
+                        await self._checkpoint(reason)
                     case StartValidation(tasks=count):
                         await self._start_validation(count)
                     case FinishValidation():
@@ -586,6 +591,41 @@ class SchedulerRunner:
                 f"training step {step} failed {self._train_failures} times in a row ({error});"
                 f" the run stopped, its rollouts are kept: {what} and start it again"
             ) from exc
+
+    async def _checkpoint(self, reason: str) -> None:
+        """A full checkpoint between steps. An offloaded trainer writes it from its training
+        device (its state comes back for the write), so where it shares the engine's GPUs the
+        engine first sleeps (generations drained, as before a step) and wakes after it: the two
+        never hold their full memory at once."""
+        state = self.live.state
+        if not self.trainer_shares_gpu:
+            await self.training.checkpoint(state, reason)
+            return
+        self.gate.close(preempt=False)
+        try:
+            await self.gate.drain(self.drain_timeout_s)
+            await self.engine.sleep(self.sleep_level)
+            try:
+                await self.training.checkpoint(state, reason)
+            finally:
+                await self._wake_after_checkpoint(state.policy_version)
+        finally:
+            self._generating_since = time.monotonic()
+            self.gate.open()
+
+    async def _wake_after_checkpoint(self, version: int) -> None:
+        """The engine back after a checkpoint (the weights again after sleep level 2); a failure
+        leaves it to ``RestartEngine``, as after a step."""
+        try:
+            await self.engine.wake(["weights"])
+            if self.sleep_level == 2:
+                await self.training.push(version)
+            await self.engine.wake(["kv_cache"])
+        except TrainingFailed:
+            raise
+        except Exception:
+            log.exception("the engine failed while taking back the machine after a checkpoint")
+            self._engine_failed = True
 
     async def _wake_and_push(self, step: int, version: int | None) -> None:
         try:

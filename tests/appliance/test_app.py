@@ -222,6 +222,10 @@ async def test_collocated_on_gpus_the_trainer_loads_while_the_engine_sleeps(
     async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1)) as app:
         assert app.engine.policy_version == 1
         assert not app.engine.is_sleeping
+        started = len(calls)
+        assert await app.run() == "reached step 1"
+        # The shutdown checkpoint brings the trainer's state back to the GPU: the engine sleeps.
+        assert calls[started:] == ["sleep 1"]
     assert calls[:7] == [
         "start",
         "sleep 1",

@@ -294,6 +294,31 @@ def test_the_trainer_state_is_16_bytes_a_parameter_over_the_ranks() -> None:
     assert with_reference.reference_bytes == 4 * QWEN_7B.params // 8
 
 
+def test_vllm_serves_in_the_trainers_dtype_and_the_plan_counts_it(tmp_path: Path) -> None:
+    """vLLM's ``--dtype`` follows the trainer's compute dtype: bf16 for verl on GPUs, fp32 for
+    the torch backend (or ``param_dtype = "fp32"``), whose weights and KV cache then take twice
+    the bytes on the GPU."""
+    from appliance.config import ApplianceConfig, EngineConfig, TrainerConfig
+    from appliance.placement import compute_bytes, settings_from_config
+
+    def settings(backend: str, param_dtype: str | None = None) -> PlacementSettings:
+        config = ApplianceConfig(
+            data_dir=tmp_path,
+            device="cuda",
+            engine=EngineConfig(kind="vllm"),
+            trainer=TrainerConfig(backend=backend, param_dtype=param_dtype),
+        )
+        assert compute_bytes(config) == (2 if config.engine_dtype() == "bfloat16" else 4)
+        return settings_from_config(config)
+
+    bf16 = plan(gpus(1, 140), QWEN_7B, settings("verl"))
+    fp32 = plan(gpus(1, 140), QWEN_7B, settings("torch"))
+    also_fp32 = plan(gpus(1, 140), QWEN_7B, settings("verl", "fp32"))
+    assert bf16.engine_memory.weights_bytes == 2 * QWEN_7B.params
+    assert fp32.engine_memory.weights_bytes == also_fp32.engine_memory.weights_bytes == 4 * QWEN_7B.params
+    assert fp32.engine_memory.kv_bytes_per_token == 2 * bf16.engine_memory.kv_bytes_per_token
+
+
 def test_an_estimated_shape_is_close_to_a_real_one() -> None:
     shape = Shape.of(ModelSpec(params=7 * 10**9))
     assert 3584 <= shape.hidden_size <= 4608 and 24 <= shape.num_layers <= 40

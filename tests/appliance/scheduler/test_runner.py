@@ -123,3 +123,46 @@ async def test_engine_failure_during_a_switch_is_recovered(tmp_path: Path, tiny_
         # The failed switch's weights were pushed by the restart, then step 2 pushed its own.
         assert app.engine.policy_version == 2
         assert not app.engine.is_sleeping
+
+
+@pytest.mark.parametrize("shares_gpu", [False, True])
+async def test_a_checkpoint_between_steps_is_written_while_a_collocated_engine_sleeps(
+    tmp_path: Path, tiny_model_dir: Path, shares_gpu: bool
+) -> None:
+    """A checkpoint brings an offloaded trainer's state back to its device for the write: where
+    the trainer shares the engine's GPUs the engine sleeps meanwhile (it would overcommit them
+    otherwise), and serves again afterwards; elsewhere the engine is left alone."""
+    from store.events import CheckpointSaved
+
+    async with Appliance(make_config(tmp_path, tiny_model_dir, batch_groups=1)) as app:
+        assert app.runner is not None
+        app.runner.trainer_shares_gpu = shares_gpu
+        calls: list[str] = []
+        engine, trainer = app.engine, app.training.trainer
+        real_sleep, real_wake, real_save = engine.sleep, engine.wake, trainer.save
+
+        async def sleep(level: int = 1) -> None:
+            calls.append(f"sleep {level}")
+            await real_sleep(level)
+
+        async def wake(tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+            calls.append("wake " + ",".join(tags))
+            await real_wake(tags)
+
+        def save(*args: object, **kwargs: object) -> Path:
+            calls.append("save asleep" if engine.is_sleeping else "save awake")
+            return real_save(*args, **kwargs)  # type: ignore[arg-type]
+
+        engine.sleep = sleep  # type: ignore[method-assign]
+        engine.wake = wake  # type: ignore[method-assign]
+        trainer.save = save  # type: ignore[method-assign]
+        await app.runner._checkpoint("requested")
+
+        expected = (
+            ["sleep 1", "save asleep", "wake weights", "wake kv_cache"] if shares_gpu else ["save awake"]
+        )
+        assert calls == expected
+        assert not engine.is_sleeping
+        saved = [s.event for s in await app.store.read() if isinstance(s.event, CheckpointSaved)]
+        assert [e.reason for e in saved] == ["requested"]
+        assert app.runner.gate.is_open
