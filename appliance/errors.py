@@ -107,29 +107,86 @@ class BadRequest(ApplianceError):
 class ContextTooLong(BadRequest):
     """Prompt plus requested completion exceed the model's context.
 
-    Worded as OpenAI and Anthropic word it, because clients recognise the overflow by its text
-    (litellm's ``ContextWindowExceededError``, langchain, aider, mini-swe-agent) and react by
-    trimming the conversation instead of failing."""
+    Worded, typed and placed on each surface as the API it imitates answers the same request,
+    because clients recognise the overflow by its text or code (litellm's
+    ``ContextWindowExceededError``, langchain, aider, mini-swe-agent, Claude Code) and react by
+    trimming the conversation. The wording also says which part overflowed: a prompt that alone
+    exceeds the context (trimming helps) is told apart from one that fits but leaves less room
+    than the requested completion (only a smaller ``max_tokens`` may help), as OpenAI's chat
+    completions and Anthropic's Messages tell them apart. ``surface`` is the proxy surface's
+    name (``openai.chat``, ``openai.completions``, ``openai.responses``, ``anthropic.messages``).
+
+    ``code`` stays ``context_length_exceeded`` on the error itself; the OpenAI body carries what
+    the real API sends, which for the legacy completions endpoint is ``code`` and ``param`` null."""
 
     code = "context_length_exceeded"
 
     def __init__(
-        self, *, prompt_tokens: int, completion_tokens: int, max_context: int, param: str = "messages"
+        self,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        max_context: int,
+        surface: str = "openai.chat",
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = completion_tokens
         self.max_context = max_context
-        super().__init__(
-            f"This model's maximum context length is {max_context} tokens. However, you requested "
-            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
-            f"{completion_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
-            param=param,
+        self.surface = surface
+        super().__init__(self._openai_message(), param=_OVERFLOW_PARAMS.get(surface, "messages"))
+
+    @property
+    def prompt_alone_exceeds(self) -> bool:
+        """Whether the prompt alone is longer than the context (no completion length fits it)."""
+        return self.prompt_tokens > self.max_context
+
+    def _openai_message(self) -> str:
+        limit, prompt, completion = self.max_context, self.prompt_tokens, self.completion_tokens
+        if self.surface == "openai.completions":
+            return (
+                f"This model's maximum context length is {limit} tokens, however you requested "
+                f"{prompt + completion} tokens ({prompt} in your prompt; {completion} for the "
+                "completion). Please reduce your prompt; or completion length."
+            )
+        if self.prompt_alone_exceeds and self.surface == "openai.responses":
+            return (
+                "Your input exceeds the context window of this model. Please adjust your input and try again."
+            )
+        if self.prompt_alone_exceeds:
+            return (
+                f"This model's maximum context length is {limit} tokens. However, your messages "
+                f"resulted in {prompt} tokens. Please reduce the length of the messages."
+            )
+        return (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the "
+            "completion). Please reduce the length of the messages or completion."
         )
+
+    def openai_error(self) -> dict[str, Any]:
+        error = super().openai_error()
+        if self.surface == "openai.completions":
+            error["code"] = None
+        return error
 
     @property
     def anthropic_message(self) -> str:
-        return f"prompt is too long: {self.prompt_tokens} tokens > {self.max_context} maximum"
+        if self.prompt_alone_exceeds:
+            return f"prompt is too long: {self.prompt_tokens} tokens > {self.max_context} maximum"
+        return (
+            "input length and `max_tokens` exceed context limit: "
+            f"{self.prompt_tokens} + {self.completion_tokens} > {self.max_context}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+
+
+#: The request field an overflow is charged to, per surface, as the real APIs name it.
+_OVERFLOW_PARAMS: dict[str, str | None] = {
+    "openai.chat": "messages",
+    "openai.completions": None,
+    "openai.responses": "input",
+    "anthropic.messages": "messages",
+}
 
 
 class Unauthorized(ApplianceError):

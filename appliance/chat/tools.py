@@ -53,5 +53,7 @@ def parse_assistant(text: str, tool_names: Collection[str], *, reasoning: bool =
         calls.append(ToolCall(id=new_tool_call_id(), name=payload["name"], arguments=arguments))
     if not calls:
         return Message(role="assistant", content=text)
-    content = text[: text.index(TOOL_CALL_OPEN)].strip()
+    # Only the end is trimmed (the template puts a newline before the calls): text that starts
+    # with whitespace keeps it whether or not calls follow, so a stream can send it at once.
+    content = text[: text.index(TOOL_CALL_OPEN)].rstrip()
     return Message(role="assistant", content=content, tool_calls=tuple(calls))

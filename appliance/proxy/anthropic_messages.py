@@ -20,8 +20,8 @@ tools. A
 final assistant turn (prefill) is refused: the chat template closes every assistant turn.
 
 Streaming sends each block only as far as it is sure to be a prefix of the final block: with
-tools declared, trailing whitespace waits (a turn that ends in tool calls keeps its text
-stripped), so the text the SDK accumulates equals the non-streamed text block.
+tools declared, trailing whitespace waits (the text before tool calls loses its trailing
+whitespace), so the text the SDK accumulates equals the non-streamed text block.
 """
 
 from __future__ import annotations

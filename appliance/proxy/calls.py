@@ -170,6 +170,7 @@ class CallService:
                 prompt_tokens=prompt_len,
                 completion_tokens=params.max_tokens,
                 max_context=self.engine.max_context,
+                surface=surface,
             )
         if not params.stop_token_ids:
             params = replace(params, stop_token_ids=(self.tokenizer.im_end_id,))

@@ -118,14 +118,19 @@ class ChatSurface:
         }
 
     def encoder(self, request: CallRequest, started: Started) -> ChatChunks:
-        return ChatChunks(request, started.call_id)
+        (prompt,) = request.prompts
+        tools = prompt.tools if isinstance(prompt, ChatPrompt) else ()
+        return ChatChunks(request, started.call_id, hold_space=bool(tools))
 
 
 class ChatChunks:
     """One streamed choice as ``chat.completion.chunk`` events, then ``[DONE]``."""
 
-    def __init__(self, request: CallRequest, call_id: str) -> None:
+    def __init__(self, request: CallRequest, call_id: str, *, hold_space: bool = False) -> None:
         self.include_usage, self.logprobs = request.include_usage, request.logprobs
+        # With tools declared, the text before a tool call loses its trailing whitespace: that
+        # waits until more text follows (or the end), so the deltas add up to the final content.
+        self.hold, self.held, self.sent = hold_space, "", ""
         self.base = {
             "id": "chatcmpl-" + call_id,
             "object": "chat.completion.chunk",
@@ -147,10 +152,18 @@ class ChatChunks:
         return [self._chunk({"role": "assistant", "content": "", "refusal": None})]
 
     def text(self, delta: str) -> list[Event]:
-        return [self._chunk({"content": delta})]
+        if self.hold:
+            self.held += delta
+            delta = self.held.rstrip()
+            self.held = self.held[len(delta) :]
+        self.sent += delta
+        return [self._chunk({"content": delta})] if delta else []
 
     def closing(self, answer: Answer) -> list[Event]:
-        events = [
+        content = answer.message.content
+        rest = content[len(self.sent) :] if content.startswith(self.sent) else ""
+        events = [self._chunk({"content": rest})] if rest else []
+        events += [
             self._chunk(
                 {
                     "tool_calls": [

@@ -38,8 +38,9 @@ from appliance.proxy.validate import (
 
 SURFACE = "openai.completions"
 MAX_CHOICES = 16
-#: OpenAI's limits: ``best_of`` up to 20 (served only equal to ``n``: each choice is sampled
-#: once), and up to 5 alternatives per token in ``logprobs``.
+#: OpenAI's limits: ``best_of`` 0 to 20 (served only as 0 or equal to ``n``, the two that ask
+#: for no candidates beyond the choices returned: each choice is sampled once), and up to 5
+#: alternatives per token in ``logprobs``.
 MAX_BEST_OF = 20
 MAX_LOGPROBS = 5
 
@@ -98,11 +99,11 @@ class CompletionsSurface:
             raise BadRequest(f"at most {MAX_CHOICES} prompts x n (1 when streaming)", param="n")
         echo = flag(body, "echo")
         logprobs = optional_int(body, "logprobs", 0, MAX_LOGPROBS)
-        best_of = positive_int(body, "best_of", MAX_BEST_OF)
-        if best_of is not None and best_of != n:
+        best_of = positive_int(body, "best_of", MAX_BEST_OF, lo=0)
+        if best_of not in (None, 0, n):
             raise BadRequest(
                 f"'best_of' {best_of} is not supported: each choice is sampled once and returned, so "
-                f"best_of must equal n ({n}) or be left out",
+                f"best_of must equal n ({n}), be 0, or be left out",
                 param="best_of",
             )
         _refuse_suffix(body)

@@ -7,6 +7,8 @@ tools become chat-style tool schemas, and the outcome becomes a ``response`` obj
 item, then one ``function_call`` item per tool call) or its numbered event stream. As with
 OpenAI, a completion cut at ``max_output_tokens`` is ``status: "incomplete"`` and its stream ends
 with ``response.incomplete``; an error after the stream began is sent as an ``error`` event.
+Every field the response object repeats (``truncation``, ``metadata``, ``user``, ...) is
+validated against the values the API allows, so a client's ``Response`` model parses the answer.
 
 The proxy is stateless: it stores no responses, so ``previous_response_id`` and
 ``conversation`` are refused and the harness re-sends the whole history (openai-agents does).
@@ -39,6 +41,7 @@ from appliance.proxy.validate import (
     positive_int,
     required_str,
     sampling_for,
+    shown,
     top_logprobs,
 )
 
@@ -49,6 +52,10 @@ MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "ass
 STATEFUL = ("previous_response_id", "conversation")
 #: The ``include`` value that asks for the output text's log-probs.
 LOGPROBS = "message.output_text.logprobs"
+#: ``truncation``'s values (the response repeats it, and clients parse it as one of these).
+TRUNCATIONS = ("auto", "disabled")
+#: OpenAI's limits on ``metadata``: pairs, key length, value length.
+METADATA_LIMITS = (16, 64, 512)
 
 
 def _text(value: Any, where: str) -> str:
@@ -180,7 +187,42 @@ def _text_format(text: Any) -> dict[str, Any]:
         return {"type": "text"}
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise BadRequest("'text.format.type' must be text, json_object or json_schema", param="text")
+    if fmt.get("description") is not None and not isinstance(fmt["description"], str):
+        raise BadRequest("'text.format.description' must be a string", param="text")
     return fmt
+
+
+def _truncation(value: Any) -> str:
+    if value is None:
+        return "disabled"
+    if value not in TRUNCATIONS:
+        raise BadRequest(f"'truncation' must be auto or disabled; got {shown(value)}", param="truncation")
+    return str(value)
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """``metadata``: at most 16 pairs of strings, keys up to 64 characters, values up to 512."""
+    if value is None:
+        return {}
+    pairs, key_len, value_len = METADATA_LIMITS
+    if not isinstance(value, dict) or len(value) > pairs:
+        raise BadRequest(f"'metadata' must be an object of at most {pairs} pairs", param="metadata")
+    for key, item in value.items():
+        if len(key) > key_len or not isinstance(item, str) or len(item) > value_len:
+            raise BadRequest(
+                f"'metadata' maps keys of at most {key_len} characters to strings of at most "
+                f"{value_len}; got {shown(key)}: {shown(item)}",
+                param="metadata",
+            )
+    return value
+
+
+def _echoed_str(body: dict[str, Any], name: str) -> str | None:
+    """An optional string field the response repeats."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"'{name}' must be a string; got {shown(value)}", param=name)
+    return value
 
 
 def _function_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
@@ -209,9 +251,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
             )
     stream = flag(body, "stream", False)
     parallel = flag(body, "parallel_tool_calls", True)
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise BadRequest("'metadata' must be an object", param="metadata")
+    metadata = _metadata(body.get("metadata"))
     fmt = _text_format(body.get("text"))
     tool_choice = _tool_choice(body.get("tool_choice"))
     messages = messages_from_input(body.get("instructions"), body.get("input"))
@@ -233,7 +273,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         "created_at": int(time.time()),
         "model": model,
         "instructions": body.get("instructions"),
-        "metadata": metadata or {},
+        "metadata": metadata,
         "parallel_tool_calls": parallel,
         "temperature": temperature,
         "top_p": top_p,
@@ -242,12 +282,12 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         "text": {"format": fmt},
         "max_output_tokens": max_output,
         "top_logprobs": top,
-        "truncation": body.get("truncation") or "disabled",
+        "truncation": _truncation(body.get("truncation")),
         "previous_response_id": None,
         "reasoning": None,
         "service_tier": "default",
         "background": False,
-        "user": body.get("user"),
+        "user": _echoed_str(body, "user"),
     }
     return CallRequest(
         surface=SURFACE,
@@ -378,8 +418,8 @@ class ResponseEvents:
         self.message_id = "msg_" + call_id
         self.message_open = False
         self.sent = ""  # text sent as deltas
-        # With tools declared, the text before a tool call is returned stripped: whitespace is
-        # held back at both ends so the deltas add up to the final text.
+        # With tools declared, the text before a tool call loses its trailing whitespace: that
+        # waits until more text follows (or the end), so the deltas add up to the final text.
         self.strip = hold_space
         self.held = ""
 
@@ -432,7 +472,7 @@ class ResponseEvents:
     def text(self, delta: str) -> list[Event]:
         if not self.strip:
             return self._delta(delta)
-        self.held = (self.held + delta) if self.sent else (self.held + delta).lstrip()
+        self.held += delta
         text = self.held.rstrip()
         if not text:
             return []

@@ -3,7 +3,9 @@
 Owns assembling the aiohttp application from the surface modules, the few routes that belong to
 no surface (models, rewards, health, admin), and one middleware that turns ``ApplianceError``
 and malformed input into OpenAI-shaped ``{"error": {...}}`` bodies with the right status
-(Anthropic's shape for Anthropic clients: ``ApplianceError.to_openai`` / ``to_anthropic``).
+(Anthropic's shape for Anthropic clients: ``ApplianceError.to_openai`` / ``to_anthropic``),
+including a URL or header past the proxy's limits; what aiohttp's HTTP parser refuses before
+any handler is answered in JSON too (``_JsonErrors``).
 Harness routes live under the rollout's base URL ``/rollouts/<rollout_id>/v1`` and under a
 plain ``/v1`` for rollout-less use with the admin token; external runners claim rollouts and end
 them through ``appliance.proxy.runners``.
@@ -19,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from appliance.errors import ApplianceError, BadRequest, HTTPError, ModelNotFound
 from appliance.health import Health
@@ -56,6 +60,37 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 __all__ = ["ProxyServer", "ProxySettings", "build_app"]
 
 
+#: What the proxy reads of a request's head: a URL and each header field (name and value) of at
+#: most 8 KiB. Harness requests are far below (a rollout's token is tens of bytes); a longer one
+#: is a 414 or a 431 in the surface's error shape (``_oversized``).
+MAX_URL_BYTES = 8192
+MAX_HEADER_BYTES = 8192
+#: aiohttp's parser refuses a line or a header field past these (its defaults are 8190 bytes),
+#: before any handler and so before the surface is known: raised above the limits the
+#: middleware applies, so that an oversized URL or header up to here gets the surface's shape;
+#: past it, ``_JsonErrors`` answers.
+PARSER_LINE_BYTES = 64 * 1024
+PARSER_FIELD_BYTES = 64 * 1024
+
+
+def _oversized(request: web.Request) -> HTTPError | None:
+    """A 414 for a URL, a 431 for a header field, past the proxy's limits (the value is not
+    repeated: it may be a credential)."""
+    if len(request.raw_path) > MAX_URL_BYTES:
+        return HTTPError(
+            414, f"the URL is {len(request.raw_path)} bytes; at most {MAX_URL_BYTES} are read", "url_too_long"
+        )
+    for name, value in request.raw_headers:
+        if len(name) + len(value) > MAX_HEADER_BYTES:
+            return HTTPError(
+                431,
+                f"the {name.decode('latin-1')} header is {len(name) + len(value)} bytes; "
+                f"at most {MAX_HEADER_BYTES} are read",
+                "header_too_large",
+            )
+    return None
+
+
 def error_response(request: web.Request, exc: ApplianceError) -> web.Response:
     body = exc.to_anthropic() if anthropic_messages.is_anthropic(request) else exc.to_openai()
     response = web.json_response(body, status=exc.status)
@@ -67,6 +102,9 @@ def error_response(request: web.Request, exc: ApplianceError) -> web.Response:
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    oversized = _oversized(request)
+    if oversized is not None:
+        return error_response(request, oversized)
     try:
         return await handler(request)
     except ApplianceError as exc:
@@ -209,6 +247,48 @@ def build_app(
     return app
 
 
+class _JsonErrors(RequestHandler):
+    """aiohttp's protocol handler, answering what its HTTP parser refuses (a line or header too
+    long, a malformed request) in JSON instead of plain text. The path is not known by then, so
+    the body is the one both dialects parse: Anthropic's ``{"type": "error", "error": {...}}``
+    whose error object also carries OpenAI's fields."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if the answer began
+        if status < 500:
+            # The parser's message is not repeated: it quotes the line, which may be a credential.
+            text = f"the request could not be read as HTTP ({type(exc).__name__}); the URL and "
+            text += f"each header are read up to {MAX_URL_BYTES} bytes"
+            error = HTTPError(status, text, "invalid_request")
+        else:
+            error = HTTPError(status, "internal error; see the appliance log", "internal_error")
+        anthropic = error.to_anthropic()
+        body = {**anthropic, "error": {**anthropic["error"], **error.openai_error()}}
+        response = web.json_response(body, status=status)
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrors(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """``AppRunner`` whose connections are handled by ``_JsonErrors``."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer
+        return server
+
+
 class ProxyServer:
     """Runs the aiohttp app beside the rest of the appliance (``AppRunner`` + ``TCPSite``)."""
 
@@ -218,12 +298,14 @@ class ProxyServer:
         # A client that goes away cancels its call (recorded as cancelled), and a call still
         # running at close (an engine request that never returns) is cancelled after
         # ``shutdown_timeout_s``: aiohttp's default, 60 s, is past any stop's bound.
-        self._runner = web.AppRunner(
+        self._runner = _Runner(
             app,
             access_log=None,
             handle_signals=False,
             handler_cancellation=True,
             shutdown_timeout=shutdown_timeout_s,
+            max_line_size=PARSER_LINE_BYTES,
+            max_field_size=PARSER_FIELD_BYTES,
         )
         self._host = host
         self._port = port

@@ -2,10 +2,10 @@
 fuzz tests: the proxy's cost is what they measure, not the model's.
 
 ``FastEngine`` answers every call with the same few tokens, handing each to ``on_token`` and
-yielding to the event loop between them (so concurrent streams interleave); ``hold(n)`` makes
-each generation wait after its first token until n run at once. ``HeldEngine``
-starts every generation and then waits until the test releases it, so a test can hold calls
-open for as long as it needs.
+yielding to the event loop between them (so concurrent streams interleave); ``say(text)``
+changes the answer; ``hold(n)`` makes each generation wait after its first token until n run
+at once. ``HeldEngine`` starts every generation and then waits until the test releases it, so
+a test can hold calls open for as long as it needs.
 """
 
 from __future__ import annotations
@@ -22,12 +22,17 @@ class FastEngine:
     """Every call samples ``text`` then ``<|im_end|>``; counts the generations running at once."""
 
     def __init__(self, tokenizer: Tokenizer, text: str = "four") -> None:
+        self._tokenizer = tokenizer
         self._ids = [*tokenizer.encode(text), tokenizer.im_end_id]
         self.running = 0
         self.peak = 0
         self.calls = 0
         self._hold_until = 0
         self._all_started = asyncio.Event()
+
+    def say(self, text: str) -> None:
+        """From now on, every call samples ``text`` then ``<|im_end|>``."""
+        self._ids = [*self._tokenizer.encode(text), self._tokenizer.im_end_id]
 
     def hold(self, count: int) -> None:
         """From now on, generations wait after their first token until ``count`` run at once."""

@@ -356,7 +356,7 @@ BAD_NUMBERS: list[tuple[str, str, Any]] = [
     ("chat", "seed", True),
     ("completions", "logprobs", 6),
     ("completions", "best_of", 2**63),
-    ("completions", "best_of", 0),
+    ("completions", "best_of", -1),
     ("completions", "temperature", -math.inf),
     ("completions", "seed", 1.5),
     ("responses", "top_logprobs", -1),

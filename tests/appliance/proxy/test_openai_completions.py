@@ -224,6 +224,17 @@ async def test_defaults_of_unsupported_fields_are_accepted(app: Appliance, activ
     assert len(payload["choices"]) == 2
 
 
+@pytest.mark.parametrize("n", [1, 2])
+async def test_best_of_zero_is_accepted_as_no_extra_candidates(
+    app: Appliance, active: ActiveRollout, n: int
+) -> None:
+    """The spec's range for ``best_of`` starts at 0: no candidates beyond the n returned."""
+    status, payload = await post_completion(app, active, {"best_of": 0, "n": n})
+    assert status == 200, payload
+    assert len(payload["choices"]) == n
+    assert len(await recorded(app)) == n
+
+
 async def test_streaming_usage_when_asked(app: Appliance, active: ActiveRollout) -> None:
     async with client(app, active) as oai:
         stream = await oai.completions.create(

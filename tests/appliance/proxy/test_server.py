@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -191,3 +192,55 @@ async def test_a_client_gone_mid_stream_is_one_info_line_without_a_traceback(
     assert loud == []
     gone = [r for r in caplog.records if "went away" in r.getMessage()]
     assert [(r.name, r.levelno, r.exc_info) for r in gone] == [("appliance.proxy.server", logging.INFO, None)]
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "status", "shape"),
+    [
+        ("/v1/chat/completions?x=" + "a" * 10_000, {}, 414, "openai"),  # a 10 KB URL
+        ("/v1/chat/completions", {"Authorization": "Bearer " + "t" * 60_000}, 431, "openai"),
+        ("/v1/messages", {"x-api-key": "k" * 60_000, "anthropic-version": "2023-06-01"}, 431, "anthropic"),
+        # Past what the HTTP parser reads: refused before the path is known, in both shapes at once.
+        ("/v1/messages", {"x-api-key": "k" * 100_000}, 400, "both"),
+        ("/v1/chat/completions?x=" + "a" * 100_000, {}, 400, "both"),
+    ],
+    ids=["url-10k", "bearer-60k", "anthropic-key-60k", "header-100k", "url-100k"],
+)
+async def test_an_oversized_url_or_header_is_refused_in_json(
+    app: Appliance, path: str, headers: dict[str, str], status: int, shape: str
+) -> None:
+    """A URL or header past the proxy's limits is a 414 or 431 in the surface's error shape;
+    past the HTTP parser's, a 400 whose body both SDKs read (OpenAI's error fields inside
+    Anthropic's envelope); never aiohttp's plain text, and never the oversized value repeated."""
+    active = rollout(app)
+    host, port = app.proxy_url.removeprefix("http://").rsplit(":", 1)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    lines = [
+        f"POST /rollouts/{active.rollout}{path} HTTP/1.1",
+        f"Host: {host}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in headers.items()),
+    ]
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write("\r\n".join(lines).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    assert int(status_line.split()[1]) == status, raw[:300]
+    assert any(h.lower().startswith("content-type: application/json") for h in header_lines), head
+    error = json.loads(payload)
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"]
+    if shape in ("openai", "both"):
+        assert {"message", "param", "code"} <= set(error["error"])
+    if shape in ("anthropic", "both"):
+        assert error["type"] == "error"
+    if shape == "openai":
+        assert set(error) == {"error"}
+    assert "aaaa" not in error["error"]["message"] and "kkkk" not in error["error"]["message"]
+    assert "tttt" not in error["error"]["message"]
+    assert await calls_recorded(app) == []
