@@ -295,7 +295,10 @@ def test_device_cuda_without_a_gpu_is_refused_in_one_line(tmp_path: Path) -> Non
 def test_a_plan_that_does_not_fit_the_gpus_is_refused_naming_the_fix(tmp_path: Path) -> None:
     qwen_7b = {**LLAMA_70B, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064}  # fmt: skip
-    cfg = dataclasses.replace(config(tmp_path), model=str(model_dir(tmp_path, qwen_7b)), device="cuda")
+    # The verl trainer computes in bf16 on GPUs, and vLLM serves in it (the torch backend: fp32).
+    cfg = dataclasses.replace(
+        config(tmp_path, trainer="verl"), model=str(model_dir(tmp_path, qwen_7b)), device="cuda"
+    )
     one_24_gib = Machine.described(1, 24 * 1024**3, 64 * 1024**3)
     with pytest.raises(PreflightFailed) as refused:
         preflight.check_placement(cfg, one_24_gib)
@@ -303,7 +306,7 @@ def test_a_plan_that_does_not_fit_the_gpus_is_refused_naming_the_fix(tmp_path: P
     assert line.startswith("placement: the trainer needs ") and "\n" not in line
     assert "GPU 0 has 22.5 GiB for it" in line and "a smaller model" in line
     # What the line suggests fits: the model on three such GPUs, with LoRA and recomputation.
-    fixed = cfg.replace(trainer="verl", lora_rank=16, gradient_checkpointing=True)
+    fixed = cfg.replace(lora_rank=16, gradient_checkpointing=True)
     plan = preflight.check_placement(fixed, Machine.described(3, 24 * 1024**3, 256 * 1024**3))
     assert plan is not None and plan.fits and plan.trainer_gpus == (0, 1, 2)
     # A vLLM server of its own already holds its memory: the plan is logged, not enforced.
