@@ -774,7 +774,10 @@ async def run(check: Check) -> None:
                     what
                     for what, bad in (
                         ("--enforce-eager is set (no CUDA graphs)", flags.get("enforce_eager")),
-                        (f"--dtype is {flags.get('dtype')}, not bfloat16", flags.get("dtype") != "bfloat16"),
+                        (
+                            f"--dtype is {flags.get('dtype')}, not the trainer's {config.engine_dtype()}",
+                            flags.get("dtype") != config.engine_dtype(),
+                        ),
                         ("--enable-sleep-mode is missing", not flags.get("sleep_mode")),
                         (
                             f"--gpu-memory-utilization is {flags.get('gpu_memory_utilization')}, "
