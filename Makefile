@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.bootstrapped
 ARGS ?=
 
-.PHONY: up test lint unit bootstrap clean clean-vllm vllm vllm-cpu vllm-gpu
+.PHONY: up test lint unit bootstrap clean clean-vllm vllm vllm-cpu vllm-gpu tracking
 
 # --- Which build this machine gets ----------------------------------------------------------
 # "cuda" where nvidia-smi answers (an NVIDIA GPU and its driver), else "cpu"; asked once per make.
@@ -179,6 +179,10 @@ UP_NEEDS_VLLM := $(or $(filter cuda,$(TORCH_BUILD)),$(filter vllm,$(APPLIANCE_EN
 # The device defaults to "auto": cuda where the venv's torch sees a GPU, else cpu.
 up: bootstrap $(if $(UP_NEEDS_VLLM),vllm)
 	$(BIN)/lightning-appliance up $(ARGS)
+
+# W&B and MLflow for `--loggers wandb,mlflow` (TensorBoard comes with the project).
+tracking: bootstrap
+	$(BIN)/pip install -q -e '.[tracking]'
 
 lint: bootstrap
 	$(BIN)/ruff check .

@@ -6,7 +6,8 @@ start that cannot work fails in one line with nothing written; then it opens the
 replays the log into the run's state, recovers what a crash left behind, loads the engine and
 the trainer at the stored policy version (collocated on GPUs: the engine started, then asleep
 while the trainer is built and restored, then the trainer offloaded and the engine woken, so
-the two never hold their full memory at once), starts the proxy, the live projection, the rollout
+the two never hold their full memory at once), starts the proxy, the live projection, the
+experiment trackers (``appliance.tracking``, when ``loggers`` names one), the rollout
 controller and the scheduler, and on exit stops them in reverse order (every background loop
 cancelled and awaited). Each part is built from its section of the config (``config.engine``,
 ``config.trainer``, ``config.scheduler``, ``config.proxy``, ``config.harness``) plus what only
@@ -46,7 +47,7 @@ from appliance import preflight
 from appliance.chat.formats import detect_format
 from appliance.chat.tokenizer import Tokenizer
 from appliance.collector import freeze_startup_objects
-from appliance.config import ApplianceConfig
+from appliance.config import ApplianceConfig, umask_bits
 from appliance.controller import RolloutController
 from appliance.engines.base import Engine
 from appliance.engines.factory import create_engine
@@ -67,6 +68,7 @@ from appliance.rollouts import RolloutRegistry
 from appliance.scheduler.decide import SchedulePolicy
 from appliance.scheduler.live import LiveState
 from appliance.scheduler.runner import SchedulerRunner, Validation
+from appliance.tracking import BACKENDS, Tracker, check_backends
 from appliance.training import TrainingService
 from appliance.validation import training_tasks, validation_tasks
 from harness_adapters.base import HarnessAdapter, Task
@@ -97,7 +99,7 @@ def resolve_model(config: ApplianceConfig) -> tuple[str, Path]:
     Unknown names raise ``ConfigError`` listing the registered ones (no hub downloads)."""
     from appliance.engines.models import resolve
 
-    resolved = resolve(config.model, config.models_dir, seed=config.seed)
+    resolved = resolve(config.model, config.models_dir, seed=config.seed, model_cache=config.model_cache_dir)
     return resolved.name, resolved.path
 
 
@@ -128,6 +130,8 @@ class Appliance:
         #: Collocated on GPUs: the trainer and the engine time-slice the same GPUs.
         self._trainer_shares_gpu = False
         self.runner: SchedulerRunner | None = None
+        #: The experiment trackers (None: "console" alone, the progress lines of ``up``).
+        self.tracker: Tracker | None = None
 
     # The parts, available after ``__aenter__``.
     store: EventStore
@@ -146,6 +150,11 @@ class Appliance:
     @property
     def proxy_url(self) -> str:
         return self.proxy.url
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names the policy answers to; harnesses are given the first."""
+        return self.config.proxy.served_names(self.model_name)
 
     async def __aenter__(self) -> Appliance:
         self._task = asyncio.current_task()
@@ -183,8 +192,9 @@ class Appliance:
         config = self.config
         # One appliance per data directory, then the checks that need nothing loaded: a start
         # that cannot work fails here in one line, before the model loads or the store is written.
-        self._stack.enter_context(preflight.data_dir_lock(config.data_dir))
+        self._stack.enter_context(preflight.data_dir_lock(config.data_dir, umask_bits(config.data_umask)))
         plan = await asyncio.to_thread(preflight.check, config)
+        check_backends(config.tracking.loggers)  # a tracker not installed: one line, nothing loaded
         if plan is not None:
             log.info("%s", "\n".join(describe(plan)))
         self.model_name, model_dir = await asyncio.to_thread(resolve_model, config)
@@ -197,6 +207,13 @@ class Appliance:
             for stored in page:
                 state.apply(stored.event, stored.position)
         await self._recover(state)
+        if any(name in BACKENDS for name in config.tracking.loggers):
+            # Opened before the model loads (a backend that cannot start fails the start), closed
+            # after the parts that record steps, before the store: its last rows are written then.
+            self.tracker = Tracker(config, self.store)
+            self._stack.push_async_callback(self.tracker.close)
+            await self.tracker.start()
+            log.info("%s", self.tracker.describe())
 
         tokenizer = Tokenizer.from_model_dir(model_dir)
         on_gpus = plan is not None and plan.device == "cuda"
@@ -331,6 +348,9 @@ class Appliance:
         follower = asyncio.create_task(self.live.follow(), name="live projection")
         self._stack.push_async_callback(_cancel_and_wait, follower)
         await self.live.wait_for(self.store.last_position)
+        if self.tracker is not None:  # the trackers follow the log (the steps replayed first)
+            tracking = asyncio.create_task(self.tracker.follow(self.live), name="trackers")
+            self._stack.push_async_callback(_cancel_and_wait, tracking)
 
         groups_so_far = len({view.group for view in state.rollouts.values() if view.purpose == "train"})
         held_out = validation_tasks(config)
@@ -344,7 +364,7 @@ class Appliance:
                 else training_tasks(config, groups_so_far)
             ),
             proxy_url=lambda: self.proxy.url,
-            model_name=self.model_name,
+            model_name=self.served_names[0],
             policy_version=lambda: self.engine.policy_version,
             harness=config.harness,
             next_group_index=groups_so_far,
@@ -437,6 +457,12 @@ class Appliance:
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested
+
+    @property
+    def failed(self) -> bool:
+        """The run stopped on its own because it cannot go on (the circuit breaker gave up after
+        ``breaker_max_trips`` trips in a row): ``up`` exits non-zero; a later start resumes."""
+        return self.runner is not None and self.runner.failed
 
     @property
     def forced(self) -> str | None:

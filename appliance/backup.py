@@ -7,6 +7,9 @@ that log needs to resume (the weights its last ``PolicyVersionPublished`` names 
 full checkpoint, whose optimizer state those weights load with) and the admin token. Not the
 models cache (rebuilt on start), exports or rollout work directories.
 
+A backup is as private as the run: its directories and files are made owner-only (0700,
+0600), or what the ``umask`` given leaves (config ``data_umask``), whatever the source's modes.
+
 Invariant: every file the backed-up log names is in the backup. The appliance writes a file
 before the event naming it and prunes old files, so a file the snapshot needs may be pruned
 between the snapshot and the copy: then the snapshot is taken again (the new one names newer
@@ -19,6 +22,7 @@ paths in events are relative to the run directory) nor what resuming does (``app
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sqlite3
 from dataclasses import dataclass
@@ -59,12 +63,22 @@ class BackupReport:
         )
 
 
-def backup(data_dir: Path, destination: Path) -> BackupReport:
-    """Copy the run at ``data_dir`` into ``destination`` (absent, or an empty directory)."""
+def backup(data_dir: Path, destination: Path, umask: int = 0o077) -> BackupReport:
+    """Copy the run at ``data_dir`` into ``destination`` (absent, or an empty directory), its
+    files and directories with the permissions ``umask`` leaves (default: owner-only)."""
     source = data_dir / EVENTS
     if not source.is_file():
         raise ApplianceError(f"no run at {data_dir} (no {EVENTS}); pass --data-dir DIR")
     _check_destination(destination)
+    previous = os.umask(umask)
+    try:
+        return _backup(data_dir, destination, umask)
+    finally:
+        os.umask(previous)
+
+
+def _backup(data_dir: Path, destination: Path, umask: int) -> BackupReport:
+    source = data_dir / EVENTS
     missing: list[str] = []
     try:
         destination.mkdir(parents=True, exist_ok=True)
@@ -80,6 +94,7 @@ def backup(data_dir: Path, destination: Path) -> BackupReport:
             token = data_dir / ADMIN_TOKEN
             if token.is_file():
                 shutil.copy2(token, destination / ADMIN_TOKEN)
+            _restrict(destination, umask)
             size = sum(p.stat().st_size for p in destination.rglob("*") if p.is_file())
             return BackupReport(destination, events, state.policy_version, state.step, tuple(copied), size)
     except OSError as exc:  # e.g. a full disk, or a destination that cannot be written
@@ -91,6 +106,15 @@ def backup(data_dir: Path, destination: Path) -> BackupReport:
         f"could not back up {data_dir}: the files {', '.join(missing)} the log needs kept vanishing"
         " (is something deleting checkpoints?)"
     )
+
+
+def _restrict(directory: Path, umask: int) -> None:
+    """Give ``directory`` and everything in it the modes ``umask`` leaves (``copy2`` copied the
+    source's, which may be an older run's 0644)."""
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _check_destination(destination: Path) -> None:

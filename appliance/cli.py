@@ -7,6 +7,7 @@ when stdout is a terminal and progress lines otherwise or with ``--headless``; `
 the store and prints the run summarised (with the disk it takes), also while another process
 is writing it; ``tui`` opens the dashboard on a running appliance (``--url``) or on a run's
 store, read-only (``--db``); ``backup`` copies a run, also a running one (``appliance.backup``);
+``export`` writes its recorded rollouts as a dataset file (``appliance.dataset_export``);
 ``plan`` prints the GPU placement of a model on this machine or a described one
 (``appliance.placement``), exit status 2 when it does not fit;
 ``doctor`` tells what this machine offers a run and what to fix (``appliance.doctor``).
@@ -30,6 +31,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec
 
+from appliance import preflight
 from appliance.config import ENV_PREFIX, VERL_ONLY, ApplianceConfig, config_keys, load_config, recorded_value
 from appliance.errors import ApplianceError, ConfigError, StopForced
 
@@ -49,7 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--host", help="address the proxy binds to (default 127.0.0.1)")
     up.add_argument("--port", type=int, help="proxy port (0: any free port)")
     up.add_argument("--model", help="'tiny', 'smollm2-135m', or a local Hugging Face model directory")
-    up.add_argument("--engine", help="generation engine: torch (in process) or vllm (own process and venv)")
+    up.add_argument(
+        "--engine",
+        help="generation engine: auto (default: vllm on GPUs where its venv exists, else torch), torch (in "
+        "process) or vllm (own process and venv)",
+    )
     up.add_argument("--agent", help="python agent as package.module:function")
     _harness_flags(up)
     up.add_argument("--group-size", type=int, help="rollouts per task group")
@@ -102,17 +108,26 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="vLLM without CUDA graphs (default: eager on CPU, CUDA graphs on GPU)",
     )
+    up.add_argument(
+        "--loggers",
+        help="experiment trackers, comma-separated: console (default), tensorboard, wandb, mlflow",
+    )
     up.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
 
     evaluate = sub.add_parser(
         "eval",
-        help="run every task of a split once (or --repeat times) on the run's current policy, with "
-        "no training; print and record the reward's mean and standard deviation",
+        help="run the tasks of a validation round (or every task of a split: --all, --split train) "
+        "once, or --repeat times, on the run's current policy, with no training; print and record "
+        "the reward's mean and standard deviation",
     )
     evaluate.add_argument("--config", type=Path, help="TOML file with config keys (see appliance/config.py)")
     evaluate.add_argument("--data-dir", type=Path, help="run directory (default ./appliance-data)")
     evaluate.add_argument("--model", help="'tiny', 'smollm2-135m', or a local Hugging Face model directory")
-    evaluate.add_argument("--engine", help="generation engine: torch or vllm")
+    evaluate.add_argument(
+        "--engine",
+        help="generation engine: auto (default: vllm on GPUs where its venv exists, else torch), "
+        "torch or vllm",
+    )
     evaluate.add_argument("--device", help="cpu, cuda or auto")
     evaluate.add_argument("--port", type=int, help="proxy port (0: any free port)")
     evaluate.add_argument("--agent", help="python agent as package.module:function")
@@ -121,15 +136,71 @@ def _parser() -> argparse.ArgumentParser:
         "--split", default="validation", help="train or validation (default: validation, held-out tasks)"
     )
     evaluate.add_argument("--repeat", type=int, default=1, help="rollouts per task (default 1)")
+    evaluate.add_argument(
+        "--all",
+        action="store_true",
+        dest="every",
+        help="validation split: every held-out task, not just the validation_tasks a round of up plays",
+    )
     evaluate.add_argument("--json", action="store_true", help="print the result as JSON")
 
     status = sub.add_parser("status", help="print the state of a run from its store")
     status.add_argument("--data-dir", type=Path, default=Path("appliance-data"))
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
+    status.add_argument(
+        "--failures",
+        type=int,
+        nargs="?",
+        const=10,
+        metavar="N",
+        help="also list the last N failed rollouts (default 10) with rollout id, task and reason",
+    )
 
     backup = sub.add_parser("backup", help="copy a run consistently, also while it runs")
     backup.add_argument("destination", type=Path, help="a new (or empty) directory for the copy")
     backup.add_argument("--data-dir", type=Path, default=Path("appliance-data"))
+
+    dataset = sub.add_parser(
+        "export",
+        help="write a run's recorded rollouts as a dataset file (JSONL or Parquet) for SFT or offline RL; "
+        "not the model: a clean stop of up exports that to export_dir",
+        description="Write a run's recorded rollouts (its event log, read-only: also while it runs, or "
+        "a backup) as a dataset: --shape sft, one row per rollout with its OpenAI chat messages and "
+        "tools; --shape tokens, one row per trained sample with ids, loss mask, log-probs, versions, "
+        "reward and advantage. Not the model export (the final policy a clean stop writes to export_dir).",
+    )
+    dataset.add_argument(
+        "--data-dir", type=Path, default=Path("appliance-data"), help="run directory, or a backup of one"
+    )
+    dataset.add_argument(
+        "--format", choices=("jsonl", "parquet"), default="jsonl", help="file format (default jsonl)"
+    )
+    dataset.add_argument(
+        "--shape",
+        choices=("sft", "tokens"),
+        default="sft",
+        help="sft: one row per rollout, chat messages + tools (default); tokens: one row per trained sample",
+    )
+    dataset.add_argument("--out", type=Path, required=True, help="the dataset file to write")
+    dataset.add_argument(
+        "--purpose",
+        choices=("training", "validation", "evaluation"),
+        action="append",
+        help="only rollouts played for this (repeatable; default all)",
+    )
+    dataset.add_argument("--min-reward", type=float, help="only rollouts with a reward of at least this")
+    dataset.add_argument(
+        "--steps",
+        metavar="A:B",
+        help="only rollouts consumed by training steps A..B, inclusive (A:, :B open): trained by the step, "
+        "or played by a validation/evaluation round at that step",
+    )
+    dataset.add_argument(
+        "--status",
+        choices=("finished", "failed", "any"),
+        default="finished",
+        help="rollout status to keep (default finished; failed/any for --shape sft only)",
+    )
 
     tui = sub.add_parser("tui", help="the dashboard: on a running appliance, or a run's store read-only")
     where = tui.add_mutually_exclusive_group()
@@ -201,6 +272,25 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--sleep-level", type=int, default=1, help="vLLM's sleep while training: 1 or 2")
     plan.add_argument("--gpu-memory-utilization", type=float, help="vLLM's share of a GPU (default: derived)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """``lightning-appliance export``: the run's rollouts as a dataset file (``appliance.dataset_export``)."""
+    from appliance.config import umask_bits
+    from appliance.dataset_export import PURPOSES, STATUSES, ExportFilter, export_dataset, parse_steps
+
+    where = ExportFilter(
+        purposes=frozenset(PURPOSES[p] for p in args.purpose) if args.purpose else None,
+        min_reward=args.min_reward,
+        steps=parse_steps(args.steps) if args.steps is not None else None,
+        statuses=STATUSES[args.status],
+    )
+    umask = umask_bits(load_config(resolved=False).data_umask)  # APPLIANCE_DATA_UMASK
+    report = export_dataset(
+        args.data_dir, args.out, shape=args.shape, fmt=args.format, where=where, umask=umask
+    )
+    print(report.line())
+    return 0
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -284,34 +374,63 @@ def _eval_config(args: argparse.Namespace) -> ApplianceConfig:
     return load_config(args.config, overrides)
 
 
-async def _eval(config: ApplianceConfig, split: str, repeat: int, as_json: bool) -> int:
+def eval_source(config: ApplianceConfig, split: str, every: bool) -> str:
+    """Where an evaluation's tasks come from, as its header line says it."""
+    if split != "validation":
+        return f"every {split} task"
+    if every:
+        return "every held-out task"
+    first = config.scheduler.validation_tasks
+    return f"a validation round's tasks (the first validation_tasks = {first} held out; --all: every one)"
+
+
+async def _eval(
+    config: ApplianceConfig, split: str, repeat: int, as_json: bool, *, every: bool = False
+) -> int:
     from appliance.app import Appliance
     from appliance.evaluation import evaluation_tasks
+    from store.outcomes import failures_text, grouped_reasons
 
-    tasks = evaluation_tasks(config, split)  # a bad split or task set fails before anything loads
+    # A bad split or task set fails before anything loads.
+    tasks = evaluation_tasks(config, split, every=every)
     async with Appliance(config) as appliance:
         print(
-            f"lightning-appliance eval: {len(tasks)} {split} tasks x {repeat} on policy "
+            f"lightning-appliance eval: {len(tasks)} {split} tasks x {repeat}, "
+            f"{eval_source(config, split, every)}, on policy "
             f"v{appliance.live.state.policy_version} (step {appliance.live.state.step}), "
             f"proxy {appliance.proxy_url}",
             file=sys.stderr,
             flush=True,
         )
         result = await appliance.evaluate(tasks, split=split, repeat=repeat)
+        state = appliance.live.state
+        views = [state.rollouts[r] for r in result.rollouts if r in state.rollouts]
+        # Failed as the result counts them: every rollout that did not finish with a reward.
+        failed = [v for v in views if not (v.status == "finished" and v.reward is not None)]
     if as_json:
         fields = ("split", "repeat", "step", "policy_version", "reward_mean", "reward_std", "failed")
-        print(json.dumps({**{k: getattr(result, k) for k in fields}, "rollouts": len(result.rollouts)}))
+        reasons = [{"reason": reason, "count": count} for reason, count in grouped_reasons(failed)]
+        print(
+            json.dumps(
+                {
+                    **{k: getattr(result, k) for k in fields},
+                    "tasks": len(tasks),
+                    "rollouts": len(result.rollouts),
+                    "failure_reasons": reasons,
+                }
+            )
+        )
     else:
         print(
-            f"eval {result.split}: {len(result.rollouts)} rollouts  policy v{result.policy_version}  "
-            f"step {result.step}  reward mean {result.reward_mean:.3f}  std {result.reward_std:.3f}  "
-            f"failed {result.failed}",
+            f"eval {result.split}: {len(tasks)} tasks x {repeat} = {len(result.rollouts)} rollouts  "
+            f"policy v{result.policy_version}  step {result.step}  reward mean {result.reward_mean:.3f}  "
+            f"std {result.reward_std:.3f}  " + failures_text(failed),
             flush=True,
         )
     return 0
 
 
-def _config_from(args: argparse.Namespace) -> ApplianceConfig:
+def _config_from(args: argparse.Namespace, *, resolved: bool = True) -> ApplianceConfig:
     # Each flag is the config field of its name (the flat, user-facing one: ``load_config``
     # puts it into its section).
     keys = (
@@ -341,15 +460,19 @@ def _config_from(args: argparse.Namespace) -> ApplianceConfig:
         "sleep_level",
         "enforce_eager",
         "push_transport",
+        "loggers",
     )
     overrides: dict[str, Any] = {k: getattr(args, k) for k in keys}
     overrides.update(adapter=adapter_flag(args.adapter), tasks=args.tasks)
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, resolved=resolved)
 
 
 def progress_line(step: Any, state: Any, started: float, rollouts_at_start: int) -> str:
     """One line per training step for ``--headless``; its reward is ``status``'s
-    (``RunState.step_reward``), its loss the step's own (:func:`loss_text`)."""
+    (``RunState.step_reward``), its loss the step's own (:func:`loss_text`); the step's
+    rollouts that failed, with their reasons (``store.outcomes``), when any did."""
+    from store.outcomes import failures_text, state_of
+
     done = sum(1 for v in state.rollouts.values() if v.status != "running") - rollouts_at_start
     rate = done / max(time.monotonic() - started, 1e-9)
     line = (
@@ -358,6 +481,10 @@ def progress_line(step: Any, state: Any, started: float, rollouts_at_start: int)
         f"samples {step.samples:>3}  tokens {step.tokens:>5}  loss {loss_text(step.metrics.get('loss'))}  "
         f"{rate:.2f} rollouts/s  step {step.duration_s:.2f}s"
     )
+    views = [state.rollouts[r] for r in step.rollouts if r in state.rollouts]
+    failed = [view for view in views if state_of(view) == "failed"]
+    if failed:
+        line += "  " + failures_text(failed)
     if state.validations:  # the latest round that ended (rounds run between steps)
         last = state.validations[-1]
         line += f"  validation {last.reward_mean:.3f} (v{last.policy_version})"
@@ -456,6 +583,17 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
+def _served_as(appliance: Any) -> str:
+    """The banner's "served as a, b" when the policy answers to configured names (served_model_names)."""
+    names = appliance.served_names
+    return "" if names == (appliance.model_name,) else f" served as {', '.join(names)}"
+
+
+#: Exit status of ``up`` when the run stopped because it could not go on (the circuit breaker
+#: gave up after ``breaker_max_trips`` trips in a row); 2 is a start refused, 0 a stop.
+EXIT_RUN_FAILED = 1
+
+
 async def _up(config: ApplianceConfig, headless: bool) -> int:
     from appliance.app import Appliance
 
@@ -482,10 +620,13 @@ async def _up(config: ApplianceConfig, headless: bool) -> int:
                 state = appliance.live.state
                 baseline["rollouts"] = sum(1 for v in state.rollouts.values() if v.status != "running")
                 print(
-                    f"lightning-appliance: proxy {appliance.proxy_url}  model {appliance.model_name}  "
+                    f"lightning-appliance: proxy {appliance.proxy_url}  model {appliance.model_name}"
+                    f"{_served_as(appliance)}  "
                     f"store {config.db_path}  policy v{state.policy_version}  step {state.step}",
                     flush=True,
                 )
+                if appliance.tracker is not None:
+                    print(f"lightning-appliance: {appliance.tracker.describe()}", flush=True)
                 reason = await appliance.run()
     finally:
         stopper.close()
@@ -496,7 +637,8 @@ async def _up(config: ApplianceConfig, headless: bool) -> int:
         # A step abandoned by a forced stop may still run in a worker thread, which the event
         # loop's shutdown would wait for; everything durable is closed already.
         _hard_exit(0)
-    return 0
+    # The run could not go on (the circuit breaker gave up): the line above names the last failure.
+    return EXIT_RUN_FAILED if appliance.failed else 0
 
 
 async def _up_with_dashboard(appliance: Any, config: ApplianceConfig) -> str:
@@ -556,8 +698,11 @@ def tui_app(args: argparse.Namespace) -> DashboardApp:
     return DashboardApp(SqliteSource(db, live=False), data_dir=db.parent, freeze_gc=True)
 
 
-def status_report(data_dir: Path) -> dict[str, Any]:
+def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
+    """The run in ``data_dir`` summarised for ``status``; with ``failures``, the last that many
+    failed rollouts too (``failures``: rollout, task, purpose and reason)."""
     from store.eventstore import iter_events_sync
+    from store.outcomes import grouped_reasons, reason_of, state_counts, state_of
     from store.projections import RunState
 
     db = data_dir / "events.sqlite"
@@ -565,6 +710,17 @@ def status_report(data_dir: Path) -> dict[str, Any]:
         raise ApplianceError(f"no run at {data_dir} (no {db.name}); start one with: lightning-appliance up")
     state = RunState.from_events(iter_events_sync(db))
     summary = state.summary()
+    # Every view names a rollout's state the same way (an unclaimed external one is "offered").
+    summary["rollouts"] = state_counts(state.rollouts.values())
+    failed = [view for view in state.rollouts.values() if state_of(view) == "failed"]
+    summary["failure_reasons"] = [
+        {"reason": reason, "count": count} for reason, count in grouped_reasons(failed)
+    ]
+    if failures > 0:
+        summary["failures"] = [
+            {"rollout": v.rollout, "task_id": v.task_id, "purpose": v.purpose, "reason": reason_of(v)}
+            for v in failed[-failures:]
+        ]
     summary["steps_detail"] = [
         {
             "step": s.step,
@@ -586,12 +742,18 @@ def status_report(data_dir: Path) -> dict[str, Any]:
     summary["disk_bytes"] = disk_usage(data_dir, Path(export_dir) if export_dir else None)
     summary["checkpoint"] = state.checkpoint
     summary["chain"] = _chain_status(db)
+
+    def round_reasons(rollouts: Sequence[str]) -> list[dict[str, Any]]:
+        views = [state.rollouts[r] for r in rollouts if r in state.rollouts]
+        return [{"reason": reason, "count": count} for reason, count in grouped_reasons(views)]
+
     summary["validations"] = [
         {
             "step": v.step,
             "policy_version": v.policy_version,
             "rollouts": len(v.rollouts),
             "failed": v.failed,
+            "failure_reasons": round_reasons(v.rollouts),
             "reward_mean": v.reward_mean,
             "reward_std": v.reward_std,
         }
@@ -605,6 +767,7 @@ def status_report(data_dir: Path) -> dict[str, Any]:
             "policy_version": e.policy_version,
             "rollouts": len(e.rollouts),
             "failed": e.failed,
+            "failure_reasons": round_reasons(e.rollouts),
             "reward_mean": e.reward_mean,
             "reward_std": e.reward_std,
         }
@@ -684,7 +847,13 @@ def _chain_status(db: Path) -> str:
         return f"NOT verified: {exc.message}"
 
 
+def _groups(reasons: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    return [(str(g["reason"]), int(g["count"])) for g in reasons]
+
+
 def _print_status(summary: dict[str, Any]) -> None:
+    from store.outcomes import count_text
+
     counts = summary["rollouts"]
     reward = summary["mean_reward"]
     print(
@@ -706,6 +875,8 @@ def _print_status(summary: dict[str, Any]) -> None:
         "rollouts " + "  ".join(f"{k} {v}" for k, v in counts.items()) + f"  calls {summary['calls']}  "
         f"tokens sampled {summary['tokens_sampled']}"
     )
+    if counts.get("failed"):
+        print("  " + count_text(counts["failed"], _groups(summary["failure_reasons"])))
     print("last step mean reward " + reward_text(reward))
     for s in summary["steps_detail"]:
         print(
@@ -715,15 +886,22 @@ def _print_status(summary: dict[str, Any]) -> None:
     for v in summary["validations"]:
         print(
             f"  validation at step {v['step']:>4}  policy v{v['policy_version']}  "
-            f"rollouts {v['rollouts']:>3}  failed {v['failed']}  "
-            f"reward {v['reward_mean']:.3f} +- {v['reward_std']:.3f}"
+            f"rollouts {v['rollouts']:>3}  reward {v['reward_mean']:.3f} +- {v['reward_std']:.3f}  "
+            + count_text(v["failed"], _groups(v["failure_reasons"]))
         )
     for e in summary.get("evaluations", []):
         print(
             f"  eval {e['split']} at step {e['step']:>4}  policy v{e['policy_version']}  "
-            f"rollouts {e['rollouts']:>3} ({e['repeat']}x)  failed {e['failed']}  "
-            f"reward {e['reward_mean']:.3f} +- {e['reward_std']:.3f}"
+            f"rollouts {e['rollouts']:>3} ({e['repeat']}x)  "
+            f"reward {e['reward_mean']:.3f} +- {e['reward_std']:.3f}  "
+            + count_text(e["failed"], _groups(e["failure_reasons"]))
         )
+    if "failures" in summary:
+        failures = summary["failures"]
+        print(f"last {len(failures)} failed rollouts" if failures else "no failed rollouts")
+        for f in failures:
+            purpose = "" if f["purpose"] == "train" else f" ({f['purpose']})"
+            print(f"  {f['rollout']}  task {f['task_id']}{purpose}  {f['reason']}")
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -775,7 +953,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "status":
-            summary = status_report(args.data_dir)
+            summary = status_report(args.data_dir, failures=args.failures or 0)
             if args.json:
                 print(json.dumps(summary, indent=2))
             else:
@@ -794,14 +972,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 load_config(args.config, overrides), probe_vllm=not args.no_vllm, as_json=args.json
             )
         if args.command == "eval":
-            return _run(_eval(_eval_config(args), args.split, args.repeat, args.json))
+            return _run(_eval(_eval_config(args), args.split, args.repeat, args.json, every=args.every))
         if args.command == "backup":
             from appliance.backup import backup
+            from appliance.config import umask_bits
 
-            print(backup(args.data_dir, args.destination).line())
+            umask = umask_bits(load_config(resolved=False).data_umask)  # APPLIANCE_DATA_UMASK
+            print(backup(args.data_dir, args.destination, umask).line())
             return 0
+        if args.command == "export":
+            return export_command(args)
         try:
-            return _run(_up(_config_from(args), args.headless))
+            # The lock and the checks that need no model come before torch is imported: a second
+            # appliance on the directory, a port in use or a full disk are refused in a second.
+            config = _config_from(args, resolved=False)
+            with preflight.claim(config):
+                return _run(_up(config.with_resolved_device(), args.headless))
         finally:
             # The run has stopped: a signal from here on (an impatient Ctrl-C) changes nothing.
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,8 +3,9 @@
 Owns ``ApplianceConfig`` and how it is assembled. The config is the run's own settings (data
 directory, model, device, seed, placement, ...) plus one section per component, each a frozen
 dataclass that checks its own fields when it is built: ``engine`` (``EngineConfig``), ``trainer``
-(``TrainerConfig``), ``scheduler`` (``SchedulerConfig``), ``proxy`` (``ProxyConfig``) and
-``harness`` (``HarnessConfig``). The components take their section directly
+(``TrainerConfig``), ``scheduler`` (``SchedulerConfig``), ``proxy`` (``ProxyConfig``),
+``harness`` (``HarnessConfig``) and ``tracking`` (``TrackingConfig``). The components take their
+section directly
 (``SchedulePolicy.from_config``, ``ProxySettings.from_config``, ``TrainerConfig.options``,
 ``create_engine`` reads ``config.engine``, the rollout controller ``config.harness``); checks that
 span sections are ``ApplianceConfig``'s. A bad value is a ``ConfigError`` of one line naming it.
@@ -81,6 +82,21 @@ def _at_least(name: str, value: float | None, low: float, meaning: str = "") -> 
 def _seconds(name: str, value: float) -> None:
     if not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{name} must be a positive number of seconds; got {value}")
+
+
+def umask_bits(value: str) -> int:
+    """``data_umask`` ("077") as bits; a ``ConfigError`` unless it is 3 or 4 octal digits that
+    leave the owner every right (the appliance must read and write its own files)."""
+    text = value.strip()
+    if not (3 <= len(text) <= 4 and all(c in "01234567" for c in text)) or int(text, 8) > 0o777:
+        raise ConfigError(f'data_umask must be octal like the shell\'s umask ("077", "027"); got {value!r}')
+    bits = int(text, 8)
+    if bits & 0o700:
+        raise ConfigError(
+            f"data_umask {value!r} takes rights away from the owner, which the appliance needs; "
+            'use "0" for the owner\'s digit ("077", "027")'
+        )
+    return bits
 
 
 # --- the sections ---------------------------------------------------------------------------------
@@ -335,6 +351,11 @@ class SchedulerConfig:
     breaker_failures: int = 8
     breaker_backoff_s: float = 10.0
     breaker_backoff_max_s: float = 300.0
+    # -- the circuit breaker gives up (appliance.scheduler.decide) --
+    #: Trips of the circuit breaker in a row (no training rollout finished between them) after
+    #: which the run stops with the last failure's reason and a non-zero exit (0: never stop).
+    #: The count starts again at each start, so the same data directory resumes.
+    breaker_max_trips: int = 5
 
     def __post_init__(self) -> None:
         _at_least("group_size", self.group_size, 1)
@@ -360,6 +381,7 @@ class SchedulerConfig:
         for name in ("drain_timeout_s", "phase_timeout_s", "breaker_backoff_s"):
             _seconds(name, getattr(self, name))
         _at_least("breaker_failures", self.breaker_failures, 0, "off")
+        _at_least("breaker_max_trips", self.breaker_max_trips, 0, "never stop")
         if not self.breaker_backoff_max_s >= self.breaker_backoff_s:
             raise ConfigError(
                 f"breaker_backoff_max_s ({self.breaker_backoff_max_s}) must be at least "
@@ -395,6 +417,17 @@ class ProxyConfig:
     #: Token for the admin API and the rollout-less /v1 routes (None: generated once into
     #: <data_dir>/admin_token).
     admin_token: str | None = None
+    # --- served model names ---
+    #: Names the policy answers to, as vLLM's --served-model-name (e.g. ["gpt-4o-mini",
+    #: "claude-sonnet-4-5"]; in the environment, comma-separated): GET /models lists them all,
+    #: GET /models/{name} answers each, and the first is the name harnesses are given ({model},
+    #: $LA_MODEL, a runner's claim). Empty: the model's own name. Calls naming any model are
+    #: answered by the policy whatever this says; each is recorded with the name it asked for.
+    served_model_names: tuple[str, ...] = ()
+    # --- Prometheus metrics ---
+    #: GET /metrics answers clients on this host (loopback) without the admin token, for a
+    #: Prometheus running beside the appliance; from any other address it still needs the token.
+    metrics_public: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -406,6 +439,17 @@ class ProxyConfig:
                 f"temperature must be 0 or more (or none: the client's); got {self.temperature}"
             )
         _seconds("hold_timeout_s", self.hold_timeout_s)
+        names = self.served_model_names
+        if not isinstance(names, tuple) or not all(
+            isinstance(n, str) and n.strip() == n and n for n in names
+        ):
+            raise ConfigError(f"served_model_names must be a list of non-empty names; got {names!r}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"served_model_names names a model twice: {list(names)}")
+
+    def served_names(self, model_name: str) -> tuple[str, ...]:
+        """The names the policy answers to: ``served_model_names``, else ``model_name`` alone."""
+        return self.served_model_names or (model_name,)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -440,6 +484,12 @@ class HarnessConfig:
     #: External runners: seconds ``POST /admin/rollouts`` waits for the scheduler to offer a
     #: rollout before it answers 503 with Retry-After.
     runner_claim_wait_s: float = 30.0
+    # -- refused model calls (appliance.controller) --
+    #: A rollout more than this fraction of whose model calls the proxy refused (answered with
+    #: an error: a prompt past the context, a malformed request; a retryable 429/503 is left
+    #: out) is failed, never trained; one all of whose calls were refused, or that made none,
+    #: always is (1.0: only those).
+    max_refused_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.validation_fraction < 1.0:
@@ -449,11 +499,48 @@ class HarnessConfig:
         _seconds("rollout_timeout_s", self.rollout_timeout_s)
         _seconds("runner_lease_s", self.runner_lease_s)
         _seconds("runner_claim_wait_s", self.runner_claim_wait_s)
+        if not 0.0 <= self.max_refused_fraction <= 1.0:
+            raise ConfigError(f"max_refused_fraction must be in [0, 1]; got {self.max_refused_fraction}")
 
     def adapter_spec(self) -> dict[str, Any]:
         """What ``harness_adapters.registry.load_adapter`` builds: ``adapter``, or the python
         adapter running ``agent``."""
         return self.adapter or {"adapter": "python", "agent": self.agent}
+
+
+# -- experiment trackers (appliance.tracking) --
+#: What ``loggers`` may name: "console" is the per-step progress line ``up`` prints.
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrackingConfig:
+    """Where each training step's figures go besides the event log: TensorBoard, Weights &
+    Biases, MLflow (``appliance.tracking`` reads this section; docs/tracking.md names the
+    figures)."""
+
+    #: Trackers the step figures are written to: any of "console", "tensorboard", "wandb",
+    #: "mlflow" (in the environment and ``--loggers``, comma-separated). W&B and MLflow need
+    #: ``pip install -e '.[tracking]'`` (``make tracking``).
+    loggers: tuple[str, ...] = ("console",)
+    #: Where TensorBoard's event files, W&B's run directory and MLflow's store go (None:
+    #: <data_dir>/tracking). ``MLFLOW_TRACKING_URI`` set in the environment names an MLflow
+    #: server instead.
+    tracking_dir: Path | None = None
+    #: The project (W&B project, MLflow experiment) and the run's name in the trackers (None:
+    #: the data directory's name).
+    project_name: str = "lightning-appliance"
+    experiment_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.loggers, tuple) or not self.loggers:
+            raise ConfigError(f"loggers must name at least one of {', '.join(LOGGERS)}; got {self.loggers!r}")
+        for name in self.loggers:
+            _one_of("loggers", name, LOGGERS)
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"loggers names a tracker twice: {list(self.loggers)}")
+        if not self.project_name.strip():
+            raise ConfigError("project_name must be a non-empty name")
 
 
 #: The sections of ``ApplianceConfig``, by their TOML table name (also the attribute's).
@@ -463,6 +550,7 @@ SECTIONS: dict[str, type[Any]] = {
     "scheduler": SchedulerConfig,
     "proxy": ProxyConfig,
     "harness": HarnessConfig,
+    "tracking": TrackingConfig,
 }
 #: Fields whose user-facing name is not their attribute's: (section, attribute) -> name.
 _RENAMED = {("engine", "kind"): "engine", ("trainer", "backend"): "trainer"}
@@ -498,12 +586,25 @@ class ApplianceConfig:
     stop_timeout_s: float = 30.0
     #: Free disk space the data directory needs at start, in GiB (preflight).
     min_free_disk_gib: float = 1.0
+    # -- who may read a run (appliance.preflight, appliance.backup) --
+    #: Permission bits taken away from every directory and file the appliance creates in the
+    #: data directory (and in exports and backups), octal as the shell's ``umask``: "077" (the
+    #: default) keeps the run (every prompt, answer and reward, the weights) to its owner: 0700
+    #: directories, 0600 files; "027" lets the owner's group read it, "022" every user.
+    data_umask: str = "077"
+    # -- converted models, shared by every run of this user on this machine (appliance.engines.models) --
+    #: Where registered models converted from another format (SmolLM2's GGUF) are kept once
+    #: per machine, keyed by their source (None: $XDG_CACHE_HOME/lightning-appliance, else
+    #: ~/.cache/lightning-appliance). A run's data directory gets a hard link (a copy across
+    #: file systems).
+    model_cache_dir: Path | None = None
     #: The sections (TOML tables ``[engine]``, ``[trainer]``, ...), one per component.
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         _one_of("placement", self.placement, PLACEMENTS)
@@ -511,6 +612,7 @@ class ApplianceConfig:
         _at_least("threads", self.threads, 1)
         _seconds("stop_timeout_s", self.stop_timeout_s)
         _at_least("min_free_disk_gib", self.min_free_disk_gib, 0)
+        umask_bits(self.data_umask)  # (data_umask: checked here, read by umask_bits)
         # Each section checked its own fields when it was built; checks that span sections:
         if self.trainer.push_transport == "group" and (
             self.engine.kind not in ("vllm", "auto") or self.trainer.backend != "verl"
@@ -564,6 +666,11 @@ class ApplianceConfig:
     @property
     def models_dir(self) -> Path:
         return self.data_dir / "models"
+
+    @property
+    def tracking_path(self) -> Path:
+        """Where the trackers' files go: ``tracking_dir``, else <data_dir>/tracking."""
+        return self.tracking.tracking_dir or self.data_dir / "tracking"
 
     def engine_dtype(self) -> str:
         """vLLM's ``--dtype``: the torch name of the trainer's compute dtype on this config's
@@ -699,7 +806,15 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool, "Path": Path, "dict": dict}
+_KINDS: dict[str, type] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "Path": Path,
+    "dict": dict,
+    "tuple": tuple,
+}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -713,6 +828,11 @@ def _coerce(name: str, value: Any) -> Any:
             return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
         if kind is Path:
             return Path(value)
+        if kind is tuple:  # a list of names: a TOML array, or comma-separated in the environment
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+                raise TypeError
+            return tuple(i.strip() for i in items if i.strip())
         if kind is dict and isinstance(value, str):
             # A bare adapter name (``APPLIANCE_ADAPTER=external``) is that adapter, no options.
             bare = name == "adapter" and not value.lstrip().startswith("{")
@@ -784,11 +904,16 @@ def build_config(values: Mapping[str, Any]) -> ApplianceConfig:
 
 
 def load_config(
-    path: Path | None = None, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    path: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    resolved: bool = True,
 ) -> ApplianceConfig:
     """The config of a run: the defaults, then ``path`` (TOML, flat keys or sections), then the
     ``APPLIANCE_*`` variables of ``env`` (None: ``os.environ``), then ``overrides`` (flags; a
-    None value is a flag not given). ``device`` = "auto" comes back resolved."""
+    None value is a flag not given). ``device`` = "auto" comes back resolved (which imports
+    torch) unless ``resolved`` is False: then ``with_resolved_device`` does it later."""
     values: dict[str, Any] = {}
     if path is not None:
         try:
@@ -803,4 +928,5 @@ def load_config(
                 raise ConfigError(f"unknown environment setting {key}; known: {', '.join(config_keys())}")
             values[name] = _coerce(name, value)
     values.update(_read(overrides or {}, "overrides", skip_none=True))
-    return build_config(values).with_resolved_device()
+    config = build_config(values)
+    return config.with_resolved_device() if resolved else config

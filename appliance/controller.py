@@ -5,6 +5,12 @@ next task, registers the rollout's credentials with the proxy, runs the adapter 
 records a reward the adapter returned, and records failures with their reason. Every rollout it
 starts ends with exactly one ``RolloutFinished`` event, whether the agent succeeds, crashes,
 times out, or the appliance stops.
+
+An agent that ends without error has not necessarily produced something to train on: a rollout
+whose model calls the proxy all refused (``LLMCallRefused``: a prompt past the context, a
+malformed request), more than ``max_refused_fraction`` of them, or that made no model call at
+all is failed, with the refusal as its reason (:func:`calls_verdict`). Being failed, it is
+never trained and counts toward the circuit breaker.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class RolloutController:
         max_concurrent = harness.max_concurrent_agents
         self._slots = asyncio.Semaphore(max_concurrent) if max_concurrent else None
         self._retry = RetryPolicy(max_attempts=1 + harness.infra_retries)
+        self._max_refused_fraction = harness.max_refused_fraction
 
     @property
     def running(self) -> int:
@@ -158,9 +165,15 @@ class RolloutController:
             status, error, cancelled = "failed", "cancelled: the appliance stopped", True
         except Exception as exc:
             status, error = "failed", f"{type(exc).__name__}: {exc}"[-2000:]
+            # An agent that gave up after its calls were refused: the refusal comes first.
+            if active.refused and (verdict := calls_verdict(active, self._max_refused_fraction)):
+                error = f"{verdict}\n{error}"
             log.warning("rollout %s failed: %s", rollout, error)
         finally:
             self._registry.unregister(rollout)
+        if status == "finished" and (verdict := calls_verdict(active, self._max_refused_fraction)):
+            status, error = "failed", verdict
+            log.warning("rollout %s failed: %s", rollout, error)
         finished = RolloutFinished(
             ts=time.time(),
             rollout=rollout,
@@ -178,3 +191,23 @@ class RolloutController:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def calls_verdict(active: ActiveRollout, max_refused_fraction: float) -> str:
+    """Why a rollout whose agent ended must be failed for its model calls, as its reason's first
+    line; "" when its calls are fine. Failed: every call refused (``refused`` of them and none
+    recorded), more than ``max_refused_fraction`` of its calls refused, or no call at all. The
+    fraction leaves out the answers a client retries (429, 503: ``ActiveRollout.unavailable``),
+    so a harness that waited out a busy appliance and went on is not failed for it."""
+    recorded, refused = active.calls, active.refused
+    if refused and not recorded:
+        return f"every model call was refused: {refused} of {refused} ({active.last_refusal})"
+    wrong = refused - active.unavailable
+    if wrong > max_refused_fraction * (recorded + wrong):
+        return (
+            f"{wrong} of {recorded + wrong} model calls were refused, more than max_refused_fraction "
+            f"({max_refused_fraction:g}); last: {active.last_refusal}"
+        )
+    if not recorded + refused:
+        return "made no model call: the agent ended without calling the model (nothing to train on)"
+    return ""

@@ -9,6 +9,9 @@ It does not own gathering the facts (``appliance.doctor_facts``: the only part t
 the machine), the start-up checks that refuse a run (``appliance.preflight``: lock, port,
 disk, model), nor the config (``appliance.config``).
 
+An existing data directory that other users can read (rights ``data_umask`` takes away) is a
+warning with the ``chmod`` that fixes it.
+
 What fails and what only warns: a fail is what makes the run this config describes fail or
 silently waste the machine (torch missing, GPUs visible to a CPU build of torch, device =
 "cuda" without one, too little disk, verl missing for trainer = "verl", vLLM missing or broken
@@ -293,6 +296,27 @@ def check_disk(f: Facts) -> Check:
     return Check("disk", "ok", summary)
 
 
+def check_data_dir(f: Facts) -> Check:
+    """Who may read the run: an existing data directory (or its events.sqlite: every prompt,
+    answer and reward) with rights ``data_umask`` takes away, made by an older appliance or by
+    hand, is readable by other users of the machine."""
+    if f.data_dir_mode is None:
+        return Check("data", "ok", f"{f.data_dir} is created when the run starts ({_modes(f.data_umask)})")
+    exposed = [
+        f"{name} is {mode:04o}"
+        for name, mode in ((f.data_dir, f.data_dir_mode), ("events.sqlite", f.events_mode))
+        if mode is not None and mode & f.data_umask
+    ]
+    if exposed:
+        return Check(
+            "data",
+            "warn",
+            f"{', '.join(exposed)}: other users of this machine can read the run",
+            f"chmod -R {_symbolic(f.data_umask)} {f.data_dir}",
+        )
+    return Check("data", "ok", f"{f.data_dir} is {f.data_dir_mode:04o}")
+
+
 #: Every check, in the order they are printed.
 CHECKS: tuple[Callable[[Facts], Check], ...] = (
     check_python,
@@ -306,6 +330,7 @@ CHECKS: tuple[Callable[[Facts], Check], ...] = (
     check_cpu,
     check_shm,
     check_disk,
+    check_data_dir,
 )
 
 
@@ -362,6 +387,22 @@ def _gpu_listing(gpus: Sequence[GpuInfo]) -> str:
     memory = ", ".join(f"{g.index}: {gib(g.free_bytes)} free of {gib(g.total_bytes)}" for g in gpus)
     kind = f"{len(gpus)} x {names.pop()}" if len(names) == 1 else _gpu_count(len(gpus))
     return f"{kind} ({memory})"
+
+
+def _modes(umask: int) -> str:
+    """ "0700 directories, 0600 files": what the appliance creates under ``umask``."""
+    return f"{0o777 & ~umask:04o} directories, {0o666 & ~umask:04o} files"
+
+
+def _symbolic(umask: int) -> str:
+    """The ``chmod`` argument that takes away what ``umask`` does: 0o077 -> "go-rwx"."""
+    parts: dict[str, str] = {}
+    for who, shift in (("u", 6), ("g", 3), ("o", 0)):
+        bits = umask >> shift & 7
+        if bits:
+            rights = "".join(r for r, bit in (("r", 4), ("w", 2), ("x", 1)) if bits & bit)
+            parts[rights] = parts.get(rights, "") + who
+    return ",".join(f"{who}-{rights}" for rights, who in parts.items())
 
 
 def _size(n: int) -> str:

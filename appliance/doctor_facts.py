@@ -2,6 +2,7 @@
 
 Owns :class:`Facts` (the trainer venv's torch, its build and its NCCL, the GPUs and their free
 memory, vLLM's venv, its build, its torch and that torch's NCCL, ``/dev/shm``, disk, RAM, CPUs,
+the data directory's permissions,
 verl, Python, and the config's settings they are measured against) and :func:`gather`, the
 only part of ``doctor`` that touches the machine: it imports torch and verl, reads the GPUs and
 host RAM as ``plan`` and ``up`` do (``appliance.machine``: ``nvidia-smi`` first, torch's view
@@ -22,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.config import ApplianceConfig
+from appliance.config import ApplianceConfig, umask_bits
 from appliance.machine import GpuInfo, host_ram, inspect_gpus
 from appliance.memory_model import MAX_UTILIZATION
 
@@ -106,6 +108,9 @@ class Facts:
     shm_free_bytes: int | None = None
     #: The data directory and the disk it is on (its nearest existing parent when it is not there yet).
     data_dir: str = "appliance-data"
+    #: Permission bits of the data directory and of its events.sqlite (None: not there yet).
+    data_dir_mode: int | None = None
+    events_mode: int | None = None
     disk_free_bytes: int | None = None
     disk_total_bytes: int | None = None
     verl_version: str | None = None
@@ -118,6 +123,8 @@ class Facts:
     model: str = "smollm2-135m"
     push_bucket_mb: int = 256
     min_free_disk_gib: float = 1.0
+    #: ``data_umask`` as bits: what the appliance takes away from what it creates.
+    data_umask: int = 0o077
     gpu_memory_utilization: float = 0.9
     vllm_url: str | None = None
 
@@ -151,6 +158,8 @@ def gather(config: ApplianceConfig, *, probe_vllm: bool = True) -> Facts:
         shm_total_bytes=shm[0],
         shm_free_bytes=shm[1],
         data_dir=str(config.data_dir),
+        data_dir_mode=_mode(config.data_dir),
+        events_mode=_mode(config.db_path),
         disk_free_bytes=disk[0],
         disk_total_bytes=disk[1],
         verl_version=verl_version,
@@ -162,6 +171,7 @@ def gather(config: ApplianceConfig, *, probe_vllm: bool = True) -> Facts:
         model=config.model,
         push_bucket_mb=config.trainer.push_bucket_mb,
         min_free_disk_gib=config.min_free_disk_gib,
+        data_umask=umask_bits(config.data_umask),
         gpu_memory_utilization=config.engine.gpu_memory_utilization or MAX_UTILIZATION,
         vllm_url=config.engine.vllm_url,
     )
@@ -205,6 +215,14 @@ def _statvfs(path: Path) -> tuple[int | None, int | None]:
     except OSError:
         return None, None
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _mode(path: Path) -> int | None:
+    """The permission bits of ``path`` (None: it is not there or cannot be looked at)."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None
 
 
 def _disk(data_dir: Path) -> tuple[int | None, int | None]:

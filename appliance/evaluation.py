@@ -1,12 +1,14 @@
 """Evaluation without training: ``lightning-appliance eval``.
 
-Owns which tasks an evaluation runs (every task of a split of the run's task set, or of the
-built-in arithmetic tasks) and running them: each task ``repeat`` times on the policy the run
-serves now, through the same controller, adapter and proxy as training rollouts, with the
-evaluation sampling (``validation_temperature``, ``validation_max_tokens``), then one
-``EvaluationCompleted`` event with the reward mean and standard deviation. The rollouts are
-recorded with purpose "evaluation", so no step ever trains on them and validation rounds do not
-count them. Nothing else of the run changes: no step, no push, no checkpoint.
+Owns which tasks an evaluation runs (on the validation split, the tasks of a validation round,
+``validation.round_tasks``, or every held-out task; on the train split, every training task of
+the run's task set or of the built-in arithmetic tasks) and running them: each task ``repeat``
+times on the policy the run serves now, through the same controller, adapter and proxy as
+training rollouts, with the evaluation sampling (``validation_temperature``,
+``validation_max_tokens``), then one ``EvaluationCompleted`` event with the reward mean and
+standard deviation. The rollouts are recorded with purpose "evaluation", so no step ever trains
+on them and validation rounds do not count them. Nothing else of the run changes: no step, no
+push, no checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from appliance.config import ApplianceConfig
 from appliance.controller import RolloutController
 from appliance.errors import ConfigError
 from appliance.scheduler.live import LiveState
-from appliance.validation import arithmetic_training_tasks, arithmetic_validation_tasks
+from appliance.validation import (
+    arithmetic_training_tasks,
+    arithmetic_validation_tasks,
+    held_out_tasks,
+    round_tasks,
+)
 from harness_adapters.base import Task
 from harness_adapters.tasks import TaskSet
 from store.events import EvaluationCompleted
@@ -29,16 +36,23 @@ from store.eventstore import EventStore
 SPLITS = ("train", "validation")
 
 
-def evaluation_tasks(config: ApplianceConfig, split: str) -> list[Task]:
-    """Every task of ``split``: the run's task set's split (a task set without a validation
-    split holds ``validation_fraction`` out), or the built-in arithmetic pairs (the held-out
-    fifth for "validation", the others for "train")."""
+def evaluation_tasks(config: ApplianceConfig, split: str, *, every: bool = False) -> list[Task]:
+    """The tasks of an evaluation on ``split``. For "validation", those of a validation round
+    of ``up`` (``validation.round_tasks``: the first ``validation_tasks`` held out), so the two
+    figures compare; with ``every``, every held-out task. For "train", every training task:
+    the task set's training split, or each built-in arithmetic pair not held out."""
     if split not in SPLITS:
         raise ConfigError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
     harness = config.harness
+    if split == "validation":
+        try:
+            return held_out_tasks(config) if every else round_tasks(config)
+        except ConfigError as exc:
+            raise ConfigError(
+                f'{exc.message} (mark held-out tasks with "split": "validation", set '
+                "validation_fraction, or evaluate the training tasks with --split train)"
+            ) from None
     if harness.tasks is None:
-        if split == "validation":
-            return arithmetic_validation_tasks(seed=config.seed)
         # Each training pair once: the stream draws pairs at random, with repeats.
         wanted = 100 - len(arithmetic_validation_tasks(seed=config.seed))
         seen: dict[tuple[int, int], Task] = {}
@@ -47,17 +61,9 @@ def evaluation_tasks(config: ApplianceConfig, split: str) -> list[Task]:
             if len(seen) == wanted:
                 break
         return list(seen.values())
-    try:
-        taskset = TaskSet.load(
-            harness.tasks, split=split, validation_fraction=harness.validation_fraction, seed=config.seed
-        )
-    except ConfigError as exc:
-        if split != "validation":
-            raise
-        raise ConfigError(
-            f'{exc.message} (mark held-out tasks with "split": "validation", set '
-            "validation_fraction, or evaluate the training tasks with --split train)"
-        ) from None
+    taskset = TaskSet.load(
+        harness.tasks, split=split, validation_fraction=harness.validation_fraction, seed=config.seed
+    )
     return [taskset.task_at(i, seed=config.seed) for i in range(len(taskset))]
 
 

@@ -14,7 +14,14 @@ most ``runner_claim_wait_s`` for it. What it keeps true:
 * an offer is claimed at most once, oldest first; a claim whose client went away before its
   answer puts the offer back at the front;
 * a claim that times out leaves nothing behind: its waiter is withdrawn, and a task it queued is
-  withdrawn too unless a group already started on it (whose rollouts stay claimable);
+  withdrawn too unless a group already started on it (whose rollouts stay claimable); its 503
+  names what holds new groups back (an operator's pause, the circuit breaker, a training step,
+  a batch full of groups) with a Retry-After to match;
+* a task a runner brings goes ahead of training groups nobody has claimed: when no group starts
+  on it within ``MAKE_ROOM_AFTER_S`` and the scheduler is not paused, an offered group none of
+  whose rollouts was claimed is withdrawn (its rollouts fail as ``withdrawn:``, which the
+  circuit breaker does not count; no runner saw them) and its task is drawn again right after
+  the runner's, so a batch full of unclaimed offers never keeps a runner's task waiting;
 * a claimed rollout whose runner shows no sign of life (an authorised request on the rollout's
   routes: a model call, a reward, a heartbeat; a model call in flight counts throughout, see
   ``ActiveRollout.last_seen`` / ``busy``) for ``runner_lease_s`` is failed with a reason saying
@@ -32,6 +39,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -55,6 +63,12 @@ ID_FIELDS = ("id", "instance_id", "task_id")
 REMEMBERED = 4096
 #: Seconds a finish waits for its ``RolloutFinished`` to be folded into the live state.
 RECORD_WAIT_S = 30.0
+#: Seconds a claim with a task waits for a group to start on it before it withdraws an offered
+#: group nobody claimed, to make room (at most half of ``runner_claim_wait_s``).
+MAKE_ROOM_AFTER_S = 1.0
+#: How the reason of a rollout withdrawn unclaimed begins (``AgentFailed: withdrawn: ...`` in its
+#: ``RolloutFinished``; ``store.projections.NOT_THE_HARNESS`` knows it).
+WITHDRAWN = "withdrawn:"
 
 
 @dataclass(eq=False, slots=True)
@@ -115,6 +129,8 @@ class RunnerBoard:
         #: Tasks claims brought, not yet drawn; drawn ones waiting for their first offer.
         self._queued: deque[Reservation] = deque()
         self._drawn: list[Reservation] = []
+        #: Tasks of groups withdrawn unclaimed, drawn again right after the claims' tasks.
+        self._returned: deque[Task] = deque()
         #: Ended rollouts: id -> (its key, status), the newest ``REMEMBERED``.
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
@@ -138,6 +154,9 @@ class RunnerBoard:
                 reservation.drawn = True
                 self._drawn.append(reservation)
                 yield reservation.task
+                continue
+            if self._returned:
+                yield self._returned.popleft()
                 continue
             try:
                 task = next(stream)
@@ -237,7 +256,10 @@ class RunnerBoard:
         else:
             self._waiters.append(claim)
         try:
-            await asyncio.wait_for(asyncio.shield(claim), self.claim_wait_s)
+            if reservation is None:
+                await asyncio.wait_for(asyncio.shield(claim), self.claim_wait_s)
+            else:
+                await self._wait_making_room(claim, reservation)
         except TimeoutError:
             pass
         except asyncio.CancelledError:  # the client went away: what it was handed goes back
@@ -250,7 +272,97 @@ class RunnerBoard:
             return claim.result()
         claim.cancel()
         started = self._withdraw(claim, reservation)
-        raise NothingToClaim(self._nothing_message(reservation, started=started))
+        cause, retry_after_s = self._holding_back()
+        raise NothingToClaim(
+            self._nothing_message(reservation, started=started, cause=cause), retry_after_s=retry_after_s
+        )
+
+    async def _wait_making_room(self, claim: asyncio.Future[Offer], reservation: Reservation) -> None:
+        """Wait ``claim_wait_s`` for the claim's rollout; if no group has started on its task
+        after ``MAKE_ROOM_AFTER_S``, withdraw an offered group nobody claimed to make room."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.claim_wait_s
+        grace = min(MAKE_ROOM_AFTER_S, self.claim_wait_s / 2)
+        try:
+            await asyncio.wait_for(asyncio.shield(claim), grace)
+            return
+        except TimeoutError:
+            pass
+        if not reservation.drawn:
+            self._make_room(reservation)
+        await asyncio.wait_for(asyncio.shield(claim), max(0.0, deadline - loop.time()))
+
+    def _make_room(self, reservation: Reservation) -> None:
+        """Withdraw the newest training group whose rollouts are all offered and unclaimed, and
+        queue its task right after the claims' tasks; nothing when the scheduler would not start
+        a group anyway (paused, stopping, the breaker's back-off) or no group is unclaimed."""
+        if self._live is None:
+            return
+        state = self._live().state
+        if state.paused or state.stop_requested or state.admissions_paused_at(time.time()) is not None:
+            return
+        unclaimed: dict[str, list[Offer]] = {}
+        for offer in self._pool:
+            view = state.rollouts.get(offer.client.rollout_id)
+            if (
+                view is not None
+                and view.purpose == "train"
+                and view.status == "running"
+                and not offer.ended.done()
+            ):
+                unclaimed.setdefault(view.group, []).append(offer)
+        for group in reversed(unclaimed):
+            offers = unclaimed[group]
+            running = [v for v in state.rollouts.values() if v.group == group and v.status == "running"]
+            if len(running) != len(offers):
+                continue  # some of it was claimed: a runner is at work on the group
+            task = offers[0].task
+            reason = (
+                f"{WITHDRAWN} nobody had claimed it when a runner brought task {reservation.task.id!r}, "
+                f"which goes ahead of unclaimed groups; task {task.id!r} is drawn again after it"
+            )
+            for offer in offers:
+                self._pool.remove(offer)
+                offer.ended.set_result(("failed", reason))
+            self._returned.append(task)
+            log.info("group %s withdrawn unclaimed to start task %r first", group, reservation.task.id)
+            return
+
+    def _holding_back(self) -> tuple[str, int]:
+        """What keeps the scheduler from starting a group now, and seconds to retry after."""
+        if self._live is None:
+            return "the scheduler starts groups when its batch and staleness bound allow", 5
+        state = self._live().state
+        now = time.time()
+        if state.stop_requested:
+            return "the appliance is stopping", 30
+        if state.paused:
+            return (
+                'an operator paused the run (POST /admin/control {"action": "resume"} or the '
+                "dashboard resumes it)",
+                30,
+            )
+        trip = state.admissions_paused_at(now)
+        if trip is not None:
+            left = trip.ts + trip.backoff_s - now
+            return (
+                f"the circuit breaker paused admissions for {trip.backoff_s:g} s after {trip.failures} "
+                f"training rollouts failed in a row ({left:.0f} s left; last: {trip.cause[:200]})",
+                max(1, math.ceil(left)),
+            )
+        if state.phase == "train":
+            return f"the machine is training step {state.step + 1}; new groups start after it", 10
+        if self._pool:
+            return (
+                f"the batch is full: {len(self._pool)} offered rollouts wait to be claimed (claim "
+                "them with an empty body)",
+                5,
+            )
+        return (
+            "the batch is full: its groups are running, and the next starts when the staleness "
+            "bound allows (after a step)",
+            5,
+        )
 
     def _withdraw(self, claim: asyncio.Future[Offer], reservation: Reservation | None) -> bool:
         """Forget a claim that got nothing; whether a group had started on its task."""
@@ -265,21 +377,18 @@ class RunnerBoard:
             self._drawn.remove(reservation)
         return reservation.drawn
 
-    def _nothing_message(self, reservation: Reservation | None, *, started: bool) -> str:
+    def _nothing_message(self, reservation: Reservation | None, *, started: bool, cause: str) -> str:
         waited = f"within {self.claim_wait_s:g} s (runner_claim_wait_s)"
         if reservation is None:
-            return (
-                f"no rollout was offered {waited}: the scheduler starts groups when its batch and "
-                "staleness bound allow (it may be training or paused); retry later"
-            )
+            return f"no rollout was offered {waited}: {cause}; retry later"
         if started:
             return (
                 f"a group on task {reservation.task.id!r} started but none of its rollouts was offered "
                 f"{waited}; they stay claimable with an empty body"
             )
         return (
-            f"no group started on task {reservation.task.id!r} {waited} (the scheduler may be training "
-            "or paused); the task was withdrawn and nothing was recorded; retry later"
+            f"no group started on task {reservation.task.id!r} {waited}: {cause}; the task was "
+            "withdrawn and nothing was recorded; retry later"
         )
 
     def release(self, offer: Offer) -> None:
@@ -335,6 +444,17 @@ class RunnerBoard:
             await asyncio.wait_for(until_ended(), RECORD_WAIT_S)
         except TimeoutError:
             log.warning("rollout %s: its end was not recorded within %g s", rollout, RECORD_WAIT_S)
+
+    def recorded_end(self, rollout: str) -> tuple[str, str] | None:
+        """How the log ended ``rollout`` (its status and reason), once
+        :meth:`recorded` saw it; None when it is not recorded (yet). The appliance may fail a
+        rollout its runner finished (e.g. one whose model calls were all refused)."""
+        if self._live is None:
+            return None
+        view = self._live().state.rollouts.get(rollout)
+        if view is None or view.status == "running":
+            return None
+        return view.status, view.error
 
 
 def attach(

@@ -33,6 +33,11 @@ def ram_text(ram: int | None) -> str:
     return gib(ram) if ram is not None else "an unknown amount"
 
 
+def ram_phrase(ram: int | None) -> str:
+    """ "8.0 GiB RAM", or "RAM not known" (a described machine that was not given it)."""
+    return f"{gib(ram)} RAM" if ram is not None else "RAM not known"
+
+
 def describe(plan: Plan) -> list[str]:
     """The plan in a few lines a person reads: the verdict first, the reason last."""
     m, e, tr = plan.machine, plan.engine_memory, plan.trainer_memory
@@ -42,14 +47,14 @@ def describe(plan: Plan) -> list[str]:
     model = f"{plan.model.name} ({size} parameters)" if plan.model.name else f"{size} parameters"
     if plan.device == "cpu":
         lines = [
-            f"placement: CPU only, {ram_text(m.ram_bytes)} RAM, model {model}: {verdict}",
+            f"placement: CPU only, {ram_phrase(m.ram_bytes)}, model {model}: {verdict}",
             f"  engine: one, on the CPU ({gib(e.weights_bytes)} weights)",
             f"  trainer: {plan.trainer_ranks} rank(s) on the CPU, {gib(tr.peak_bytes)} each with a full "
             f"micro-batch ({tr.breakdown()})",
         ]
     else:
         sizes = ", ".join(gib(size) for size in sorted({g.total_bytes for g in m.gpus}))
-        gpus = f"{len(m.gpus)} GPU(s) of {sizes}, {ram_text(m.ram_bytes)} RAM"
+        gpus = f"{len(m.gpus)} GPU(s) of {sizes}, {ram_phrase(m.ram_bytes)}"
         lines = [f"placement: {plan.placement} on {gpus}, model {model}: {verdict}"]
         if plan.replicas:
             groups = " ".join("[" + ",".join(str(i) for i in r) + "]" for r in plan.replicas)

@@ -13,7 +13,12 @@ nor the store: it only reads the store, read-only, for the model the run was sta
 
 Invariant: while an appliance runs on a data directory it holds an exclusive ``flock`` on
 ``<data_dir>/appliance.lock``, which holds its pid. The kernel drops the lock when the process
-exits, however it exits, so a crash never leaves a stale lock; the file itself stays.
+exits, however it exits, so a crash never leaves a stale lock; the file itself stays. The
+command line takes it (:func:`claim`) before it imports torch or transformers, so a second
+appliance on a directory, a port in use or a full disk is refused in about a second; the
+``Appliance`` it then builds adopts that lock. While the lock is held the process creates
+files with the config's ``data_umask`` (owner-only by default: 0700 directories, 0600 files),
+which the processes it starts (vLLM, the trainer's ranks) inherit.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.config import ENGINES, ApplianceConfig, recorded_value
+from appliance.config import ENGINES, ApplianceConfig, recorded_value, umask_bits
 from appliance.errors import PreflightFailed
 from appliance.memory_model import GIB, gib
 
@@ -38,25 +43,85 @@ if TYPE_CHECKING:
     from appliance.placement import Machine
     from appliance.placement_planner import Plan
 
-__all__ = ["LOCK_NAME", "bind_error", "check", "check_placement", "data_dir_lock", "recorded_model"]
+__all__ = [
+    "LOCK_NAME",
+    "OWNER_ONLY",
+    "bind_error",
+    "check",
+    "check_placement",
+    "claim",
+    "data_dir_lock",
+    "recorded_model",
+]
 
 log = logging.getLogger(__name__)
 
 #: The lock file in the data directory.
 LOCK_NAME = "appliance.lock"
+#: The default ``data_umask``: what the appliance creates only its owner may read.
+OWNER_ONLY = 0o077
+
+#: Locks taken by :func:`claim`, by resolved data directory: lent to the first
+#: :func:`data_dir_lock` of this process on that directory (True while lent).
+_claimed: dict[Path, bool] = {}
 
 
 @contextlib.contextmanager
-def data_dir_lock(data_dir: Path) -> Iterator[Path]:
-    """Create ``data_dir`` if needed, check it is writable and lock it for this process.
+def claim(config: ApplianceConfig) -> Iterator[Path]:
+    """Lock ``config.data_dir`` and run the checks that need neither the model nor torch
+    (writable, engine, port, disk, the model the run was started with), for the command line
+    to call before it imports the rest; the ``Appliance`` it builds inside adopts the lock.
+    Yields the lock file's path."""
+    with data_dir_lock(config.data_dir, umask_bits(config.data_umask)) as path:
+        key = _key(config.data_dir)
+        _claimed[key] = False
+        try:
+            if config.engine.kind != "auto":
+                check_engine(config.engine.kind)
+            check_port(config.proxy.host, config.proxy.port)
+            check_disk(config.data_dir, config.min_free_disk_gib)
+            check_model(config)
+            yield path
+        finally:
+            del _claimed[key]
+
+
+def _key(data_dir: Path) -> Path:
+    return data_dir.expanduser().resolve()
+
+
+@contextlib.contextmanager
+def data_dir_lock(data_dir: Path, umask: int = OWNER_ONLY) -> Iterator[Path]:
+    """Create ``data_dir`` if needed, check it is writable and lock it for this process; while
+    it is held, the process creates files with ``umask`` (the old one comes back after).
 
     Raises :class:`PreflightFailed` naming the holder's pid when another appliance (another
-    process, or another ``Appliance`` in this one) holds it. Yields the lock file's path.
+    process, or another ``Appliance`` in this one) holds it. A lock this process took with
+    :func:`claim` is adopted instead, once. Yields the lock file's path.
     """
+    previous = os.umask(umask)
+    try:
+        with _locked(data_dir) as path:
+            yield path
+    finally:
+        os.umask(previous)
+
+
+@contextlib.contextmanager
+def _locked(data_dir: Path) -> Iterator[Path]:
+    key = _key(data_dir) if data_dir.exists() else None
+    if key is not None and _claimed.get(key) is False:
+        _claimed[key] = True
+        try:
+            yield data_dir / LOCK_NAME
+        finally:
+            if key in _claimed:
+                _claimed[key] = False
+        return
     check_writable(data_dir)
     path = data_dir / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise _unwritable(data_dir, exc) from None
     locked = False
@@ -117,6 +182,7 @@ def check_placement(config: ApplianceConfig, machine: Machine | None = None) -> 
 def check_writable(data_dir: Path) -> None:
     """Create ``data_dir`` (and its parents) if needed, then write and delete a probe file."""
     try:
+        # 0777 less the umask: with the default, 0700 (a parent made here gets the same).
         data_dir.mkdir(parents=True, exist_ok=True)
         probe = data_dir / f".preflight-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         with probe.open("xb") as handle:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from appliance.chat.formats import CHATML, ChatFormat
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.transcript import Transcript
-from appliance.errors import NotFound, Overloaded, Unauthorized
+from appliance.errors import Conflict, NotFound, Overloaded, Unauthorized
 
 
 @dataclass(slots=True)
@@ -31,6 +32,15 @@ class ActiveRollout:
     transcript: Transcript
     task: dict[str, Any] = field(default_factory=dict)
     calls: int = 0
+    #: Model calls the proxy answered with an error (each recorded as ``LLMCallRefused``), and
+    #: the last one's reason in one line (``code: message``): the controller fails a rollout
+    #: whose calls were all, or too many of them, refused.
+    refused: int = 0
+    last_refusal: str = ""
+    #: Of ``refused``, the answers a client retries (429, 503: the model held by training past
+    #: ``hold_timeout_s``, the engine unavailable, too many calls queued): the availability of the
+    #: appliance, not the call's fault, so ``max_refused_fraction`` leaves them out.
+    unavailable: int = 0
     reward: float | None = None
     #: Evaluation sampling of a validation rollout: the temperature and completion length its
     #: calls are served with, whatever the client or the training rules ask (None: no override).
@@ -45,6 +55,8 @@ class ActiveRollout:
 
 #: Rollout id of calls on the plain ``/v1`` prefix; no ``RolloutCreated`` event names it.
 DEFAULT_ROLLOUT = "default"
+#: Ended rollouts whose keys are remembered, so a request after the end is a 409, not a 404.
+REMEMBERED_ENDED = 4096
 
 
 class RolloutRegistry:
@@ -63,6 +75,8 @@ class RolloutRegistry:
         #: Live rollouts at most (the rollout-less default one not counted).
         self.max_rollouts = max_rollouts
         self._active: dict[str, ActiveRollout] = {}
+        #: Rollouts that left the registry: id -> key, the newest ``REMEMBERED_ENDED``.
+        self._ended: OrderedDict[str, str] = OrderedDict()
 
     def ensure_room(self, count: int = 1) -> None:
         """Raise ``Overloaded`` (429) unless ``count`` more rollouts fit under ``max_rollouts``."""
@@ -86,10 +100,18 @@ class RolloutRegistry:
             task=task,
         )
         self._active[rollout] = active
+        self._ended.pop(rollout, None)
         return active
 
     def unregister(self, rollout: str) -> None:
-        if self._active.pop(rollout, None) is not None and self._on_unregister is not None:
+        active = self._active.pop(rollout, None)
+        if active is None:
+            return
+        if rollout != DEFAULT_ROLLOUT:
+            self._ended[rollout] = active.token
+            while len(self._ended) > REMEMBERED_ENDED:
+                self._ended.popitem(last=False)
+        if self._on_unregister is not None:
             self._on_unregister(rollout)
 
     def __len__(self) -> int:
@@ -106,10 +128,20 @@ class RolloutRegistry:
         return self._active.get(rollout)
 
     def authorize(self, rollout: str, token: str | None) -> ActiveRollout:
-        """The rollout if it is live and ``token`` is its own; 404 or 401 otherwise."""
+        """The rollout if it is live and ``token`` is its own. A wrong key is a 401; a rollout
+        that has ended is a 409 (to its own key) whatever the request (a model call, a reward, a
+        heartbeat, a finish); only one this process never ran is a 404."""
         active = self._active.get(rollout)
         if active is None:
-            raise NotFound(f"rollout {rollout!r} does not exist or has already finished")
+            key = self._ended.get(rollout)
+            if key is None:
+                raise NotFound(f"rollout {rollout!r} does not exist")
+            if not token or not hmac.compare_digest(token.encode(), key.encode()):
+                raise Unauthorized(f"the API key is not valid for rollout {rollout!r}")
+            raise Conflict(
+                f"rollout {rollout!r} has already ended; it takes no more model calls, rewards, "
+                "heartbeats or finishes"
+            )
         if not token or not hmac.compare_digest(token.encode(), active.token.encode()):
             raise Unauthorized(f"the API key is not valid for rollout {rollout!r}")
         active.last_seen = time.monotonic()

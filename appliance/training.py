@@ -65,6 +65,7 @@ from store.eventstore import EventStore
 from store.projections import RolloutView, RunState, reward_mean
 from trainer.advantage import AdvantageMode, compute_advantages
 from trainer.checkpoints import CheckpointStore, PublishedWeights, WeightsStore
+from trainer.device_memory import memory_metrics
 from trainer.items import StepOutput, Trainer, TrainItem
 from trainer.rank_rpc import TrainerRankFailed
 from trainer.samples import Sample, build_samples
@@ -408,6 +409,9 @@ class TrainingService:
         metrics["stale_tokens"] = float(stale_tokens)
         metrics["stale_tokens_dropped"] = float(dropped)
         metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
+        metrics["staleness_max"] = float(max(staleness, default=0))
+        metrics["reward_std"] = reward_std(views)
+        metrics.update(memory_metrics())
         completed = TrainStepCompleted(
             ts=time.time(),
             step=step,
@@ -499,6 +503,15 @@ class TrainedStep:
     completed: TrainStepCompleted
     #: The policy version the step produced (None: nothing was trainable).
     version: int | None
+
+
+def reward_std(views: Sequence[RolloutView]) -> float:
+    """Population standard deviation of the rewards ``reward_mean`` averages (0.0: none)."""
+    rewards = [float(v.reward) for v in views if RunState.trainable(v) and v.reward is not None]
+    if not rewards:
+        return 0.0
+    mean = sum(rewards) / len(rewards)
+    return float((sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5)
 
 
 def bound_staleness(sample: Sample, current_version: int, eta: int | None) -> tuple[Sample, int]:

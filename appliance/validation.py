@@ -12,7 +12,8 @@ Invariants:
   fifth of the 100 ``a + b`` pairs is held out: the training stream skips those pairs, whether
   validation is on or not, so a run's training tasks do not depend on its validation settings.
 * Every round evaluates the same tasks (the first ``validation_tasks`` of the held-out set, in
-  a seeded order), so rounds at different steps are comparable.
+  a seeded order: :func:`round_tasks`), so rounds at different steps are comparable; ``eval``
+  on the validation split plays the same tasks unless asked for every held-out one.
 """
 
 from __future__ import annotations
@@ -82,29 +83,41 @@ def training_tasks(config: ApplianceConfig, start: int) -> Iterator[Task]:
     return taskset.stream(seed=config.seed, start=start)
 
 
+def held_out_tasks(config: ApplianceConfig) -> list[Task]:
+    """Every held-out task, in the seeded order validation rounds take them from: the task
+    set's validation split (``validation_fraction`` holds tasks out of a set without one), or
+    the built-in arithmetic pairs held out. Raises ``ConfigError`` for a task set with neither."""
+    harness = config.harness
+    if harness.tasks is None:
+        return arithmetic_validation_tasks(seed=config.seed)
+    taskset = TaskSet.load(
+        harness.tasks,
+        split="validation",
+        validation_fraction=harness.validation_fraction,
+        seed=config.seed,
+    )
+    return [taskset.task_at(i, seed=config.seed) for i in range(len(taskset))]
+
+
+def round_tasks(config: ApplianceConfig) -> list[Task]:
+    """The tasks a validation round evaluates: the first ``validation_tasks`` held out. The one
+    definition ``up``'s rounds and ``eval`` (by default) share, so their figures compare."""
+    return held_out_tasks(config)[: config.scheduler.validation_tasks]
+
+
 def validation_tasks(config: ApplianceConfig) -> list[Task]:
-    """The tasks every validation round evaluates ([] when validation is off or impossible).
+    """The tasks every validation round of a run evaluates ([] when validation is off or
+    impossible).
 
     A task set without a validation split (and no ``validation_fraction``) turns validation
     off with a warning rather than failing the run."""
-    harness = config.harness
     if config.scheduler.validate_every == 0:
         return []
-    if harness.tasks is None:
-        tasks = arithmetic_validation_tasks(seed=config.seed)
-    else:
-        try:
-            taskset = TaskSet.load(
-                harness.tasks,
-                split="validation",
-                validation_fraction=harness.validation_fraction,
-                seed=config.seed,
-            )
-        except ConfigError as exc:
-            log.warning("validation is off: %s (set validation_fraction to hold tasks out)", exc)
-            return []
-        tasks = [taskset.task_at(i, seed=config.seed) for i in range(len(taskset))]
-    return tasks[: config.scheduler.validation_tasks]
+    try:
+        return round_tasks(config)
+    except ConfigError as exc:
+        log.warning("validation is off: %s (set validation_fraction to hold tasks out)", exc)
+        return []
 
 
 def round_result(

@@ -163,6 +163,41 @@ class LLMCallCompleted(Event):
     preemptions: int = 0
     #: The policy version that sampled each response token (they differ after a preemption).
     response_versions: TokenIds = ()
+    #: Every assistant turn of the request not spliced exactly as it was returned, in order:
+    #: ``{"message", "kind", "reason", "spliced", "sampled"}``, ``kind`` "arguments" (tool call
+    #: arguments re-serialised), "cut" (a tool call cut by the length limit left out), "stop" (the
+    #: returned text + its stop string), "text", "prefix" (of the sampled text), "extended" (the
+    #: sampled text + text the harness added), or "unmatched" (its reason: "never sampled", "text
+    #: differs at char N", "tool call 0 differs (arguments)", ...); see ``appliance.chat.turns``.
+    assistant_turns: tuple[JsonObject, ...] = ()
+    #: The stop string the response text was cut before ("" if none): ``response_ids`` hold what
+    #: was sampled, up to the token that completed it; ``response_text`` what was returned.
+    stop_sequence: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseStored(Event):
+    """A Responses call answered with ``store`` true (OpenAI's default): what ``GET
+    /v1/responses/{id}``, its ``input_items`` and a later ``previous_response_id`` read, within
+    the rollout that made it. Appended after the call's ``LLMCallCompleted`` and before the
+    client hears the answer."""
+
+    rollout: str
+    #: The response object exactly as the client received it (its ``id``, ``output`` items,
+    #: ``previous_response_id``, ``usage``, ...).
+    response: JsonObject
+    #: The request's own input items, each with its ``id`` (the client's, or one assigned); the
+    #: items before them are the input items and output of ``previous_response_id``'s response.
+    input_items: tuple[JsonObject, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseDeleted(Event):
+    """``DELETE /v1/responses/{id}``: the response is no longer retrievable nor chained on (a
+    response already chained on it keeps its input items)."""
+
+    rollout: str
+    response_id: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,6 +223,31 @@ class CallRewardReported(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LLMCallRefused(Event):
+    """The proxy answered a model call of the rollout with an error instead of a completion (a
+    prompt past the model's context, a malformed request, the engine unavailable, ...): nothing
+    of it was sampled, so nothing of it can be trained on. Counted per rollout
+    (``RolloutView.refused_calls``); a rollout whose calls were all refused, or more than
+    ``max_refused_fraction`` of them, is failed with the refusal as its reason."""
+
+    rollout: str
+    #: The route called, after the rollout's base URL ("/chat/completions", "/messages", ...).
+    route: str
+    #: The answer's HTTP status (200 when the error went out as an event of a stream already begun).
+    status: int
+    #: The error's code and type as the OpenAI shape names them ("context_length_exceeded",
+    #: "invalid_request_error"); the code may be empty.
+    code: str = ""
+    error_type: str = ""
+    #: The first line of the error's message.
+    message: str = ""
+
+    def reason(self) -> str:
+        """The refusal in one line: ``code: message`` (the type when there is no code)."""
+        return f"{self.code or self.error_type or self.status}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RolloutFinished(Event):
     """The harness ended. ``status`` is "finished" or "failed"; a failure carries its reason."""
 
@@ -195,6 +255,14 @@ class RolloutFinished(Event):
     status: str
     error: str = ""
     duration_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutClaimed(Event):
+    """An external runner claimed the rollout (``POST /admin/rollouts``); until then, a rollout
+    of the ``external`` adapter is offered, not running."""
+
+    rollout: str
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import aiosqlite
 from appliance.errors import StoreCorrupted, StoreError
 from store.codec import EncodedEvent, StoredEvent, as_stored, chain_digest, decode, prefix_source, shared_ref
 from store.events import Event, JsonObject, LLMCallCompleted, TokenIds
-from store.writer import MAX_BATCH_EVENTS, Committed, Pending, Writer, store_error
+from store.writer import COMMIT_BUCKETS_S, MAX_BATCH_EVENTS, Committed, Pending, Writer, store_error
 
 __all__ = [
     "MAX_BATCH_EVENTS",
@@ -158,6 +158,14 @@ class EventStore:
     def writer_seconds(self) -> tuple[float, float]:
         """Seconds the writer thread spent (preparing batches, in their SQL), for benchmarks."""
         return (0.0, 0.0) if self._writer is None else (self._writer.prepare_s, self._writer.sql_s)
+
+    @property
+    def commit_latency(self) -> tuple[list[int], float]:
+        """Transactions committed by this instance, counted by SQL time in the buckets of
+        ``store.writer.COMMIT_BUCKETS_S`` (the last count: longer), and their seconds in all."""
+        if self._writer is None:
+            return [0] * (len(COMMIT_BUCKETS_S) + 1), 0.0
+        return list(self._writer.commit_buckets), self._writer.committed_s
 
     @classmethod
     async def open(

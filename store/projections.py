@@ -17,7 +17,9 @@ The circuit breaker's state is folded here too: training rollouts failed in a ro
 that only says the appliance went away, "interrupted" by a restart or "cancelled" by a stop,
 is not the harness's and does not count), and the last ``AdmissionsPaused``. Whether its
 back-off is still running depends on the clock, so callers ask with a time
-(:meth:`RunState.admissions_paused_at`); the fold itself reads none.
+(:meth:`RunState.admissions_paused_at`); the fold itself reads none. A start
+(``ApplianceStarted``) clears the trips in a row and the back-off: a run the breaker stopped
+(``breaker_max_trips``) resumes as a fresh try.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ from store.events import (
     Event,
     JsonObject,
     LLMCallCompleted,
+    LLMCallRefused,
     PhaseChanged,
     PolicyVersionPublished,
     RewardReported,
+    RolloutClaimed,
     RolloutCreated,
     RolloutFinished,
     TrainStepCompleted,
@@ -49,8 +53,9 @@ from store.events import (
 
 STATUSES = ("running", "finished", "failed")
 #: How the errors of rollouts that failed because the appliance stopped begin (recorded by the
-#: app's recovery and the controller): not a failure of the harness.
-NOT_THE_HARNESS = ("interrupted:", "cancelled: the appliance stopped")
+#: app's recovery and the controller), or that were withdrawn before any runner claimed them (to
+#: start a runner's own task first): not a failure of the harness.
+NOT_THE_HARNESS = ("interrupted:", "cancelled: the appliance stopped", "AgentFailed: withdrawn:")
 
 
 def one_line(error: str, limit: int = 300) -> str:
@@ -73,9 +78,9 @@ def reward_mean(views: Iterable[RolloutView]) -> float | None:
     whether or not they called the model; None when none did.
 
     The one rule behind every reward a training step shows: the recorded ``reward_mean`` metric,
-    the progress line of ``up`` and ``status``. A rollout that answered without a model call (it
-    has nothing to train on) still counts: it is what the agent scored. Failed rollouts do not
-    (``rollouts_failed`` counts them).
+    the progress line of ``up`` and ``status``. Failed rollouts do not count (``rollouts_failed``
+    counts them), nor, since the controller fails them, rollouts whose calls were all refused or
+    that made no model call; one that finished without a call in an older log still counts.
     """
     rewards = [float(v.reward) for v in views if RunState.trainable(v) and v.reward is not None]
     return fmean(rewards) if rewards else None
@@ -112,6 +117,11 @@ class RolloutView:
     purpose: str = "train"
     #: Intermediate rewards reported on single calls, in order.
     call_rewards: list[CallRewardReported] = field(default_factory=list)
+    #: Model calls the proxy refused (``LLMCallRefused``), and the last one's reason in one line.
+    refused_calls: int = 0
+    last_refusal: str = ""
+    #: An external runner claimed it (``RolloutClaimed``); False for the appliance's own agents.
+    claimed: bool = False
 
 
 @dataclass
@@ -148,7 +158,8 @@ class RunState:
     #: The circuit breaker's last trip, if any (its back-off may be over: see
     #: :meth:`admissions_paused_at`).
     admissions_paused: AdmissionsPaused | None = None
-    #: Trips in a row: trips that no finished training rollout separates (0 after one finished).
+    #: Trips in a row: trips that no finished training rollout separates (0 after one finished,
+    #: and at each start: a run the breaker stopped resumes with its full count of trips).
     breaker_trips: int = 0
 
     @classmethod
@@ -171,6 +182,10 @@ class RunState:
                 self.starts += 1
                 self.last_start = event
                 self.stop_requested = False
+                # A start is a fresh try: the back-off and the trips in a row of the last process
+                # (which may have stopped on ``breaker_max_trips``) do not hold it back.
+                self.breaker_trips = 0
+                self.admissions_paused = None
             case PhaseChanged():
                 self.phase = event.phase
             case PolicyVersionPublished():
@@ -192,12 +207,19 @@ class RunState:
                     view.tokens_sampled += len(event.response_ids)
                     if not view.released:
                         view.calls.append(event)
+            case LLMCallRefused():
+                if view := self.rollouts.get(event.rollout):
+                    view.refused_calls += 1
+                    view.last_refusal = event.reason()
             case RewardReported():
                 if view := self.rollouts.get(event.rollout):
                     view.reward = event.reward
             case CallRewardReported():
                 if view := self.rollouts.get(event.rollout):
                     view.call_rewards.append(event)
+            case RolloutClaimed():
+                if view := self.rollouts.get(event.rollout):
+                    view.claimed = True
             case ValidationCompleted():
                 self.validations.append(event)
                 self._release(event.rollouts)

@@ -24,6 +24,7 @@ position, checksum and sharing state stay as they were before it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import queue
@@ -40,12 +41,15 @@ from appliance.errors import StoreError, StoreFull
 from store.codec import EncodedEvent, chain_digest, encode, encode_shared
 from store.events import Event, LLMCallCompleted, RolloutFinished
 
-__all__ = ["MAX_BATCH_EVENTS", "Committed", "Pending", "Writer", "store_error"]
+__all__ = ["COMMIT_BUCKETS_S", "MAX_BATCH_EVENTS", "Committed", "Pending", "Writer", "store_error"]
 
 log = logging.getLogger(__name__)
 
 #: Most events committed in one transaction (a single larger ``append`` still goes in one piece).
 MAX_BATCH_EVENTS = 1024
+#: Upper bounds, in seconds, of the buckets ``Writer.commit_buckets`` counts committed
+#: transactions in by their SQL time (``BEGIN IMMEDIATE`` to ``COMMIT``, the fsync included).
+COMMIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 #: Rollouts whose last call the writer remembers for sharing (running ones; LRU beyond).
 _SHARING_ROLLOUTS = 4096
 #: A clean close checkpoints the WAL into the main file: tries, each waiting this long for
@@ -100,6 +104,11 @@ class Writer:
         #: (``BEGIN IMMEDIATE`` to ``COMMIT``), for benchmarks.
         self.prepare_s = 0.0
         self.sql_s = 0.0
+        #: Committed transactions by SQL time: one count per bound of :data:`COMMIT_BUCKETS_S`
+        #: (at most that long, above the previous bound), the last for longer ones; and their
+        #: seconds in all. Read by ``/metrics``.
+        self.commit_buckets = [0] * (len(COMMIT_BUCKETS_S) + 1)
+        self.committed_s = 0.0
         self._conn = conn
         self._head = head
         self._digest = digest
@@ -266,10 +275,13 @@ class Writer:
             self._settle([(future, exc) for future, _ids in committing])
             return
         finally:
-            self.sql_s += time.perf_counter() - prepared
+            took = time.perf_counter() - prepared
+            self.sql_s += took
         self._head = position
         self._digest = digest
         self.commits += 1
+        self.commit_buckets[bisect.bisect_left(COMMIT_BUCKETS_S, took)] += 1
+        self.committed_s += took
         for rollout, last in sharing.items():
             self._last_call.pop(rollout, None)
             if last is not None:

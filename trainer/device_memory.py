@@ -1,7 +1,8 @@
 """Handing a GPU's memory back after an offload: :func:`release_cached`.
 
 Owns the one call every trainer backend's ``offload`` ends with (``trainer.policy``,
-``trainer.verl_backend``, and through the latter each rank of ``trainer.ranks``). It does not own
+``trainer.verl_backend``, and through the latter each rank of ``trainer.ranks``), and the memory
+figures a training step records (:func:`memory_metrics`). It does not own
 what is moved to host memory (each backend does) nor when (the scheduler).
 
 Why it exists. Moving a tensor to host memory frees its GPU block into torch's caching allocator,
@@ -20,9 +21,14 @@ release) is ``appliance.memory_model.TRAINER_OFFLOADED``; it is not measured on 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
-__all__ = ["release_cached"]
+__all__ = ["memory_metrics", "release_cached"]
+
+GIB = float(1 << 30)
 
 
 def release_cached(device: torch.device) -> None:
@@ -32,3 +38,21 @@ def release_cached(device: torch.device) -> None:
         return
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+
+
+def memory_metrics() -> dict[str, float]:
+    """This process's memory as a step records it (``TrainStepCompleted.metrics``), in GiB:
+    ``memory_rss_gib``, its resident host memory now (the appliance's process: the torch engine
+    and the torch trainer live in it, verl's ranks and vLLM do not), and on CUDA
+    ``memory_gpu_peak_gib``, the most its tensors held on the current GPU since the last call
+    (torch's allocator; the peak is reset here). Cheap: one read of ``/proc/self/statm``."""
+    out: dict[str, float] = {}
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        out["memory_rss_gib"] = resident_pages * os.sysconf("SC_PAGE_SIZE") / GIB
+    except (OSError, ValueError, IndexError):  # no procfs (macOS): left out
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        out["memory_gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        torch.cuda.reset_peak_memory_stats()
+    return out

@@ -139,9 +139,12 @@ class DashboardApp(App[None]):
 
     async def on_mount(self) -> None:
         self.watch(self.screen, "focused", self._focus_moved)
-        self.usage = await asyncio.to_thread(self.sampler)
+        # This machine's usage is the run's only while the run is live (``up``, ``tui --url``);
+        # a run opened from its file shows its own figures instead (``OverviewPanel``).
+        if self.source.live:
+            self.usage = await asyncio.to_thread(self.sampler)
         self._follow()
-        if self.usage_interval_s > 0:
+        if self.source.live and self.usage_interval_s > 0:
             self.set_interval(self.usage_interval_s, self._sample_usage)
 
     async def on_unmount(self) -> None:

@@ -4,14 +4,16 @@ Owns turning a :class:`~store.projections.RolloutView` into what the rollout scr
 token sequences come from ``trainer.samples.build_samples`` (the trainer's own merge rule, so the
 dashboard shows exactly what is trained: loss mask and per-token policy version); this module only
 groups them into runs. Text is decoded with the run's tokenizer when one is at hand, else the
-conversation falls back to the recorded request messages and response text.
+conversation falls back to the recorded request messages and response text. Each call's
+assistant turns that were not spliced exactly as sampled are listed with how they matched or why
+they did not (``turn_notes``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,8 @@ class RolloutDetail:
     text_source: str
     samples: int
     truncations: list[str]
+    #: One line per assistant turn a call did not splice exactly (see ``turn_notes``).
+    turn_notes: list[str] = field(default_factory=list)
 
 
 def segments_of(view: RolloutView, decode: Decoder | None = None) -> list[Segment]:
@@ -123,6 +127,20 @@ def decoded_conversation(view: RolloutView, decode: Decoder) -> list[Turn]:
     return [Turn("model" if seg.loss_mask else "context", seg.text) for seg in segments_of(view, decode)]
 
 
+def turn_notes(view: RolloutView) -> list[str]:
+    """Per call, each assistant turn not spliced exactly: "call <id> message 2: unmatched, never
+    sampled", "... message 4: stop, the returned text + its stop string '</code>' (36/37 ids)"."""
+    notes: list[str] = []
+    for call in view.calls:
+        for turn in call.assistant_turns:
+            where = f"call {call.call_id[:10]} message {turn.get('message')}"
+            line = f"{where}: {turn.get('kind')}, {turn.get('reason')}"
+            if turn.get("kind") != "unmatched":
+                line += f" ({turn.get('spliced')}/{turn.get('sampled')} sampled ids spliced)"
+            notes.append(line)
+    return notes
+
+
 def rollout_detail(view: RolloutView, decode: Decoder | None = None) -> RolloutDetail:
     try:
         samples = build_samples(view.calls)
@@ -135,6 +153,7 @@ def rollout_detail(view: RolloutView, decode: Decoder | None = None) -> RolloutD
         text_source="tokenizer" if decode else "recorded",
         samples=len(samples),
         truncations=[s.truncation for s in samples if s.truncation],
+        turn_notes=turn_notes(view),
     )
 
 

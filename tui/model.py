@@ -36,6 +36,7 @@ from store.events import (
     TrainStepCompleted,
     ValidationCompleted,
 )
+from store.outcomes import failures_text, reason_of, state_of
 from store.projections import RolloutView, RunState, one_line
 
 #: Curves the dashboard plots: (title, metric key in TrainStepCompleted.metrics).
@@ -88,6 +89,7 @@ class RolloutRow:
     rollout: str
     task_id: str
     group: str
+    #: The rollout's state as every view names it (``store.outcomes.state_of``).
     status: str
     purpose: str
     calls: int
@@ -96,6 +98,8 @@ class RolloutRow:
     version: int
     trained_step: int | None
     duration_s: float | None
+    #: Why it failed, on one line ("" unless it did: ``store.outcomes.reason_of``).
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +124,39 @@ class RolloutFilter:
 
 @dataclass(slots=True)
 class Counts:
-    in_flight: int = 0
-    queued: int = 0
+    """Rollouts by state, as ``status`` counts them (``store.outcomes.STATES``)."""
+
+    #: Offered to external runners, not claimed yet.
+    offered: int = 0
+    running: int = 0
     finished: int = 0
     failed: int = 0
     #: Finished train rollouts no step has consumed yet.
     awaiting_training: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LifeFigures:
+    """A run's own figures over its life, for a run that is not live (``tui --db``) or has
+    stopped: totals, and mean rates over the time the appliance ran (from each start to its
+    stop, or to the last event of a start that recorded none)."""
+
+    run_s: float
+    calls: int
+    tokens: int
+    steps: int
+    #: (first, last) training reward (the steps' ``reward_mean``), None before a step.
+    reward: tuple[float, float] | None
+    #: (first, last) validation reward, None before a round.
+    validation: tuple[float, float] | None
+
+    @property
+    def calls_s(self) -> float:
+        return self.calls / self.run_s if self.run_s > 0 else 0.0
+
+    @property
+    def tokens_s(self) -> float:
+        return self.tokens / self.run_s if self.run_s > 0 else 0.0
 
 
 @dataclass
@@ -149,6 +180,13 @@ class DashboardModel:
     _recent_calls: deque[tuple[float, int]] = field(default_factory=deque)
     _created_ts: dict[str, float] = field(default_factory=dict)
     _durations: dict[str, float] = field(default_factory=dict)
+    #: Seconds the appliance ran in starts that have stopped; the one running began at
+    #: ``_started_ts`` (0: none is).
+    _ran_s: float = 0.0
+    _started_ts: float = 0.0
+    _previous_ts: float = 0.0
+    #: Who asked for the stop of the current start (``ControlRequested`` "stop"), if anyone.
+    _stop_source: str = ""
     #: Bumped on every change: widgets redraw only when it moved.
     revision: int = 0
 
@@ -179,9 +217,15 @@ class DashboardModel:
                     event.config,
                     "",
                 )
+                if self._started_ts:  # the previous start recorded no stop: it ran until its last event
+                    self._ran_s += max(0.0, self._previous_ts - self._started_ts)
+                self._started_ts, self._stop_source = ts, ""
             case ApplianceStopped():
                 self.stopped = event.reason
                 self._open("idle", ts)
+                if self._started_ts:
+                    self._ran_s += max(0.0, ts - self._started_ts)
+                    self._started_ts = 0.0
             case PhaseChanged():
                 self._open("switch" if event.phase == "train" else event.phase, ts)
             case SwitchPhaseCompleted():
@@ -203,8 +247,11 @@ class DashboardModel:
                 self.curves.setdefault(VALIDATION, []).append((event.step, event.reward_mean))
             case ControlRequested():
                 self.controls.append(event)
+                if event.action == "stop":
+                    self._stop_source = event.source
             case _:
                 pass
+        self._previous_ts = ts
         self.log.append(LogLine(position, ts, event.type, event.rollout_id or "", describe(event)))
 
     # --- timeline ------------------------------------------------------------------------------
@@ -234,18 +281,47 @@ class DashboardModel:
     def counts(self) -> Counts:
         counts = Counts()
         for view in self.state.rollouts.values():
-            if view.status == "running":
-                if view.call_count:
-                    counts.in_flight += 1
-                else:
-                    counts.queued += 1
-            elif view.status == "failed":
+            state = state_of(view)
+            if state == "offered":
+                counts.offered += 1
+            elif state == "running":
+                counts.running += 1
+            elif state == "failed":
                 counts.failed += 1
             else:
                 counts.finished += 1
                 if view.purpose == "train" and view.trained_step is None:
                     counts.awaiting_training += 1
         return counts
+
+    def failures(self) -> str:
+        """The failed rollouts with their grouped reasons, as ``status`` says it:
+        ``failed 5: timed out after 120 s x5`` (``store.outcomes``)."""
+        return failures_text(v for v in self.state.rollouts.values() if state_of(v) == "failed")
+
+    def stop_text(self) -> str:
+        """Why the run stopped, once: ``stopped: reached step 2``, ``stopped: stop requested
+        (dashboard)``, ``stopped`` when nothing more was recorded; "" while it has not."""
+        if not self.stopped:
+            return ""
+        reason = "" if self.stopped == "stopped" else self.stopped
+        if self._stop_source and reason in ("", "stop requested"):
+            reason = f"stop requested ({self._stop_source})"
+        return "stopped" + (f": {reason}" if reason else "")
+
+    def life(self) -> LifeFigures:
+        """The run's own figures over its life (see :class:`LifeFigures`)."""
+        running = max(0.0, self.last_ts - self._started_ts) if self._started_ts else 0.0
+        rewards = self.curves.get("reward_mean", [])
+        validation = self.curves.get(VALIDATION, [])
+        return LifeFigures(
+            run_s=self._ran_s + running,
+            calls=sum(v.call_count for v in self.state.rollouts.values()),
+            tokens=sum(v.tokens_sampled for v in self.state.rollouts.values()),
+            steps=len(self.state.steps),
+            reward=(rewards[0][1], rewards[-1][1]) if rewards else None,
+            validation=(validation[0][1], validation[-1][1]) if validation else None,
+        )
 
     def rates(self, now: float) -> tuple[float, float]:
         """(calls/s, response tokens/s) over the last RATE_WINDOW_S seconds before ``now``."""
@@ -286,7 +362,7 @@ class DashboardModel:
             rollout=view.rollout,
             task_id=view.task_id,
             group=view.group,
-            status=view.status,
+            status=state_of(view),
             purpose=view.purpose,
             calls=view.call_count,
             tokens=view.tokens_sampled,
@@ -294,6 +370,7 @@ class DashboardModel:
             version=view.created_version,
             trained_step=view.trained_step,
             duration_s=self._durations.get(view.rollout),
+            reason=reason_of(view),
         )
 
     def tail(self, types: Iterable[str] = (), text: str = "", limit: int = 200) -> list[LogLine]:

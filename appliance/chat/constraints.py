@@ -22,6 +22,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from appliance.chat.schemas import no_finite_value
 from appliance.chat.template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from appliance.engines.constraints import Constraint, check_constraint
 from appliance.errors import BadRequest
@@ -38,6 +39,19 @@ def _json_rule(schema: Mapping[str, Any], param: str) -> str:
         return "%json " + json.dumps(body, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise BadRequest(f"the schema is not JSON: {exc}", param=param) from exc
+
+
+def require_finite(schema: Mapping[str, Any], param: str, what: str) -> None:
+    """``BadRequest`` naming ``param`` when no finite JSON value matches ``schema`` (a recursion
+    that never ends): llguidance compiles it, then fails once the answer has started."""
+    reason = no_finite_value(schema)
+    if reason is not None:
+        raise BadRequest(
+            f"{what} has no finite JSON value, so no answer can match it: {reason} (a value would "
+            "need another inside it without end); make the recursion optional: leave the property "
+            'out of "required", or give it a branch that ends (e.g. anyOf with {"type": "null"})',
+            param=param,
+        )
 
 
 def _checked(constraint: Constraint, param: str) -> Constraint:
@@ -62,6 +76,7 @@ def json_schema(schema: Mapping[str, Any]) -> Constraint:
     {"schema": ...}}``); ``BadRequest`` (param "response_format") if llguidance cannot compile it."""
     if not isinstance(schema, Mapping):
         raise BadRequest("json_schema.schema must be an object", param="response_format")
+    require_finite(schema, "response_format", "the json_schema")
     return _checked(
         Constraint("json_schema", "start: " + _json_rule(schema, "response_format")), "response_format"
     )
@@ -82,6 +97,7 @@ def tool_call(
     tokens exist: llguidance's mask offers the tag token for the spelled tags, then refuses it.
     """
     schemas: dict[str, Mapping[str, Any]] = {}
+    index: dict[str, int] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
@@ -91,6 +107,7 @@ def tool_call(
         if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
             raise BadRequest(f"tools[{i}].function.parameters must be an object schema", param=f"tools[{i}]")
         schemas[fn["name"]] = {"type": "object", **parameters}
+        index[fn["name"]] = i
     if name is not None and name not in schemas:
         raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
     if not schemas:
@@ -106,6 +123,7 @@ def tool_call(
         "payload: " + " | ".join(f"fn_{i}" for i in range(len(called))),
     ]
     for i, fn_name in enumerate(called):
+        require_finite(schemas[fn_name], f"tools[{index[fn_name]}]", f"the parameters of tool {fn_name!r}")
         arguments = dict(schemas[fn_name])
         # References ("#/$defs/...") resolve against the root, which the payload now is.
         definitions: dict[str, Any] = {

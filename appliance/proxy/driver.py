@@ -8,14 +8,15 @@ the call is durable, an error event if the call fails after the headers went out
 unexpected exception included, logged), the surface's trailer (``[DONE]``) and the end of the
 stream. Decoding token ids to the log-prob entries surfaces show is done here too, so a surface
 never sees a token id, and so is turning a required output form (``Structure``) into the grammar
-the engine enforces.
+the engine enforces. A surface that keeps state (stored Responses) calls ``serve`` with a
+``keep`` step, which gets the finished answers once they are durable and before any is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -48,9 +49,15 @@ from appliance.proxy.pipeline import (
     Surface,
     TokenLogprob,
 )
+from appliance.proxy.refusals import note as note_refusal
 from appliance.rollouts import ActiveRollout
 
 log = logging.getLogger(__name__)
+
+
+#: What a surface that keeps state does with a call's finished answers before any of them is
+#: sent (makes them durable: a client never holds an id the log does not).
+Keep = Callable[[CallRequest, Sequence[Answer]], Awaitable[None]]
 
 
 def handler(surface: Surface) -> Handler:
@@ -58,26 +65,38 @@ def handler(surface: Surface) -> Handler:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         rollout = rollout_of(request)  # a wrong key is a 401 whatever the body holds
-        body = await json_body(request)
-        # The messages this rollout's last request held are taken from it, not read again.
-        with reading_conversation(rollout.transcript.messages):
-            call_request = surface.parse(body, request.app[SETTINGS])
-        calls = request.app[CALLS]
-        prepared = prepare(calls, rollout, call_request, user_agent(request))
-        if not call_request.stream:
-            if len(prepared) == 1:
-                outcomes = [await calls.complete(prepared[0][0])]
-            else:
-                outcomes = await asyncio.gather(*(calls.complete(call) for call, _ in prepared))
-            answers = [
-                answer(calls.tokenizer, call_request, call, outcome, i, prompt_index)
-                for i, ((call, prompt_index), outcome) in enumerate(zip(prepared, outcomes, strict=True))
-            ]
-            return json_answer(surface.whole(call_request, answers))
-        ((call, _),) = prepared
-        return await _stream(request, surface, call_request, call)
+        return await serve(request, surface, rollout, await json_body(request))
 
     return handle
+
+
+async def serve(
+    request: web.Request,
+    surface: Surface,
+    rollout: ActiveRollout,
+    body: dict[str, Any],
+    keep: Keep | None = None,
+) -> web.StreamResponse:
+    """One model-call request of ``rollout``, its ``body`` read: parse, generate, answer."""
+    # The messages this rollout's last request held are taken from it, not read again.
+    with reading_conversation(rollout.transcript.messages):
+        call_request = surface.parse(body, request.app[SETTINGS])
+    calls = request.app[CALLS]
+    prepared = prepare(calls, rollout, call_request, user_agent(request))
+    if not call_request.stream:
+        if len(prepared) == 1:
+            outcomes = [await calls.complete(prepared[0][0])]
+        else:
+            outcomes = await asyncio.gather(*(calls.complete(call) for call, _ in prepared))
+        answers = [
+            answer(calls.tokenizer, call_request, call, outcome, i, prompt_index)
+            for i, ((call, prompt_index), outcome) in enumerate(zip(prepared, outcomes, strict=True))
+        ]
+        if keep is not None:
+            await keep(call_request, answers)
+        return json_answer(surface.whole(call_request, answers))
+    ((call, _),) = prepared
+    return await _stream(request, surface, call_request, call, keep)
 
 
 def prepare(
@@ -123,7 +142,11 @@ def constraint_for(structure: Structure, tools: Sequence[dict[str, Any]], tokeni
 
 
 async def _stream(
-    request: web.Request, surface: Surface, call_request: CallRequest, call: PreparedCall
+    request: web.Request,
+    surface: Surface,
+    call_request: CallRequest,
+    call: PreparedCall,
+    keep: Keep | None = None,
 ) -> web.StreamResponse:
     calls = request.app[CALLS]
     reasoning = call.rollout.transcript.fmt.reasoning
@@ -143,15 +166,21 @@ async def _stream(
                 if isinstance(item, str):
                     await response.write(sse_events(encoder.text(item)))
                 else:
-                    last = sse_events(encoder.closing(answer(calls.tokenizer, call_request, call, item)))
+                    done = answer(calls.tokenizer, call_request, call, item)
+                    if keep is not None:
+                        await keep(call_request, [done])
+                    last = sse_events(encoder.closing(done))
         except ApplianceError as exc:
             # The status line is gone already: the error travels as an event.
+            note_refusal(request, exc)
             last += sse_events(encoder.failed(exc))
         except ConnectionError:
             raise  # the client went away; nothing to answer
         except Exception:
             log.exception("unhandled error while streaming %s", request.path)
-            last += sse_events(encoder.failed(ApplianceError("internal error; see the appliance log")))
+            internal = ApplianceError("internal error; see the appliance log")
+            note_refusal(request, internal)
+            last += sse_events(encoder.failed(internal))
     await response.write_eof(last + sse_events(encoder.trailer()))
     return response
 

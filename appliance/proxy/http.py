@@ -41,6 +41,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
+    #: The name harnesses are given (the first of ``served_model_names``).
     model_name: str
     #: Completion length of a call that asks for none (None: what the context leaves, capped).
     max_tokens_default: int | None
@@ -53,19 +54,31 @@ class ProxySettings:
     #: Model calls held at once (reading the body, waiting while training, queued in the engine,
     #: generating, streaming); one more is refused with a 429.
     max_queued_calls: int = 4096
+    #: Every name the policy answers to on ``/models`` (empty: ``model_name`` alone).
+    served_model_names: tuple[str, ...] = ()
+    #: ``GET /metrics`` answers loopback clients without the admin token.
+    metrics_public: bool = False
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model_name,)
 
     @classmethod
     def from_config(cls, proxy: ProxyConfig, *, model_name: str, admin_token: str) -> ProxySettings:
         """The settings of a proxy with the ``proxy`` section, serving ``model_name``, whose admin
-        token is ``admin_token`` (the section's, or the one generated into the data directory)."""
+        token is ``admin_token`` (the section's, or the one generated into the data directory);
+        with ``served_model_names`` the policy answers to those names instead, the first given to
+        harnesses."""
         return cls(
-            model_name=model_name,
+            model_name=proxy.served_names(model_name)[0],
+            served_model_names=proxy.served_model_names,
             max_tokens_default=proxy.max_tokens,
             max_tokens_cap=proxy.max_tokens_cap,
             temperature_override=proxy.temperature,
             admin_token=admin_token,
             max_body_bytes=proxy.max_body_bytes,
             max_queued_calls=proxy.max_queued_calls,
+            metrics_public=proxy.metrics_public,
         )
 
 
@@ -159,6 +172,11 @@ def rollout_of(request: web.Request) -> ActiveRollout:
         active = registry.authorize(rollout, request_token(request))
     request[_ROLLOUT] = active
     return active
+
+
+def authorised_rollout(request: web.Request) -> ActiveRollout | None:
+    """The rollout ``rollout_of`` authorised for this request; None if it has not (yet)."""
+    return request.get(_ROLLOUT)
 
 
 #: A ``\\uD800``-``\\uDFFF`` escape: JSON allows it, but alone it is no character.

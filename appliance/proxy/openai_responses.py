@@ -10,11 +10,15 @@ with ``response.incomplete``; an error after the stream began is sent as an ``er
 Every field the response object repeats (``truncation``, ``metadata``, ``user``, ...) is
 validated against the values the API allows, so a client's ``Response`` model parses the answer.
 
-The proxy is stateless: it stores no responses, so ``previous_response_id`` and
-``conversation`` are refused and the harness re-sends the whole history (openai-agents does).
-Output items re-sent as input convert back to exactly the assistant message the proxy produced
-(same text, same tool names and argument texts), so the earlier turn is spliced token for token.
-Pure: the driver does the I/O and the tokens.
+As with OpenAI, a response is stored unless ``store`` is false (``response_store`` keeps it in
+the rollout's events before the client hears it), and a request with ``previous_response_id``
+continues that response's input items and output items (its ``instructions`` are not carried
+over); ``conversation`` is refused. Output items, whether re-sent as input by the harness
+(openai-agents does) or continued from a stored response, convert back to exactly the assistant
+message the proxy produced (same text, same tool names and argument texts), so the earlier turn
+is spliced token for token. The conversions are pure: the driver does the tokens, the handler at
+the end the lookups in the stored responses (whose routes, ``GET`` and ``DELETE
+/v1/responses/{id}``, ``response_store`` serves).
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from aiohttp import web
 
 from appliance.chat.messages import Message, ToolCall, tools_from_openai
 from appliance.errors import ApplianceError, BadRequest
-from appliance.proxy.driver import handler
-from appliance.proxy.http import ProxySettings, add_post
+from appliance.proxy import response_store
+from appliance.proxy.driver import serve
+from appliance.proxy.http import ProxySettings, add_post, json_body, rollout_of
 from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started
+from appliance.proxy.response_store import RESPONSES, PreviousResponseNotFound, input_items
 from appliance.proxy.validate import (
     fits_context,
     flag,
@@ -48,8 +54,8 @@ from appliance.proxy.validate import (
 SURFACE = "openai.responses"
 TEXT_PARTS = ("input_text", "output_text", "text")
 MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
-#: Fields that refer to state stored by OpenAI; this proxy stores none.
-STATEFUL = ("previous_response_id", "conversation")
+#: Fields that refer to state stored by OpenAI that this proxy does not keep.
+STATEFUL = ("conversation",)
 #: The ``include`` value that asks for the output text's log-probs.
 LOGPROBS = "message.output_text.logprobs"
 #: ``truncation``'s values (the response repeats it, and clients parse it as one of these).
@@ -88,8 +94,11 @@ def _function_call(item: Mapping[str, Any], where: str) -> ToolCall:
     return ToolCall(id=call_id, name=name, arguments=arguments)
 
 
-def messages_from_input(instructions: Any, raw: Any) -> list[Message]:
-    """``instructions`` plus ``input`` as internal messages.
+def messages_from_input(
+    instructions: Any, raw: Any, earlier: Sequence[Mapping[str, Any]] = ()
+) -> list[Message]:
+    """``instructions``, then the ``earlier`` items a ``previous_response_id`` continues, then
+    ``input``, as internal messages.
 
     Consecutive ``function_call`` items, and an assistant message directly before them, make one
     assistant message with tool calls: the shape the proxy returned them in.
@@ -99,12 +108,20 @@ def messages_from_input(instructions: Any, raw: Any) -> list[Message]:
         if not isinstance(instructions, str):
             raise BadRequest("'instructions' must be a string", param="instructions")
         out.append(Message(role="system", content=instructions))
+    _read_items(out, earlier, "previous_response_id")
     if isinstance(raw, str):
         return [*out, Message(role="user", content=raw)]
     if not isinstance(raw, list):
         raise BadRequest("'input' is required: a string or a list of input items", param="input")
-    for i, item in enumerate(raw):
-        where = f"input[{i}]"
+    _read_items(out, raw, "input")
+    if not out:
+        raise BadRequest("'input' must not be empty", param="input")
+    return out
+
+
+def _read_items(out: list[Message], items: Sequence[Any], name: str) -> None:
+    for i, item in enumerate(items):
+        where = f"{name}[{i}]"
         if not isinstance(item, Mapping):
             raise BadRequest(f"{where} must be an object", param=where)
         kind = item.get("type", "message")
@@ -134,9 +151,6 @@ def messages_from_input(instructions: Any, raw: Any) -> list[Message]:
                 "function_call_output and reasoning are)",
                 param=where,
             )
-    if not out:
-        raise BadRequest("'input' must not be empty", param="input")
-    return out
 
 
 def tools_from_responses(raw: Any) -> list[dict[str, Any]]:
@@ -239,22 +253,28 @@ def _function_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
-    """Validate the body; the fields a response object repeats travel in ``options["echo"]``."""
+def _parse(
+    body: dict[str, Any], settings: ProxySettings, earlier: Sequence[Mapping[str, Any]] = ()
+) -> CallRequest:
+    """Validate the body (``earlier``: the items its ``previous_response_id`` continues); the
+    fields a response object repeats travel in ``options["echo"]``, whether to keep the response
+    in ``options["store"]``."""
     model = required_str(body, "model")
     for name in STATEFUL:
         if body.get(name) is not None:
             raise BadRequest(
-                f"'{name}' is not supported: this proxy is stateless and stores no responses; "
-                "send the whole conversation in 'input' every turn",
+                f"'{name}' is not supported: this proxy keeps no conversations; chain responses "
+                "with 'previous_response_id' or send the whole conversation in 'input'",
                 param=name,
             )
     stream = flag(body, "stream", False)
+    store = flag(body, "store", True)
+    previous = _echoed_str(body, "previous_response_id")
     parallel = flag(body, "parallel_tool_calls", True)
     metadata = _metadata(body.get("metadata"))
     fmt = _text_format(body.get("text"))
     tool_choice = _tool_choice(body.get("tool_choice"))
-    messages = messages_from_input(body.get("instructions"), body.get("input"))
+    messages = messages_from_input(body.get("instructions"), body.get("input"), earlier)
     tools = tools_from_responses(body.get("tools"))
     max_output = positive_int(body, "max_output_tokens")
     top = top_logprobs(body, "top_logprobs")
@@ -283,7 +303,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         "max_output_tokens": max_output,
         "top_logprobs": top,
         "truncation": _truncation(body.get("truncation")),
-        "previous_response_id": None,
+        "previous_response_id": previous,
         "reasoning": None,
         "service_tier": "default",
         "background": False,
@@ -297,7 +317,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         body=body,
         stream=stream,
         logprobs=logprobs,
-        options={"echo": echo},
+        options={"echo": echo, "store": store},
         fit_context=fits_context(settings, max_output),
         structure=forced_tool(tool_choice) or output_format(fmt, fmt, "text"),
     )
@@ -394,26 +414,51 @@ def _response(
 
 
 class ResponsesSurface:
+    """The surface for one request: ``earlier`` are the items its ``previous_response_id``
+    continues; a response object, once made (to be stored), is the one answered."""
+
     name = SURFACE
 
+    def __init__(self, earlier: Sequence[Mapping[str, Any]] = ()) -> None:
+        self.earlier = earlier
+        self.answered: dict[str, dict[str, Any]] = {}
+
     def parse(self, body: dict[str, Any], settings: ProxySettings) -> CallRequest:
-        return _parse(body, settings)
+        return _parse(body, settings, self.earlier)
+
+    def response(self, request: CallRequest, answer: Answer) -> dict[str, Any]:
+        """The finished response object of ``answer`` (made once)."""
+        made = self.answered.get(answer.call_id)
+        if made is None:
+            made = _response(answer.call_id, request.options["echo"], _output(answer), answer)
+            self.answered[answer.call_id] = made
+        return made
 
     def whole(self, request: CallRequest, answers: Sequence[Answer]) -> dict[str, Any]:
         (answer,) = answers
-        return _response(answer.call_id, request.options["echo"], _output(answer), answer)
+        return self.response(request, answer)
 
     def encoder(self, request: CallRequest, started: Started) -> ResponseEvents:
         (prompt,) = request.prompts
         tools = prompt.tools if isinstance(prompt, ChatPrompt) else ()
-        return ResponseEvents(started.call_id, request.options["echo"], hold_space=bool(tools))
+        echo = request.options["echo"]
+        return ResponseEvents(started.call_id, echo, hold_space=bool(tools), answered=self.answered)
 
 
 class ResponseEvents:
     """One call as the Responses event sequence, numbering every event."""
 
-    def __init__(self, call_id: str, echo: Mapping[str, Any], *, hold_space: bool) -> None:
+    def __init__(
+        self,
+        call_id: str,
+        echo: Mapping[str, Any],
+        *,
+        hold_space: bool,
+        answered: Mapping[str, dict[str, Any]] | None = None,
+    ) -> None:
         self.call_id, self.echo = call_id, echo
+        #: Response objects already made (and stored): the stream ends with the one stored.
+        self.answered = {} if answered is None else answered
         self.sequence = 0
         self.message_id = "msg_" + call_id
         self.message_open = False
@@ -514,7 +559,7 @@ class ResponseEvents:
             )
             output.append(_call_item(item_id, call, call.arguments, "completed"))
             events.append(self._event("response.output_item.done", output_index=index, item=output[-1]))
-        final = _response(answer.call_id, self.echo, output, answer)
+        final = self.answered.get(answer.call_id) or _response(answer.call_id, self.echo, output, answer)
         events.append(self._event(f"response.{final['status']}", response=final))
         return events
 
@@ -525,5 +570,34 @@ class ResponseEvents:
         return []
 
 
+async def _create(request: web.Request) -> web.StreamResponse:
+    rollout = rollout_of(request)  # a wrong key is a 401 whatever the body holds
+    body = await json_body(request)
+    responses = request.app[RESPONSES]
+    earlier: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        if not isinstance(previous, str):
+            raise BadRequest(
+                f"'previous_response_id' must be a string; got {shown(previous)}",
+                param="previous_response_id",
+            )
+        found = await responses.context(rollout.rollout, previous)
+        if found is None:
+            raise PreviousResponseNotFound(previous)
+        earlier = found
+    surface = ResponsesSurface(earlier)
+
+    async def keep(call_request: CallRequest, answers: Sequence[Answer]) -> None:
+        if call_request.options["store"]:
+            (answer,) = answers
+            made = surface.response(call_request, answer)
+            await responses.keep(rollout.rollout, made, input_items(body["input"], answer.call_id))
+
+    return await serve(request, surface, rollout, body, keep)
+
+
 def add_routes(app: web.Application) -> None:
-    add_post(app, "/responses", handler(ResponsesSurface()))
+    """``POST /v1/responses`` and the stored responses' routes."""
+    response_store.add_routes(app)
+    add_post(app, "/responses", _create)

@@ -12,23 +12,28 @@ Owns three routes' logic (the board behind them is ``appliance.external_runners`
   its lease (``200 {"rollout_id", "lease_s"}``).
 * ``POST /rollouts/<id>/finish`` (the rollout's key), body ``{"status": "finished" | "failed",
   "reason"?: str}``: ends the rollout; answers ``200`` once its ``RolloutFinished`` is recorded
-  (a failed one carries the reason). Finishing it again is a ``409``.
+  (a failed one carries the reason) with the status and reason the log holds (a rollout its
+  runner finished is failed when it made no model call or the proxy refused its calls).
+  Finishing it again is a ``409``.
 
 Rewards go to ``POST /rollouts/<id>/reward`` as for any rollout. Bad input is a ``400`` naming
-the field; a wrong key a ``401``; an unknown rollout a ``404``.
+the field; a wrong key a ``401``; a rollout that has ended a ``409`` on every route (a model call,
+a reward, a heartbeat, a finish); a rollout that never existed a ``404``.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import BadRequest, Conflict, NotFound, Unauthorized
+from appliance.errors import BadRequest, Conflict, Unauthorized
 from appliance.external_runners import RunnerBoard, task_from
-from appliance.proxy.http import REGISTRY, SETTINGS, check_admin, json_body, request_token
+from appliance.proxy.http import CALLS, REGISTRY, SETTINGS, check_admin, json_body, request_token
 from appliance.rollouts import ActiveRollout
+from store.events import RolloutClaimed
 
 #: The board of the ``external`` adapter, set by the appliance; absent when it runs its own agents.
 RUNNERS = web.AppKey("runners", RunnerBoard)
@@ -66,6 +71,8 @@ async def claim(request: web.Request) -> web.Response:
         task = task_from(data)
     offer = await board.claim(task)
     rollout = offer.client.rollout_id
+    # From here on the log shows the rollout running, no longer offered (``store.outcomes``).
+    await request.app[CALLS].store.append([RolloutClaimed(ts=time.time(), rollout=rollout)])
     base = f"{request.url.origin()}/rollouts/{rollout}"
     return web.json_response(
         {
@@ -82,19 +89,23 @@ async def claim(request: web.Request) -> web.Response:
 
 
 def _authorized(request: web.Request, board: RunnerBoard) -> ActiveRollout:
-    """The live rollout the path names, authorised by its key; a rollout that already ended here
-    is a 409 (to its own key), any other unknown one a 404."""
+    """The live rollout the path names, authorised by its key; a rollout that already ended is a
+    409 (to its own key, saying how it ended), one that never existed a 404 (the registry's rule
+    for every rollout route)."""
     rollout = request.match_info["rollout"]
     token = request_token(request)
     registry = request.app[REGISTRY]
     if registry.get(rollout) is None:
         ended = board.ended(rollout)
         if ended is None:
-            raise NotFound(f"rollout {rollout!r} does not exist or has already finished")
+            return registry.authorize(rollout, token)  # 409 if it ended, else 404
         key, status = ended
         if not token or not hmac.compare_digest(token.encode(), key.encode()):
             raise Unauthorized(f"the API key is not valid for rollout {rollout!r}")
-        raise Conflict(f"rollout {rollout!r} has already ended ({status})")
+        raise Conflict(
+            f"rollout {rollout!r} has already ended ({status}); it takes no more model calls, "
+            "rewards, heartbeats or finishes"
+        )
     return registry.authorize(rollout, token)
 
 
@@ -126,6 +137,9 @@ async def finish(request: web.Request) -> web.Response:
         reason = ""
     board.finish(offer, status, reason)
     await board.recorded(active.rollout)
+    # Answer what the log holds: a rollout its runner finished may have been failed (for example
+    # because the proxy refused every model call it made).
+    status, reason = board.recorded_end(active.rollout) or (status, reason)
     return web.json_response({"rollout_id": active.rollout, "status": status, "reason": reason})
 
 

@@ -30,9 +30,11 @@ from appliance.proxy import (
     admin_feed,
     anthropic_messages,
     control,
+    metrics,
     openai_chat,
     openai_completions,
     openai_responses,
+    refusals,
     runners,
 )
 from appliance.proxy.calls import CallService
@@ -92,6 +94,7 @@ def _oversized(request: web.Request) -> HTTPError | None:
 
 
 def error_response(request: web.Request, exc: ApplianceError) -> web.Response:
+    refusals.note(request, exc)  # recorded if it answers a rollout's model call
     body = exc.to_anthropic() if anthropic_messages.is_anthropic(request) else exc.to_openai()
     response = web.json_response(body, status=exc.status)
     if exc.status in (429, 503):
@@ -148,9 +151,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         )
 
 
-def _model_object(request: web.Request) -> dict[str, Any]:
-    """The served model as OpenAI's Model object, or Anthropic's to an Anthropic client."""
-    name = request.app[SETTINGS].model_name
+def _model_object(request: web.Request, name: str) -> dict[str, Any]:
+    """A served model as OpenAI's Model object, or Anthropic's to an Anthropic client."""
     if anthropic_client(request):
         return {
             "type": "model",
@@ -163,23 +165,28 @@ def _model_object(request: web.Request) -> dict[str, Any]:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Every name the policy answers to (``served_model_names``), the one harnesses are given
+    first."""
     rollout_of(request)
-    model = _model_object(request)
+    names = request.app[SETTINGS].served_names
+    models = [_model_object(request, name) for name in names]
     if anthropic_client(request):
-        name = model["id"]
-        return web.json_response({"data": [model], "has_more": False, "first_id": name, "last_id": name})
-    return web.json_response({"object": "list", "data": [model]})
+        return web.json_response(
+            {"data": models, "has_more": False, "first_id": names[0], "last_id": names[-1]}
+        )
+    return web.json_response({"object": "list", "data": models})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     rollout_of(request)
-    model = _model_object(request)
+    names = request.app[SETTINGS].served_names
     wanted = request.match_info["model"]
-    if wanted != model["id"]:
+    if wanted not in names:
+        served = ", ".join(f"'{name}'" for name in names)
         raise ModelNotFound(
-            f"The model '{wanted}' does not exist; this appliance serves '{model['id']}'", param="model"
+            f"The model '{wanted}' does not exist; this appliance serves {served}", param="model"
         )
-    return web.json_response(model)
+    return web.json_response(_model_object(request, wanted))
 
 
 async def report_reward(request: web.Request) -> web.Response:
@@ -205,6 +212,8 @@ async def admin_status(request: web.Request) -> web.Response:
         {
             "paused": run.paused if run is not None else False,
             "rollouts": len(request.app[REGISTRY]),
+            # Of those, offered to external runners and not claimed yet.
+            "offered": board.offered if (board := request.app.get(runners.RUNNERS)) else 0,
             "serving": calls.gate.is_open,
             "inflight": calls.gate.inflight,
             "policy_version": calls.engine.policy_version,
@@ -225,7 +234,10 @@ async def health(request: web.Request) -> web.Response:
 def build_app(
     calls: CallService, registry: RolloutRegistry, settings: ProxySettings, conditions: Health | None = None
 ) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=settings.max_body_bytes)
+    app = web.Application(
+        middlewares=[metrics.middleware, refusals.middleware, errors_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
     app[HEALTH] = conditions or Health()
     app[CALLS] = calls
     app[REGISTRY] = registry
@@ -244,6 +256,7 @@ def build_app(
     admin_feed.add_routes(app)
     control.add_routes(app)
     runners.add_routes(app)
+    metrics.attach(app)  # GET /metrics
     return app
 
 

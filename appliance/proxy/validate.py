@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.chat.constraints import require_finite
 from appliance.engines.base import (
     MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
@@ -232,6 +233,7 @@ def output_format(schema_holder: Any, fmt: Any, param: str) -> Structure | None:
     strict = schema_holder.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise BadRequest(f"'{param}' json_schema.strict must be a boolean", param=param)
+    require_finite(schema, param, f"the '{param}' json_schema")
     return Structure("json_schema", schema=schema)
 
 

@@ -37,7 +37,11 @@ before anything else happens, and a stop waits for a round in flight.
 Circuit breaker: after ``breaker_failures`` training rollouts failed in a row (a harness that
 always crashes), admissions pause (``PauseAdmissions``; the runner records it and sets the
 back-off). While ``admissions_paused`` no group is admitted; steps, validation rounds,
-checkpoints and stops go on, so the groups already ready are still trained.
+checkpoints and stops go on, so the groups already ready are still trained. After
+``breaker_max_trips`` trips in a row (no training rollout finished between them) the breaker
+gives up: the run stops (``Stop`` with ``failure``) naming the last failure, once a validation
+round or a step under way has ended. The trips are counted from the process's start
+(``RunState`` clears them at ``ApplianceStarted``), so a stopped run resumes.
 
 Staleness bound (``eta``): group number ``g`` (0-based, in admission order) is trained at the
 earliest by step ``g // batch_groups + 1``, i.e. with weights of version ``g // batch_groups``.
@@ -80,12 +84,16 @@ class SchedulePolicy:
     validation_tasks: int = 1
     #: Training rollouts failed in a row after which admissions pause (0: no circuit breaker).
     breaker_failures: int = 0
+    #: Trips of the breaker in a row after which the run stops (0: never).
+    breaker_max_trips: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.group_size < 1:
             raise ValueError("batch_groups and group_size must be at least 1")
         if self.breaker_failures < 0:
             raise ValueError("breaker_failures must be 0 (off) or more")
+        if self.breaker_max_trips < 0:
+            raise ValueError("breaker_max_trips must be 0 (never stop) or more")
         if self.max_inflight_rollouts is not None and self.max_inflight_rollouts < self.group_size:
             raise ValueError(
                 f"max_inflight_rollouts ({self.max_inflight_rollouts}) must be at least group_size "
@@ -110,6 +118,7 @@ class SchedulePolicy:
             validate_every=scheduler.validate_every if held_out else 0,
             validation_tasks=max(1, held_out),
             breaker_failures=scheduler.breaker_failures,
+            breaker_max_trips=scheduler.breaker_max_trips,
         )
 
     def inflight_limit(self) -> int:
@@ -161,6 +170,10 @@ class Observation:
     consecutive_failures: int = 0
     #: The circuit breaker's back-off is running: no group may be admitted.
     admissions_paused: bool = False
+    #: Trips of the breaker in a row since this process started (no training rollout finished
+    #: between them), and the reason of the last failure counted, in one line.
+    breaker_trips: int = 0
+    last_failure: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +194,8 @@ class RestartEngine:
 @dataclass(frozen=True, slots=True)
 class Stop:
     reason: str
+    #: The run cannot go on (the circuit breaker gave up): ``up`` exits non-zero.
+    failure: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +261,18 @@ def breaker_trips(policy: SchedulePolicy, obs: Observation) -> bool:
     )
 
 
+def breaker_gives_up(policy: SchedulePolicy, obs: Observation) -> Stop | None:
+    """The stop of a run whose breaker tripped ``breaker_max_trips`` times in a row, or None."""
+    if policy.breaker_max_trips <= 0 or obs.breaker_trips < policy.breaker_max_trips:
+        return None
+    return Stop(
+        f"the circuit breaker tripped {obs.breaker_trips} time{'s' if obs.breaker_trips > 1 else ''} in a "
+        f"row (breaker_max_trips) with no training rollout finished; last failure: "
+        f"{obs.last_failure or 'no reason recorded'}",
+        failure=True,
+    )
+
+
 def admit_beside_step(policy: SchedulePolicy, obs: Observation) -> list[Action]:
     """Split mode while a step runs on the training GPUs: the generation GPUs keep serving, so
     admissions go on within the bound (and the circuit breaker still trips). Everything else
@@ -253,6 +280,8 @@ def admit_beside_step(policy: SchedulePolicy, obs: Observation) -> list[Action]:
     failed engine's restart."""
     if obs.stopping or obs.paused or obs.engine_failed or obs.validation_open:
         return []
+    if breaker_gives_up(policy, obs) is not None:
+        return []  # the run stops once the step has ended
     if breaker_trips(policy, obs):
         return [PauseAdmissions(obs.consecutive_failures)]
     more = 0 if obs.admissions_paused else admissible_groups(policy, obs)
@@ -272,6 +301,8 @@ def decide(policy: SchedulePolicy, obs: Observation) -> list[Action]:
     if obs.stopping:
         # A validation round in flight ends first (its rollouts end or time out on their own).
         return [] if obs.validation_running else [Stop("stop requested")]
+    if (gave_up := breaker_gives_up(policy, obs)) is not None:
+        return [] if obs.validation_running else [gave_up]
     due = validation_due(policy, obs) and not obs.paused
     if policy.max_steps is not None and obs.step >= policy.max_steps:
         if due:

@@ -29,7 +29,8 @@ requested checkpoints (between steps) and validation rounds: it starts a round's
 the evaluation sampling and records ``ValidationCompleted`` when they have all ended. When
 ``decide`` trips the circuit breaker it records ``AdmissionsPaused`` with the back-off (doubled
 per trip in a row, capped), and while the back-off runs ``/healthz`` names the cause and a
-notice says so; both clear when it ends.
+notice says so; both clear when it ends. The trip that reaches ``breaker_max_trips`` is recorded
+too, but no back-off is shown: ``decide`` stops the run next, and ``failed`` says so.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ def observe(
         last_validation_step=state.validations[-1].step if state.validations else None,
         consecutive_failures=state.consecutive_failures,
         admissions_paused=admissions_paused,
+        breaker_trips=state.breaker_trips,
+        last_failure=one_line(state.last_failure),
     )
 
 
@@ -213,6 +216,8 @@ class SchedulerRunner:
         #: the engine sleeps, as a step does.
         self.trainer_shares_gpu = trainer_shares_gpu
         self._stop = asyncio.Event()
+        #: The run stopped because it cannot go on (``Stop.failure``: the breaker gave up).
+        self.failed = False
         self._phase = "generate"
         #: Split mode: the step running beside the loop (None: none), and the version served
         #: while it runs (its own is published before its push ends).
@@ -292,7 +297,10 @@ class SchedulerRunner:
                 continue
             for action in actions:
                 match action:
-                    case Stop(reason=reason):
+                    case Stop(reason=reason, failure=failure):
+                        self.failed = failure
+                        if failure:
+                            log.error("%s", reason)
                         await self._phase_changed("idle")
                         return reason
                     case StartGroups(count=count):
@@ -324,7 +332,12 @@ class SchedulerRunner:
         )
         await self._record(trip)
         await self.live.wait_for(self.live.store.last_position)  # the state knows the trip
-        self._show_breaker(trip)
+        if not self._final_trip(trip):
+            self._show_breaker(trip)
+
+    def _final_trip(self, trip: AdmissionsPaused) -> bool:
+        """The trip that reaches ``breaker_max_trips``: the run stops instead of backing off."""
+        return 0 < self.policy.breaker_max_trips <= trip.trips
 
     def _show_breaker(self, trip: AdmissionsPaused) -> None:
         """Report a running back-off on ``/healthz`` and as a notice."""
@@ -343,7 +356,7 @@ class SchedulerRunner:
         """Whether the breaker's back-off runs now; keeps ``/healthz`` and the notices in step
         (also for a back-off recorded before a restart, and once it is over)."""
         trip = self.live.state.admissions_paused_at(time.time())
-        if trip is not None and self._breaker_shown != trip.ts:
+        if trip is not None and self._breaker_shown != trip.ts and not self._final_trip(trip):
             self._show_breaker(trip)
         elif trip is None and self._breaker_shown is not None:
             self._breaker_shown = None

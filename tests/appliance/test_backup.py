@@ -52,6 +52,32 @@ def test_after_a_clean_stop_events_sqlite_alone_holds_the_run(finished_run: Path
     assert "policy v1  step 1" in done.stdout
 
 
+def modes(root: Path) -> dict[str, str]:
+    """Every directory and file under ``root`` (itself included) -> its permission bits, octal."""
+    return {str(p.relative_to(root)): f"{p.stat().st_mode & 0o777:04o}" for p in [root, *root.rglob("*")]}
+
+
+def test_a_run_and_its_backup_are_readable_by_their_owner_alone(
+    finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = modes(finished_run)
+    assert {"events.sqlite", "admin_token", "appliance.lock", "checkpoints"} <= run.keys()
+    assert any(name.startswith("models/") for name in run)  # the model the run built
+    assert any(name.endswith(".safetensors") for name in run)  # weights torch wrote
+    wrong = {
+        name: mode
+        for name, mode in run.items()
+        if mode != ("0700" if (finished_run / name).is_dir() else "0600")
+    }
+    assert wrong == {}, "readable by others"
+
+    assert main(["backup", str(tmp_path / "copy"), "--data-dir", str(finished_run)]) == 0
+    capsys.readouterr()
+    copy = modes(tmp_path / "copy")
+    assert len(copy) > 2
+    assert {name: mode for name, mode in copy.items() if mode not in ("0700", "0600")} == {}
+
+
 def test_backup_refuses_a_destination_in_use(
     finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

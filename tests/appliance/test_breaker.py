@@ -4,7 +4,9 @@ A real appliance (tiny model, real store, proxy and scheduler) runs the ``comman
 an agent that writes to stderr and exits 1. After ``breaker_failures`` failures in a row the
 scheduler records ``AdmissionsPaused`` naming the exit code and the stderr tail, admits nothing
 during the back-off, reports it on ``/healthz`` and as a notice, resumes, and doubles the
-back-off on the next trip. The headless command line prints the notice as one line.
+back-off on the next trip. The headless command line prints the notice as one line. After
+``breaker_max_trips`` trips in a row the run stops naming the last failure, ``up`` exits 1, and a
+later start on the same directory resumes (its trips counted afresh).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from appliance.app import Appliance
-from store.events import AdmissionsPaused, RolloutCreated
+from appliance.cli import EXIT_RUN_FAILED, _up
+from store.events import AdmissionsPaused, ApplianceStarted, ApplianceStopped, RolloutCreated
+from store.eventstore import EventStore
 from tests.appliance.appliance_process import up
 from tests.support import make_config
 
@@ -129,3 +134,93 @@ def test_headless_up_prints_the_pause(tmp_path: Path, tiny_model_dir: Path) -> N
         f"AgentFailed: agent exit code 1: {STDERR}"
     )
     assert lines[-1] == "stopped: stop requested"
+
+
+def gave_up(trips: int) -> str:
+    return (
+        f"the circuit breaker tripped {trips} time{'s' if trips > 1 else ''} in a row (breaker_max_trips) "
+        f"with no training rollout finished; last failure: AgentFailed: agent exit code 1: {STDERR}"
+    )
+
+
+async def test_the_breaker_gives_up_after_max_trips_and_a_restart_resumes(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    config = make_config(
+        tmp_path,
+        tiny_model_dir,
+        adapter={"adapter": "command", "command": AGENT},
+        breaker_failures=2,
+        breaker_backoff_s=0.2,
+        breaker_backoff_max_s=1.0,
+        breaker_max_trips=2,
+    )
+    notices: list[str] = []
+    async with Appliance(config, on_notice=notices.append) as app:
+        assert await asyncio.wait_for(app.run(), 120) == gave_up(2)
+        assert app.failed
+    # A restart is a fresh try: it admits again, and gives up after as many trips again.
+    async with Appliance(config) as again:
+        assert again.live.state.breaker_trips == 0
+        assert await asyncio.wait_for(again.run(), 120) == gave_up(2)
+        assert again.failed
+    store = await EventStore.open(config.db_path)
+    try:
+        events = [s.event for s in await store.read()]
+    finally:
+        await store.close()
+
+    starts = [i for i, e in enumerate(events) if isinstance(e, ApplianceStarted)]
+    assert len(starts) == 2
+    for run in (events[starts[0] : starts[1]], events[starts[1] :]):
+        assert [e.trips for e in run if isinstance(e, AdmissionsPaused)] == [1, 2]
+        assert any(isinstance(e, RolloutCreated) for e in run)
+        (stopped,) = [e for e in run if isinstance(e, ApplianceStopped)]
+        assert stopped.reason == gave_up(2)
+    # The back-off of the first trip is shown; the last trip stops the run instead.
+    assert [line for line in notices if line.startswith("admissions paused")] == [
+        "admissions paused for 0.2 s: 2 training rollouts failed in a row; last: "
+        f"AgentFailed: agent exit code 1: {STDERR}"
+    ]
+
+
+async def test_up_returns_non_zero_naming_the_last_failure(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``up``'s own coroutine, in this process: the exit status and its last line."""
+    config = make_config(
+        tmp_path,
+        tiny_model_dir,
+        adapter={"adapter": "command", "command": AGENT},
+        breaker_failures=2,
+        breaker_backoff_s=0.2,
+        breaker_max_trips=1,
+    )
+    assert await asyncio.wait_for(_up(config, headless=True), 120) == EXIT_RUN_FAILED == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"stopped: {gave_up(1)}"
+    assert not [line for line in lines if line.startswith("admissions paused")]
+
+
+@pytest.mark.slow
+def test_up_exits_non_zero_naming_the_last_failure_and_resumes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config = tmp_path / "appliance.toml"
+    config.write_text(
+        "breaker_failures = 2\nbreaker_backoff_s = 0.2\nbreaker_max_trips = 2\nvalidate_every = 0\n"
+        f'max_tokens = 8\n[adapter]\nadapter = "command"\ncommand = {json.dumps(AGENT)}\n'
+    )
+    for _ in range(2):  # the second `up` on the same directory resumes, and gives up again
+        proc = up(tmp_path / "run", tiny_model_dir, 1, "--config", str(config))
+        try:
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lines = out.splitlines()
+        assert proc.returncode == 1, out
+        assert lines[-1] == f"stopped: {gave_up(2)}"
+        assert [line for line in lines if line.startswith("admissions paused")] == [
+            "admissions paused for 0.2 s: 2 training rollouts failed in a row; last: "
+            f"AgentFailed: agent exit code 1: {STDERR}"
+        ]

@@ -57,3 +57,12 @@ def test_up_help_prints_them(capsys: pytest.CaptureFixture[str]) -> None:
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps long lines
     for variable in ("APPLIANCE_GROUP_SIZE", "APPLIANCE_DATA_DIR", "APPLIANCE_MAX_STEPS", "APPLIANCE_LR"):
         assert f"(env {variable})" in out
+
+
+@pytest.mark.parametrize("command", ["up", "eval"])
+def test_the_engine_flag_names_its_default(command: str) -> None:
+    parser = _parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    (engine,) = (a for a in sub.choices[command]._actions if "--engine" in a.option_strings)
+    assert "auto (default" in (engine.help or ""), engine.help
+    assert load_config(env={}, resolved=False).engine.kind == "auto"

@@ -19,8 +19,8 @@ from tests.support import make_config
 
 
 def skipping_agent() -> PythonAdapter:
-    """The first rollout reports 0 without a model call (nothing to train on); every other one
-    calls the model once and scores 1."""
+    """The first rollout reports 0 without a model call (nothing to train on: it is failed);
+    every other one calls the model once and scores 1."""
     started = itertools.count()
 
     async def agent(task: Task, client: ClientConfig) -> float:
@@ -37,7 +37,7 @@ def skipping_agent() -> PythonAdapter:
     return PythonAdapter(agent)
 
 
-async def test_progress_line_and_status_agree_on_a_rollout_without_calls(
+async def test_progress_line_and_status_agree_on_a_rollout_that_made_no_call(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = make_config(tmp_path, tiny_model_dir, max_steps=1)
@@ -52,18 +52,20 @@ async def test_progress_line_and_status_agree_on_a_rollout_without_calls(
     (step,) = state.steps
     callless = [state.rollouts[r] for r in step.rollouts if not state.rollouts[r].call_count]
     assert len(callless) == 1 and callless[0].reward == 0.0 and len(step.rollouts) == 4
+    # Failed for it, so its 0 is not averaged in: the three others scored 1.
+    assert callless[0].status == "failed" and callless[0].error.startswith("made no model call")
 
     (line,) = lines
-    assert "reward 0.750  " in line
+    assert "reward 1.000  " in line and "failed 1: made no model call" in line
     report = status_report(config.data_dir)
-    assert report["mean_reward"] == pytest.approx(0.75)
-    assert report["steps_detail"][0]["reward_mean"] == pytest.approx(0.75)
+    assert report["mean_reward"] == pytest.approx(1.0)
+    assert report["steps_detail"][0]["reward_mean"] == pytest.approx(1.0)
     # The metric the step recorded (the dashboard's curve) follows the same rule.
-    assert step.metrics["reward_mean"] == pytest.approx(0.75)
+    assert step.metrics["reward_mean"] == pytest.approx(1.0)
     assert main(["status", "--data-dir", str(config.data_dir)]) == 0
     out = capsys.readouterr().out
-    assert "last step mean reward 0.750" in out
-    assert f"reward 0.750  loss {loss_text(step.metrics['loss'])}" in out
+    assert "last step mean reward 1.000" in out
+    assert f"reward 1.000  loss {loss_text(step.metrics['loss'])}" in out
 
 
 def one_step(loss: float | None) -> tuple[TrainStepCompleted, RunState]:

@@ -20,6 +20,7 @@ from appliance.config import (
     recorded_value,
     resolve_engine,
     section_of,
+    umask_bits,
 )
 from appliance.errors import ConfigError
 from appliance.proxy.http import ProxySettings
@@ -61,6 +62,20 @@ def test_adapter_from_json_environment() -> None:
 def test_bad_settings_are_one_readable_error(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(env=env)
+
+
+def test_data_umask_is_octal_and_leaves_the_owner_every_right() -> None:
+    assert load_config(env={}).data_umask == "077"
+    assert umask_bits(load_config(env={"APPLIANCE_DATA_UMASK": "027"}).data_umask) == 0o027
+    for bad, message in (
+        ("77", "octal"),
+        ("0o77", "octal"),
+        ("089", "octal"),
+        ("7077", "octal"),
+        ("177", "owner"),
+    ):
+        with pytest.raises(ConfigError, match=f"data_umask.*{message}"):
+            load_config(env={"APPLIANCE_DATA_UMASK": bad})
 
 
 def test_secrets_stay_out_of_the_recorded_config() -> None:
@@ -513,6 +528,7 @@ def _old_policy(config: ApplianceConfig, held_out: int) -> SchedulePolicy:
         validate_every=s.validate_every if held_out else 0,
         validation_tasks=max(1, held_out),
         breaker_failures=s.breaker_failures,
+        breaker_max_trips=s.breaker_max_trips,
     )
 
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def only(facts: Facts, name: str) -> Check:
 def test_a_healthy_machine_passes_every_check(box: Facts) -> None:
     checks = doctor.run_checks(box)
     assert [c.name for c in checks] == [
-        "python", "torch", "gpu", "device", "verl", "vllm", "venvs", "ram", "cpu", "shm", "disk",
+        "python", "torch", "gpu", "device", "verl", "vllm", "venvs", "ram", "cpu", "shm", "disk", "data",
     ]  # fmt: skip
     assert [c for c in checks if c.status != "ok"] == []
     assert all(c.fix is None for c in checks)
@@ -320,6 +321,36 @@ CASES: list[tuple[str, Facts, str, str, tuple[str, ...]]] = [
         "fail",
         ("0.5 GiB free", "min_free_disk_gib", "another --data-dir"),
     ),
+    (
+        "a data dir other users can read",
+        dataclasses.replace(CPU_BOX, data_dir="run", data_dir_mode=0o755, events_mode=0o644),
+        "data",
+        "warn",
+        ("run is 0755, events.sqlite is 0644", "other users", "chmod -R go-rwx run"),
+    ),
+    (
+        "a private dir with a readable events.sqlite",
+        dataclasses.replace(CPU_BOX, data_dir="run", data_dir_mode=0o700, events_mode=0o644),
+        "data",
+        "warn",
+        ("events.sqlite is 0644", "chmod -R go-rwx run"),
+    ),
+    (
+        "a data dir its group may read, as data_umask allows",
+        dataclasses.replace(
+            CPU_BOX, data_dir="run", data_dir_mode=0o750, events_mode=0o640, data_umask=0o027
+        ),
+        "data",
+        "ok",
+        ("run is 0750",),
+    ),
+    (
+        "a group-readable dir where data_umask = 027 takes more",
+        dataclasses.replace(CPU_BOX, data_dir="run", data_dir_mode=0o775, data_umask=0o027),
+        "data",
+        "warn",
+        ("run is 0775", "chmod -R g-w,o-rwx run"),
+    ),
 ]
 
 
@@ -351,6 +382,20 @@ def test_exit_status_fails_only_on_a_failure(monkeypatch: pytest.MonkeyPatch) ->
         out = io.StringIO()
         assert doctor.run(config, as_json=True, out=out) == code
         assert json.loads(out.getvalue())["ok"] is (code == 0)
+
+
+def test_doctor_reads_the_data_dirs_permissions(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    config = load_config(overrides={"data_dir": run}, env={})
+    assert only(doctor_facts.gather(config, probe_vllm=False), "data").status == "ok"  # not there yet
+    run.mkdir(mode=0o755)
+    run.chmod(0o755)
+    (run / "events.sqlite").write_bytes(b"")
+    (run / "events.sqlite").chmod(0o644)
+    check = only(doctor_facts.gather(config, probe_vllm=False), "data")
+    assert (check.status, check.fix) == ("warn", f"chmod -R go-rwx {run}"), check.line()
+    subprocess.run(["chmod", "-R", "go-rwx", str(run)], check=True)  # the fix, as printed
+    assert only(doctor_facts.gather(config, probe_vllm=False), "data").status == "ok"
 
 
 def fake_interpreter(tmp_path: Path, script: str, stamp: str | None = ".vllm-gpu") -> Path:

@@ -15,6 +15,7 @@ from appliance.cli import _config_from, _parser
 from appliance.config import ApplianceConfig, load_config
 from appliance.errors import ConfigError
 from appliance.evaluation import evaluation_tasks
+from appliance.validation import validation_tasks
 from store.events import EvaluationCompleted, RolloutCreated, RolloutFinished, TrainStepCompleted
 from store.eventstore import read_events_sync
 from tests.support import make_config
@@ -37,12 +38,31 @@ def test_the_splits_of_a_task_set_and_of_the_builtin_tasks(tmp_path: Path, tasks
     assert sorted(t.id for t in evaluation_tasks(config, "validation")) == ["q5", "q6", "q7"]
     assert len(evaluation_tasks(config, "train")) == 5
     builtin = load_config(overrides={"data_dir": tmp_path}, env={})
-    held, trained = evaluation_tasks(builtin, "validation"), evaluation_tasks(builtin, "train")
+    held, trained = evaluation_tasks(builtin, "validation", every=True), evaluation_tasks(builtin, "train")
     pairs = {(t.data["a"], t.data["b"]) for t in held}
     assert len(held) + len(trained) == 100
     assert pairs.isdisjoint({(t.data["a"], t.data["b"]) for t in trained})
     with pytest.raises(ConfigError, match="split must be one of"):
         evaluation_tasks(config, "test")
+
+
+@pytest.mark.parametrize("validate_every", [5, 0])
+def test_eval_plays_the_tasks_of_a_validation_round_unless_asked_for_every_one(
+    tmp_path: Path, taskset: Path, validate_every: int
+) -> None:
+    """One definition: ``eval`` on the validation split plays what a round of ``up`` plays (the
+    first ``validation_tasks`` held out), whether or not the run validates; ``--all`` every one."""
+    builtin = load_config(overrides={"data_dir": tmp_path, "validate_every": validate_every}, env={})
+    held_out = evaluation_tasks(builtin, "validation", every=True)
+    assert len(held_out) > builtin.scheduler.validation_tasks == 8
+    on = load_config(overrides={"data_dir": tmp_path}, env={})
+    assert evaluation_tasks(builtin, "validation") == validation_tasks(on) == held_out[:8]
+    two = load_config(overrides={"data_dir": tmp_path, "tasks": taskset, "validation_tasks": 2}, env={})
+    assert [t.id for t in evaluation_tasks(two, "validation")] == [t.id for t in validation_tasks(two)]
+    assert len(evaluation_tasks(two, "validation")) == 2
+    assert len(evaluation_tasks(two, "validation", every=True)) == 3
+    args = _parser().parse_args(["eval", "--all"])
+    assert args.every and not _parser().parse_args(["eval"]).every
 
 
 async def test_evaluate_runs_each_task_k_times_and_trains_nothing(

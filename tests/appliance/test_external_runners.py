@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, OpenAI
 
 from appliance.app import Appliance
 from appliance.config import ApplianceConfig, load_config
@@ -163,6 +163,73 @@ async def test_a_claim_nothing_answers_is_a_503_with_retry_after_and_leaves_noth
         await runner.finish(claim)
 
 
+async def test_a_runners_task_goes_ahead_of_a_group_nobody_claimed(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    config = external_config(
+        tmp_path, tiny_model_dir, group_size=2, batch_groups=1, max_steps=2, runner_claim_wait_s=10.0
+    )
+    async with Appliance(config) as app:
+        board = app.runners
+        assert board is not None
+        run = asyncio.create_task(app.run())
+        async with asyncio.timeout(20):
+            while board.offered < 2:  # noqa: ASYNC110 (the scheduler offers the batch's one group)
+                await asyncio.sleep(0.02)
+        (unclaimed,) = {view.group for view in app.live.state.rollouts.values()}
+        set_task = app.live.state.rollouts[f"{unclaimed}-r0"].task_id
+
+        # The batch is full of a group nobody claimed: a runner's task goes ahead of it at once
+        # (it used to wait runner_claim_wait_s and get a 503 blaming training or a pause).
+        task = {"id": "mine-1", "question": "What is 2 + 2?", "answer": 4}
+        started = time.monotonic()
+        mine = await runner.claim(app.proxy_url, app.admin_token, task)
+        assert time.monotonic() - started < 5
+        assert mine.task_id == "mine-1" and not mine.rollout_id.startswith(unclaimed)
+        for j in range(2):
+            withdrawn = await ended(app, f"{unclaimed}-r{j}")
+            assert withdrawn.status == "failed"
+            assert withdrawn.error.startswith("AgentFailed: withdrawn: nobody had claimed it")
+        assert app.live.state.consecutive_failures == 0  # not the harness's failure
+
+        # The runner's group trains first; the withdrawn task is drawn again right after it.
+        other = await runner.claim(app.proxy_url, app.admin_token)
+        assert other.task_id == "mine-1"
+
+        async def play(claim: runner.Claim, reward: float) -> None:
+            oai = AsyncOpenAI(base_url=claim.base_url, api_key=claim.api_key, max_retries=0)
+            await oai.chat.completions.create(
+                model=claim.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            await runner.report_reward(claim, reward)
+            await runner.finish(claim)
+
+        for claim, reward in ((mine, 1.0), (other, 0.0)):
+            await play(claim, reward)
+        async with asyncio.timeout(60):
+            again = await runner.claim(app.proxy_url, app.admin_token)
+            assert again.task_id == set_task
+            for claim, reward in ((again, 1.0), (await runner.claim(app.proxy_url, app.admin_token), 0.0)):
+                await play(claim, reward)
+            assert await run == "reached step 2"
+
+
+async def test_a_claims_503_names_what_holds_groups_back(app: Appliance) -> None:
+    board = app.runners
+    assert board is not None
+    board.claim_wait_s = 0.2
+    status, body, retry = await post(app, "/admin/control", {"action": "pause"}, app.admin_token)
+    assert status == 202
+    async with asyncio.timeout(5):
+        while not app.live.state.paused:
+            await app.live.wait_change(app.live.position)
+    for claim in ({}, {"task": {"id": "t", "question": "What is 1 + 1?"}}):
+        status, body, retry = await post(app, "/admin/rollouts", claim, app.admin_token)
+        assert (status, retry) == (503, "30")
+        assert "an operator paused the run" in body["error"]["message"]
+        assert "training" not in body["error"]["message"]
+
+
 # --- leases -----------------------------------------------------------------------------------
 
 
@@ -174,6 +241,10 @@ async def test_a_silent_runner_loses_its_rollout_and_a_live_one_keeps_it(
         await app.controller.start_group(2)
         silent = await runner.claim(app.proxy_url, app.admin_token)
         alive = await runner.claim(app.proxy_url, app.admin_token)
+        oai = AsyncOpenAI(base_url=alive.base_url, api_key=alive.api_key, max_retries=0)
+        await oai.chat.completions.create(  # a rollout that made no model call is failed
+            model=alive.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
         started = time.monotonic()
         while time.monotonic() - started < 1.5:  # past the lease, with heartbeats
             await runner.heartbeat(alive)
@@ -250,6 +321,48 @@ async def test_bad_requests_get_clear_errors_and_lose_nothing(app: Appliance) ->
     assert (status, body["error"]["code"]) == (409, "conflict")
     status, body, _ = await post(app, path + "/heartbeat", None, claim.api_key)
     assert status == 409
+
+
+async def test_finish_answers_what_the_log_holds_when_the_appliance_failed_the_rollout(
+    app: Appliance,
+) -> None:
+    await app.controller.start_group(1)
+    claim = await runner.claim(app.proxy_url, app.admin_token)
+    # The runner says finished, but its agent never called the model: nothing to train on.
+    status, answer, _ = await post(
+        app, f"/rollouts/{claim.rollout_id}/finish", {"status": "finished"}, claim.api_key
+    )
+    recorded = await ended(app, claim.rollout_id)
+    assert recorded.status == "failed" and recorded.error.startswith("made no model call")
+    assert status == 200
+    assert (answer["status"], answer["reason"]) == ("failed", recorded.error)
+
+
+async def test_every_route_answers_an_ended_rollout_with_409_and_a_never_existing_one_with_404(
+    app: Appliance,
+) -> None:
+    await app.controller.start_group(1)
+    claim = await runner.claim(app.proxy_url, app.admin_token)
+    path = f"/rollouts/{claim.rollout_id}"
+    status, _, _ = await post(app, path + "/finish", {"status": "finished"}, claim.api_key)
+    assert status == 200
+    call = {"model": claim.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for route, body in (
+        ("/reward", {"reward": 1.0}),
+        ("/heartbeat", None),
+        ("/finish", {"status": "finished"}),
+        ("/v1/chat/completions", call),
+    ):
+        status, answer, _ = await post(app, path + route, body, claim.api_key)
+        assert (status, answer["error"]["code"]) == (409, "conflict"), route
+        assert "has already ended" in answer["error"]["message"], route
+        status, answer, _ = await post(app, path + route, body, "la-not-its-key")
+        assert status == 401, route
+        status, answer, _ = await post(app, "/rollouts/g999999-r0" + route, body, claim.api_key)
+        assert (status, answer["error"]["code"]) == (404, "not_found"), route
+        assert answer["error"]["message"] == "rollout 'g999999-r0' does not exist", route
+    rewards = [e for e in await events_of(app, claim.rollout_id) if isinstance(e, RewardReported)]
+    assert rewards == []  # a refused reward records nothing
 
 
 async def test_an_appliance_running_its_own_agents_refuses_claims(
@@ -345,6 +458,10 @@ async def test_run_heartbeats_while_a_slow_agent_thinks(tmp_path: Path, tiny_mod
 
         def slow(task: dict[str, Any], claim: runner.Claim) -> float:
             time.sleep(1.5)  # a plain function (in a thread), silent for more than twice the lease
+            with OpenAI(base_url=claim.base_url, api_key=claim.api_key, max_retries=0) as oai:
+                oai.chat.completions.create(  # a rollout that made no model call is failed
+                    model=claim.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
             return 1.0
 
         (outcome,) = await runner.run(app.proxy_url, app.admin_token, slow, rollouts=1)

@@ -255,6 +255,12 @@ def assert_invariants(result: Plan) -> None:
     assert json.loads(json.dumps(result.to_json()))["fits"] is result.fits
 
 
+def test_a_machine_without_its_ram_says_so_in_words() -> None:
+    for machine in (Machine(ram_bytes=None), Machine(gpus=gpus(1, 80).gpus, ram_bytes=None)):
+        lines = describe(plan(machine, REGISTERED["tiny"]))
+        assert "RAM not known" in lines[0] and "amount RAM" not in "\n".join(lines), lines
+
+
 def test_derived_utilization_leaves_the_offloaded_trainer_its_share() -> None:
     machine = Machine(gpus=(Gpu(index=0, total_bytes=80 * GiB, free_bytes=70 * GiB),), ram_bytes=512 * GiB)
     result = plan(machine, QWEN_7B, PlacementSettings(lora_rank=16))

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +27,16 @@ from appliance.errors import PreflightFailed
 from appliance.placement import Machine
 from store.events import ApplianceStarted, ApplianceStopped
 from store.eventstore import EventStore, read_events_sync
+from tests.appliance.appliance_process import ROOT
 from tests.appliance.appliance_process import cli as run_cli
 from tests.support import make_config
 
-#: Preflight answers before the model loads: the time is the interpreter importing torch.
+#: Preflight answers before the model loads.
 FAST_S = 30.0
+#: The refusals that need no model come before torch is imported: about 0.3 s here.
+BEFORE_TORCH_S = 5.0
+#: Modules the command line must not have imported when it refuses a start in one line.
+HEAVY = ("torch", "transformers", "tokenizers", "vllm", "verl")
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -42,6 +48,22 @@ def up(data_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], f
     started = time.monotonic()
     done = cli("up", "--headless", "--model", "tiny", "--data-dir", str(data_dir), "--steps", "1", *extra)
     return done, time.monotonic() - started
+
+
+def up_traced(data_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float, set[str]]:
+    """:func:`up` under ``python -X importtime``: the refusal (stderr without the import lines),
+    its seconds, and every module it imported."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "appliance.cli", "up", "--headless", "--model", "tiny",
+         "--data-dir", str(data_dir), "--steps", "1", *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    seconds = time.monotonic() - started
+    lines = done.stderr.splitlines(keepends=True)
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
+    done.stderr = "".join(line for line in lines if not line.startswith("import time:"))
+    return done, seconds, imported
 
 
 def assert_refused(done: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -90,6 +112,66 @@ async def test_a_second_appliance_on_a_locked_data_dir_fails_naming_the_holder(t
     assert lock.read_text() == ""  # released, and no stale pid left in it
     with preflight.data_dir_lock(first.config.data_dir):
         pass
+
+
+async def test_refusals_that_need_no_model_come_before_torch_is_imported(
+    tmp_path: Path, taken_port: int
+) -> None:
+    locked, model, disk = tmp_path / "locked", tmp_path / "model", tmp_path / "disk"
+    model.mkdir()
+    await record_start(model / "events.sqlite", "smollm2-135m")
+    (tmp_path / "big.toml").write_text("min_free_disk_gib = 1e9\n")
+    cases = [
+        (locked, ("--port", "0"), f"another appliance (pid {os.getpid()}) is running on {locked}"),
+        (tmp_path / "port", ("--port", str(taken_port)), f"port {taken_port}"),
+        (disk, ("--port", "0", "--config", str(tmp_path / "big.toml")), "min_free_disk_gib"),
+        (model, ("--port", "0"), "this run was trained with model 'smollm2-135m'"),
+    ]
+    with preflight.data_dir_lock(locked):
+        for data_dir, extra, words in cases:
+            done, seconds, imported = await asyncio.to_thread(up_traced, data_dir, *extra)
+            assert_refused(done, words)
+            assert seconds < BEFORE_TORCH_S, (words, seconds)
+            assert not imported & set(HEAVY), (words, sorted(imported & set(HEAVY)))
+            assert "appliance.cli" in imported or "appliance.preflight" in imported  # (it was traced)
+
+
+def test_a_lock_claimed_before_the_imports_is_lent_to_one_appliance(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    with preflight.claim(cfg) as path:
+        assert path.read_text().strip() == str(os.getpid())
+        with (
+            preflight.data_dir_lock(cfg.data_dir),  # the Appliance the command line builds
+            pytest.raises(PreflightFailed, match="another appliance"),
+            preflight.data_dir_lock(cfg.data_dir),  # a second one in the same process
+        ):
+            pass
+        with preflight.data_dir_lock(cfg.data_dir):  # lent again after the first let go
+            pass
+    assert path.read_text() == ""
+    with preflight.data_dir_lock(cfg.data_dir):  # released
+        pass
+
+
+def test_the_data_dir_is_owner_only_while_locked(tmp_path: Path) -> None:
+    data_dir = tmp_path / "new" / "run"
+    before = os.umask(0o022)
+    try:
+        with preflight.data_dir_lock(data_dir) as lock:
+            probe = data_dir / "probe"
+            probe.write_text("x")
+            (data_dir / "sub").mkdir()
+            assert {p.name: p.stat().st_mode & 0o777 for p in (data_dir, lock, probe, data_dir / "sub")} == {
+                "run": 0o700,
+                preflight.LOCK_NAME: 0o600,
+                "probe": 0o600,
+                "sub": 0o700,
+            }
+        assert os.umask(0o022) == 0o022  # the process's own umask is back
+        with preflight.data_dir_lock(tmp_path / "shared", umask=0o027):  # data_umask = "027"
+            assert (tmp_path / "shared").stat().st_mode & 0o777 == 0o750
+    finally:
+        os.umask(before)
 
 
 def test_the_lock_is_released_when_the_holder_exits_or_fails(tmp_path: Path) -> None:

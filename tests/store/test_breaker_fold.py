@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from store.events import AdmissionsPaused, Event, RolloutCreated, RolloutFinished
+from store.events import (
+    AdmissionsPaused,
+    ApplianceStarted,
+    Event,
+    LLMCallRefused,
+    RolloutCreated,
+    RolloutFinished,
+)
 from store.projections import RunState, one_line
 
 CRASH = "AgentFailed: agent exit code 1\nTraceback (most recent call last):\nValueError: boom"
@@ -130,3 +137,41 @@ def test_one_line_keeps_the_reason_and_the_end_of_the_detail() -> None:
     assert len(long) <= 100
     assert long.startswith("AgentFailed: agent exit code 1: ...")
     assert long.endswith("last words")
+
+
+def started(ts: float = 0.0) -> ApplianceStarted:
+    return ApplianceStarted(
+        ts=ts, run_id="run", model="tiny", engine="torch", resumed_from_version=0, resumed_from_step=0
+    )
+
+
+def test_a_start_clears_the_trips_in_a_row_and_the_back_off() -> None:
+    """A run the breaker stopped (``breaker_max_trips``) resumes: the next start counts its trips
+    from 0, and the last back-off does not hold it back."""
+    events = [started(), *failures("g0-r0"), trip(100.0), *failures("g1-r0"), trip(120.0, 20.0, trips=2)]
+    state = fold(*events, started(130.0))
+    assert state.breaker_trips == 0
+    assert state.admissions_paused is None and state.admissions_paused_at(130.0) is None
+    assert state.last_failure == CRASH  # still what the status shows
+    # The next trip is the first in a row again.
+    assert fold(*events, started(130.0), *failures("g2-r0"), trip(140.0)).breaker_trips == 1
+
+
+def test_refused_calls_are_counted_per_rollout_and_their_failure_counts_for_the_breaker() -> None:
+    refusal = LLMCallRefused(
+        ts=0.0,
+        rollout="g0-r0",
+        route="/chat/completions",
+        status=400,
+        code="context_length_exceeded",
+        error_type="invalid_request_error",
+        message="This model's maximum context length is 2048 tokens.",
+    )
+    reason = "every model call was refused: 2 of 2 (context_length_exceeded: This model's ...)"
+    state = fold(created("g0-r0"), refusal, refusal, failed("g0-r0", reason), refusal)
+    view = state.rollouts["g0-r0"]
+    assert view.refused_calls == 3 and view.call_count == 0
+    assert view.last_refusal == "context_length_exceeded: This model's maximum context length is 2048 tokens."
+    assert (state.consecutive_failures, state.last_failure) == (1, reason)
+    assert not RunState.trainable(view)
+    assert fold(refusal).rollouts == {}  # a rollout never created: ignored

@@ -29,6 +29,7 @@ _SAMPLES: dict[str, Any] = {
     "Floats": (-0.25, -1.5, 0.0),
     "JsonObject": {"messages": [{"role": "user", "content": "hi"}], "n": 1},
     "tuple[str, ...]": ("r1", "r2"),
+    "tuple[JsonObject, ...]": ({"type": "message", "id": "msg_1"},),
     "dict[str, float]": {"loss": 0.125, "kl": 0.0},
 }
 

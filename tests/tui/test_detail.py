@@ -10,6 +10,7 @@ from store.projections import RolloutView, RunState
 from tests.tui.run_events import run_events
 from trainer.samples import NOT_SAMPLED, build_samples
 from tui.detail import recorded_conversation, rollout_detail, segments_of, tokenizer_decoder
+from tui.screens.rollout import summary_text
 
 
 def with_calls(rollout: str) -> RolloutView:
@@ -58,3 +59,21 @@ def test_decoding_with_the_runs_tokenizer(tiny_model_dir: Path, tmp_path: Path) 
 
     ids = Tokenizer.from_model_dir(tiny_model_dir).encode("hello world")
     assert decode(ids) == "hello world"
+
+
+def test_assistant_turns_not_spliced_exactly_are_listed_with_their_reason() -> None:
+    view = with_calls("r-0-0")
+    stop = "the returned text + its stop string '</code>'"
+    turns = (
+        {"message": 2, "kind": "unmatched", "reason": "never sampled", "spliced": 0, "sampled": 0},
+        {"message": 4, "kind": "stop", "reason": stop, "spliced": 9, "sampled": 10},
+    )
+    call = replace(view.calls[0], assistant_turns=turns)
+    detail = rollout_detail(replace(view, calls=[call]))
+    head = f"call {call.call_id[:10]}"
+    assert detail.turn_notes == [
+        f"{head} message 2: unmatched, never sampled",
+        f"{head} message 4: stop, {stop} (9/10 sampled ids spliced)",
+    ]
+    assert detail.turn_notes[0] in summary_text(detail).plain
+    assert rollout_detail(view).turn_notes == []

@@ -34,7 +34,8 @@ def test_timeline_alternates_generate_switch_train_with_durations() -> None:
 def test_counts_rates_and_staleness() -> None:
     model = folded()
     counts = model.counts()
-    assert (counts.in_flight, counts.queued, counts.finished, counts.failed) == (1, 1, 7, 1)
+    # The two rollouts under way are "running" as ``status`` counts them, calls or not.
+    assert (counts.offered, counts.running, counts.finished, counts.failed) == (0, 2, 7, 1)
     assert counts.awaiting_training == 0
     calls = [e for e in run_events() if isinstance(e, LLMCallCompleted)]
     now = calls[-1].ts

@@ -49,6 +49,8 @@ def summary_text(detail: RolloutDetail) -> Text:
     text.append(f"  {detail.samples} samples")
     for note in detail.truncations:
         text.append(f"\n{note}", style="yellow")
+    for note in detail.turn_notes:
+        text.append(f"\n{note}", style="red" if ": unmatched," in note else "dim")
     return text
 
 

@@ -1,8 +1,12 @@
-"""The overview panel: phase and its timeline, policy version, rollouts, rates, staleness, machine,
-and, while the circuit breaker holds admissions, why and until when.
+"""The overview panel: phase and its timeline, policy version, rollouts (failures with their
+reasons), rates, staleness, machine, and, while the circuit breaker holds admissions, why and
+until when.
 
 Owns laying out those figures as rich text; every figure comes from ``tui.model`` (and the
 machine usage the app samples). Renders only when the model's revision or the usage changed.
+A live run shows its recent rates and the machine; a run that stopped, or one opened from its
+file (``tui --db``), shows its own figures over its life (``DashboardModel.life``) and why it
+stopped, and no machine: this machine's figures say nothing about that run.
 """
 
 from __future__ import annotations
@@ -59,6 +63,29 @@ def breaker_lines(text: Text, model: DashboardModel, now: float, width: int) -> 
     text.append("\n")
 
 
+def life_lines(text: Text, model: DashboardModel) -> None:
+    """The run's own figures over its life: how long it ran, its totals with their mean rates
+    over that time, its steps and how its rewards went (first → last)."""
+    life = model.life()
+    text.append("ran ", style="dim")
+    text.append(_fmt_s(life.run_s), style="bold")
+    text.append("  calls ", style="dim")
+    text.append(f"{life.calls}", style="bold")
+    text.append(f" ({life.calls_s:.2f}/s)  ")
+    text.append("tokens ", style="dim")
+    text.append(f"{life.tokens}", style="bold")
+    text.append(f" ({life.tokens_s:.1f}/s)  ")
+    text.append("steps ", style="dim")
+    text.append(f"{life.steps}", style="bold")
+    text.append("\n")
+    trends = [(label, t) for label, t in (("reward", life.reward), ("validation", life.validation)) if t]
+    for i, (label, (first, last)) in enumerate(trends):
+        text.append(("  " if i else "") + f"{label} ", style="dim")
+        text.append(f"{first:.3f} → {last:.3f}", style="bold")
+    if trends:
+        text.append("\n")
+
+
 class OverviewPanel(Static):
     """Headline figures of the run."""
 
@@ -81,7 +108,7 @@ class OverviewPanel(Static):
         text.append("  step ", style="dim")
         text.append(f"{state.step}", style="bold")
         if model.stopped:
-            text.append(f"  stopped: {model.stopped}", style="red")
+            text.append(f"  {model.stop_text()}", style="red")
         elif not live:
             text.append("  (read-only)", style="dim")
         text.append("\n")
@@ -92,8 +119,8 @@ class OverviewPanel(Static):
         counts = model.counts()
         text.append("rollouts ", style="dim")
         for label, value, style in (
-            ("in flight", counts.in_flight, "cyan"),
-            ("queued", counts.queued, "blue"),
+            ("offered", counts.offered, "blue"),
+            ("running", counts.running, "cyan"),
             ("finished", counts.finished, "green"),
             ("failed", counts.failed, "red"),
             ("to train", counts.awaiting_training, "yellow"),
@@ -102,14 +129,20 @@ class OverviewPanel(Static):
             text.append(f"{value}", style=f"bold {style}")
             text.append("  ")
         text.append("\n")
+        if counts.failed:
+            text.append(one_line(model.failures(), max(width - 2, 40)) + "\n", style="red")
 
-        calls_s, tokens_s = model.rates(now)
-        text.append("calls/s ", style="dim")
-        text.append(f"{calls_s:.2f}", style="bold")
-        text.append("  tokens/s ", style="dim")
-        text.append(f"{tokens_s:.1f}", style="bold")
+        if live and not model.stopped:
+            calls_s, tokens_s = model.rates(now)
+            text.append("calls/s ", style="dim")
+            text.append(f"{calls_s:.2f}", style="bold")
+            text.append("  tokens/s ", style="dim")
+            text.append(f"{tokens_s:.1f}", style="bold")
+            text.append("  ")
+        else:
+            life_lines(text, model)
         stale = model.staleness()
-        text.append("  staleness ", style="dim")
+        text.append("staleness ", style="dim")
         if stale:
             text.append(
                 f"{stale.get('staleness_mean', 0.0):.2f} v, {stale.get('stale_tokens', 0):.0f} stale tok"
@@ -118,8 +151,9 @@ class OverviewPanel(Static):
         else:
             text.append("-")
         text.append("\n")
-        for item in usage:
-            text.append(item.text() + "\n", style="")
+        if live:  # the machine the dashboard runs on: the run's only while it is live
+            for item in usage:
+                text.append(item.text() + "\n", style="")
 
         spans = list(model.timeline)
         text.append("timeline ", style="dim")

@@ -30,7 +30,9 @@ COLUMNS = (
     ("step", 4),
     ("time", 7),
 )
-STATUS_STYLE = {"running": "cyan", "finished": "green", "failed": "red"}
+#: The last column, why a rollout failed, takes the width the others leave (at least this).
+REASON = ("reason", 8)
+STATUS_STYLE = {"offered": "blue", "running": "cyan", "finished": "green", "failed": "red"}
 
 
 def cells(row: RolloutRow) -> tuple[str, ...]:
@@ -44,7 +46,13 @@ def cells(row: RolloutRow) -> tuple[str, ...]:
         str(row.version),
         "-" if row.trained_step is None else str(row.trained_step),
         "-" if row.duration_s is None else f"{row.duration_s:.1f}s",
+        row.reason,
     )
+
+
+def _width(columns: tuple[tuple[str, int], ...]) -> int:
+    """Cells the columns take, with the space after each."""
+    return sum(width + 1 for _, width in columns)
 
 
 def _fit(value: str, width: int) -> str:
@@ -110,13 +118,14 @@ class RolloutTable(Widget, can_focus=True):
         elif self.cursor >= self._top + visible:
             self._top = self.cursor - visible + 1
         self._top = min(self._top, max(len(self.rows) - visible, 0))
+        columns = (*COLUMNS, (REASON[0], max(self.content_size.width - _width(COLUMNS), REASON[1])))
         text = Text(no_wrap=True, overflow="ellipsis")
-        text.append(" ".join(_fit(label, width) for label, width in COLUMNS), style="bold")
+        text.append(" ".join(_fit(label, width) for label, width in columns), style="bold")
         if not self.rows:
             text.append("\nno rollouts match", style="dim")
         for index in range(self._top, min(self._top + visible, len(self.rows))):
             row = self.rows[index]
-            line = Text(" ".join(_fit(v, w) for v, (_, w) in zip(cells(row), COLUMNS, strict=True)))
+            line = Text(" ".join(_fit(v, w) for v, (_, w) in zip(cells(row), columns, strict=True)))
             status_at = sum(w + 1 for _, w in COLUMNS[:2])
             line.stylize(STATUS_STYLE.get(row.status, ""), status_at, status_at + COLUMNS[2][1])
             if index == self.cursor:

@@ -1,4 +1,5 @@
-"""The rollouts table with its filters (status, task, minimum reward).
+"""The rollouts table with its filters (status, task, minimum reward), under a line that says
+why rollouts failed (the reasons grouped, as ``status`` says them).
 
 Filters are plain inputs (a status prefix such as ``fail``, a task substring, a number): a
 ``Select`` costs dozens of widgets, and every widget makes each tab switch's layout slower.
@@ -14,9 +15,9 @@ import time
 from textual import on
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Input
+from textual.widgets import Input, Static
 
-from store.projections import STATUSES
+from store.outcomes import STATES
 from tui.model import DashboardModel, RolloutFilter
 from tui.widgets.rollout_table import RolloutTable
 
@@ -44,9 +45,10 @@ class RolloutsPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="rollout-filters"):
-            yield Input(placeholder="status: running/finished/failed", id="filter-status")
+            yield Input(placeholder="status: offered/running/finished/failed", id="filter-status")
             yield Input(placeholder="task contains", id="filter-task")
             yield Input(placeholder="reward ≥", id="filter-min-reward", type="number")
+        yield Static(id="rollout-failures")
         yield RolloutTable(id="rollouts-table")
 
     def show(self, model: DashboardModel, *, force: bool = False) -> None:
@@ -58,12 +60,13 @@ class RolloutsPanel(Vertical):
             return  # the next poll after the interval draws it
         self._shown = key
         self._shown_at = time.monotonic()
+        self.query_one("#rollout-failures", Static).update(model.failures())
         self.query_one(RolloutTable).set_rows(model.rows(self.filter, limit=MAX_ROWS))
 
     @on(Input.Changed, "#filter-status")
     def _on_status(self, event: Input.Changed) -> None:
         typed = event.value.strip().lower()
-        status = next((s for s in STATUSES if typed and s.startswith(typed)), typed)
+        status = next((s for s in STATES if typed and s.startswith(typed)), typed)
         self._set(RolloutFilter(status, self.filter.task, self.filter.min_reward))
 
     @on(Input.Changed, "#filter-task")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from appliance.chat import constraints
+from appliance.chat.schemas import no_finite_value
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.tools import parse_assistant
 from appliance.engines.constraints import Constraint, GrammarCompiler
@@ -257,3 +258,93 @@ def test_tool_choice_must_name_a_declared_tool() -> None:
             [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "f"
         )
     assert caught.value.param == "tools[0]"
+
+
+@pytest.mark.parametrize(
+    ("schema", "why"),
+    [
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+            "# requires property 'a', and #/properties/a refers to '#'",
+        ),
+        ({"$ref": "#"}, "# refers to '#'"),
+        ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "# requires at least 1 items"),
+        ({"anyOf": [{"$ref": "#"}]}, "# has no branch of anyOf"),
+        (
+            {
+                "$defs": {
+                    "n": {
+                        "type": "object",
+                        "properties": {"next": {"$ref": "#/$defs/n"}},
+                        "required": ["next"],
+                    }
+                },
+                "type": "object",
+                "properties": {"x": {"$ref": "#/$defs/n"}},
+                "required": ["x"],
+            },
+            "#/$defs/n/properties/next refers to '#/$defs/n'",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#/properties/b"}, "b": {"$ref": "#/properties/a"}},
+                "required": ["a"],
+            },
+            "#/properties/b refers to '#/properties/a'",
+        ),
+    ],
+)
+def test_a_schema_no_finite_value_matches_is_a_bad_request_naming_the_recursion(
+    schema: dict[str, Any], why: str
+) -> None:
+    assert why in (no_finite_value(schema) or "")
+    with pytest.raises(BadRequest) as caught:
+        constraints.json_schema(schema)
+    assert caught.value.param == "response_format"
+    assert "no finite JSON value" in caught.value.message and why in caught.value.message
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            # An object schema as the parameters themselves (its references stay right).
+            "parameters": schema
+            if schema.get("type") == "object"
+            else {"type": "object", "properties": {"v": schema}, "required": ["v"]},
+        },
+    }
+    with pytest.raises(BadRequest) as caught:
+        constraints.tool_call([tool], "f")
+    assert caught.value.param == "tools[0]"
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"$ref": "#"}}},  # a may be left out
+        {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+        {
+            "type": "object",
+            "properties": {"a": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["a"],
+        },
+        {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+        {
+            "$defs": {
+                "tree": {
+                    "type": "object",
+                    "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/tree"}}},
+                    "required": ["kids"],
+                }
+            },
+            "$ref": "#/$defs/tree",
+        },
+        {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/missing"}},
+            "required": ["a"],
+        },  # llguidance's
+    ],
+)
+def test_a_recursive_schema_with_a_finite_value_is_accepted(schema: dict[str, Any]) -> None:
+    assert no_finite_value(schema) is None

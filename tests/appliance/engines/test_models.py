@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -186,6 +188,82 @@ def test_a_llama_gguf_converts_to_the_same_model(tmp_path: Path) -> None:
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert detect_format(out) == SMOLLM2
     assert tokenizer.decode(tokenizer.encode("hello 12 <|im_end|>")) == "hello 12 <|im_end|>"
+
+
+# --- the machine's model cache --------------------------------------------------------------
+
+
+def test_a_conversion_is_made_once_per_machine_and_linked_into_each_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "small.gguf"
+    write_small_gguf(source)
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: source)
+    first = resolve("smollm2-135m", tmp_path / "run1" / "models", model_cache=cache).path
+    (entry,) = cache.iterdir()
+    assert entry.name == f"smollm2-135m-{models.cache_key(source)}" and is_converted(entry)
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+    def no_conversion(source: Path, out: Path) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(models, "_write_converted", no_conversion)
+    second = resolve("smollm2-135m", tmp_path / "run2" / "models", model_cache=cache).path
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        # One copy on disk: the runs' files are the cache's (hard links)
+        assert (first / name).stat().st_ino == (second / name).stat().st_ino == (entry / name).stat().st_ino
+    assert detect_format(second) == SMOLLM2
+    assert torch.equal(
+        cast(Any, AutoModelForCausalLM.from_pretrained(second)).model.embed_tokens.weight,
+        cast(Any, AutoModelForCausalLM.from_pretrained(entry)).model.embed_tokens.weight,
+    )
+
+    # Another source (a reinstalled package) or another conversion is converted again.
+    monkeypatch.setattr(models, "CONVERSION_VERSION", models.CONVERSION_VERSION + 1)
+    with pytest.raises(AssertionError, match="converted again"):
+        resolve("smollm2-135m", tmp_path / "run3" / "models", model_cache=cache)
+    assert not (tmp_path / "run3" / "models" / "smollm2-135m").exists()
+
+
+def test_two_runs_converting_at_once_both_get_a_whole_copy(tmp_path: Path) -> None:
+    source = tmp_path / "small.gguf"
+    write_small_gguf(source)
+    cache = tmp_path / "cache"
+    barrier = threading.Barrier(2)
+    real = models._write_converted
+
+    def together(source: Path, out: Path) -> None:
+        barrier.wait(timeout=30)  # both are converting when either finishes
+        real(source, out)
+
+    runs = [tmp_path / f"run{i}" / "models" / "smollm2-135m" for i in range(2)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "_write_converted", together)
+        with ThreadPoolExecutor(2) as pool:
+            done = list(pool.map(lambda run: convert_smollm2(run, gguf_path=source, model_cache=cache), runs))
+    assert done == runs and all(is_converted(run) for run in runs)
+    assert [p.name for p in cache.iterdir()] == [f"smollm2-135m-{models.cache_key(source)}"]  # no temp dirs
+    (entry,) = cache.iterdir()
+    for run in runs:
+        assert (run / "model.safetensors").stat().st_ino == (entry / "model.safetensors").stat().st_ino
+
+
+def test_a_cache_that_cannot_be_written_falls_back_to_the_run_directory(tmp_path: Path) -> None:
+    source = tmp_path / "small.gguf"
+    write_small_gguf(source)
+    (tmp_path / "file").write_text("not a directory\n")
+    out = convert_smollm2(
+        tmp_path / "models" / "smollm2-135m", gguf_path=source, model_cache=tmp_path / "file"
+    )
+    assert is_converted(out) and (out / "model.safetensors").stat().st_nlink == 1
+
+
+def test_the_model_cache_is_under_xdg_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert models.default_model_cache({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "lightning-appliance"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    expected = tmp_path / "home" / ".cache" / "lightning-appliance"
+    assert models.default_model_cache({}) == models.default_model_cache({"XDG_CACHE_HOME": "rel"}) == expected
 
 
 # --- the real SmolLM2 ------------------------------------------------------------------------

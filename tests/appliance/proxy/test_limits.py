@@ -19,6 +19,7 @@ from appliance.app import Appliance
 from appliance.chat.tokenizer import Tokenizer
 from appliance.config import load_config
 from appliance.errors import ConfigError, Overloaded
+from store.events import LLMCallRefused
 from tests.appliance.proxy.fakes import HeldEngine
 from tests.support import make_config, register_rollout
 
@@ -114,7 +115,7 @@ async def test_routes_other_than_model_calls_are_not_limited(app: Appliance, hel
             assert (await response.json())["calls_held"] == 0
 
 
-async def test_a_body_over_max_body_bytes_gets_413_and_nothing_is_recorded(app: Appliance) -> None:
+async def test_a_body_over_max_body_bytes_gets_413_and_only_the_refusal_is_recorded(app: Appliance) -> None:
     active = register_rollout(app)
     before = app.store.last_position
     huge = {**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]}
@@ -125,7 +126,10 @@ async def test_a_body_over_max_body_bytes_gets_413_and_nothing_is_recorded(app: 
     assert status == 413
     assert body["error"]["code"] == "request_too_large"
     assert "2048 bytes" in body["error"]["message"]
-    assert app.store.last_position == before
+    # No call: the refusal alone (the rollout's calls that failed are counted).
+    (refused,) = [stored.event for stored in await app.store.read(before)]
+    assert isinstance(refused, LLMCallRefused)
+    assert (refused.rollout, refused.status, refused.code) == (active.rollout, 413, "request_too_large")
 
 
 async def test_registering_beyond_max_rollouts_fails_with_too_many_rollouts(app: Appliance) -> None:

@@ -265,6 +265,9 @@ GOOD: dict[str, Any] = {"model": "m", "input": "hi", "max_output_tokens": 2}
         ({**GOOD, "tools": [{"type": "function", "name": "add", "strict": "yes"}]}, "tools[0]"),
         ({**GOOD, "tools": [{"type": "function", "name": "add", "parameters": []}]}, "tools[0]"),
         ({**GOOD, "previous_response_id": "resp_123"}, "previous_response_id"),
+        ({**GOOD, "previous_response_id": 123}, "previous_response_id"),
+        ({**GOOD, "store": "yes"}, "store"),
+        ({**GOOD, "conversation": "conv_1"}, "conversation"),
         ({**GOOD, "instructions": 3}, "instructions"),
         ({**GOOD, "temperature": 9}, "temperature"),
         ({**GOOD, "max_output_tokens": 0}, "max_output_tokens"),
@@ -286,8 +289,8 @@ async def test_bad_input_gets_an_openai_error_and_nothing_is_recorded(
         assert payload["error"]["type"] == "invalid_request_error"
         assert payload["error"]["message"]
         assert payload["error"]["param"] == param
-        if param == "previous_response_id":
-            assert "stateless" in payload["error"]["message"]
+        if body == {**GOOD, "previous_response_id": "resp_123"}:
+            assert payload["error"]["code"] == "previous_response_not_found"
         # The appliance keeps serving after the bad request.
         again = await http.post(url, headers=headers, json=GOOD)
         assert again.status == 200, await again.text()

@@ -740,8 +740,8 @@ async def test_responses_plain_whole_and_streamed(app: Appliance, active: Active
     checker.assert_clean()
 
 
-#: Every optional field the proxy serves (``previous_response_id`` and ``conversation`` are
-#: refused: the proxy stores no responses).
+#: Every optional field the proxy serves (``previous_response_id`` needs a stored response;
+#: ``conversation`` is refused: the proxy keeps no conversations).
 RESPONSES_OPTIONS: Json = {
     "instructions": "Answer briefly.",
     "max_output_tokens": 6,

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from anthropic import AsyncAnthropic
@@ -225,4 +226,77 @@ async def test_a_schema_the_grammar_cannot_take_is_a_400_before_anything_runs(ap
                 response_format=nameless,
             )
         assert caught.value.param == "response_format"
+    assert await recorded_calls(app) == []
+
+
+#: A schema no finite JSON value matches: every value needs another inside it. llguidance
+#: compiles it and only fails while sampling (ParserTooComplex); the answer was `{"`, "stop".
+ENDLESS: dict[str, Any] = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+async def test_a_schema_no_value_matches_is_a_400_naming_it_on_every_surface(app: Appliance) -> None:
+    active = rollout(app)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}
+    endless_tool: Any = {"type": "function", "function": {"name": "nest", "parameters": ENDLESS}}
+    async with sdk(app, active) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=app.model_name, messages=ASK, max_tokens=8, response_format=fmt
+            )
+        assert (caught.value.status_code, caught.value.type) == (400, "invalid_request_error")
+        assert caught.value.param == "response_format"
+        assert "no finite JSON value" in caught.value.message
+        assert "#/properties/a refers to '#'" in caught.value.message
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=app.model_name,
+                messages=ASK,
+                max_tokens=8,
+                tools=[WEATHER, endless_tool],
+                tool_choice="required",
+            )
+        assert caught.value.param == "tools[1]"
+        assert "tool 'nest'" in caught.value.message
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(
+                model=app.model_name,
+                input="Hi",
+                max_output_tokens=16,
+                text={"format": {"type": "json_schema", "name": "x", "schema": ENDLESS}},
+            )
+        assert caught.value.param == "text"
+        assert "no finite JSON value" in caught.value.message
+    async with AsyncAnthropic(base_url=base(app, active), api_key=active.token, max_retries=0) as claude:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.messages.create(
+                model=app.model_name,
+                max_tokens=8,
+                messages=ASK,
+                tools=[{"name": "nest", "input_schema": ENDLESS}],
+                tool_choice={"type": "any"},
+            )
+        assert "no finite JSON value" in str(refused.value.body)
+    # A tool that is declared but not forced is no constraint: the call goes ahead.
+    async with sdk(app, active) as client:
+        await client.chat.completions.create(
+            model=app.model_name, messages=ASK, max_tokens=2, tools=[endless_tool]
+        )
+    assert len(await recorded_calls(app)) == 1
+
+
+async def test_a_grammar_that_breaks_while_sampling_fails_the_call_instead_of_answering(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With the check before generation out of the way, the endless schema reaches the engine,
+    # whose grammar breaks after a few tokens: the call is a 400, never text that breaks it.
+    monkeypatch.setattr("appliance.chat.constraints.no_finite_value", lambda schema: None)
+    active = rollout(app)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}
+    async with sdk(app, active) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=app.model_name, messages=ASK, max_tokens=ROOM, response_format=fmt
+            )
+    assert caught.value.status_code == 400
+    assert "cannot be enforced" in caught.value.message
     assert await recorded_calls(app) == []

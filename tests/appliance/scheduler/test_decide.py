@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from appliance.scheduler.decide import (
@@ -343,3 +345,51 @@ def test_breaker_never_admits_while_paused() -> None:
 def test_negative_breaker_threshold_is_refused() -> None:
     with pytest.raises(ValueError, match="breaker_failures"):
         SchedulePolicy(batch_groups=1, group_size=1, breaker_failures=-1)
+
+
+GIVES_UP = SchedulePolicy(batch_groups=2, group_size=4, max_steps=3, mode="sync", breaker_failures=8,
+                          breaker_max_trips=3)  # fmt: skip
+GIVES_UP_SPLIT = SchedulePolicy(batch_groups=2, group_size=4, max_steps=10, mode="split", eta=1,
+                                breaker_failures=8, breaker_max_trips=3)  # fmt: skip
+CRASHED = "AgentFailed: agent exit code 1: fatal: no OPENAI_API_KEY that works"
+GAVE_UP = Stop(
+    "the circuit breaker tripped 3 times in a row (breaker_max_trips) with no training rollout "
+    f"finished; last failure: {CRASHED}",
+    failure=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("policy", "observation", "expected"),
+    [
+        # Fewer trips in a row than the limit: the back-off runs, then admissions resume.
+        (GIVES_UP, obs(breaker_trips=2, admissions_paused=True, last_failure=CRASHED), []),
+        (GIVES_UP, obs(breaker_trips=2, last_failure=CRASHED), [StartGroups(2)]),
+        # The trip that reaches the limit: the run stops naming the last failure, back-off or not,
+        # rollouts running or not (they are cancelled by the stop).
+        (GIVES_UP, obs(breaker_trips=3, admissions_paused=True, last_failure=CRASHED), [GAVE_UP]),
+        (GIVES_UP, obs(breaker_trips=3, running_groups=1, running_rollouts=4, admitted_groups=1,
+                       last_failure=CRASHED), [GAVE_UP]),
+        (GIVES_UP, obs(breaker_trips=4, last_failure=CRASHED),
+         [replace(GAVE_UP, reason=GAVE_UP.reason.replace("3 times", "4 times"))]),
+        # ... once a validation round in flight has ended.
+        (GIVES_UP, obs(breaker_trips=3, validation_open=2, validation_running=1), []),
+        # An operator's stop is a stop, not a failure.
+        (GIVES_UP, obs(breaker_trips=3, stopping=True), [Stop("stop requested")]),
+        # 0: never gives up (the default of a policy; the config's is 5).
+        (BREAKER, obs(breaker_trips=100, last_failure=CRASHED), [StartGroups(2)]),
+        # Split mode: nothing more is admitted beside the step; the stop comes when it ends.
+        (GIVES_UP_SPLIT, obs(phase="train", breaker_trips=3, admitted_groups=2), []),
+        (GIVES_UP_SPLIT, obs(breaker_trips=3, admitted_groups=2, last_failure=CRASHED), [GAVE_UP]),
+    ],
+)  # fmt: skip
+def test_decide_breaker_gives_up_after_max_trips(
+    policy: SchedulePolicy, observation: Observation, expected: list[Action]
+) -> None:
+    assert decide(policy, observation) == expected
+
+
+def test_a_stop_that_is_no_failure_says_so() -> None:
+    assert not Stop("reached step 3").failure
+    with pytest.raises(ValueError, match="breaker_max_trips"):
+        SchedulePolicy(batch_groups=1, group_size=1, breaker_max_trips=-1)
