@@ -367,11 +367,11 @@ def adapter_flag(value: str | None) -> dict[str, Any] | None:
     return table
 
 
-def _eval_config(args: argparse.Namespace) -> ApplianceConfig:
+def _eval_config(args: argparse.Namespace, *, resolved: bool = True) -> ApplianceConfig:
     keys = ("data_dir", "model", "engine", "device", "port", "agent", "tasks")
     overrides: dict[str, Any] = {k: getattr(args, k) for k in keys}
     overrides["adapter"] = adapter_flag(args.adapter)
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, resolved=resolved)
 
 
 def eval_source(config: ApplianceConfig, split: str, every: bool) -> str:
@@ -972,7 +972,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 load_config(args.config, overrides), probe_vllm=not args.no_vllm, as_json=args.json
             )
         if args.command == "eval":
-            return _run(_eval(_eval_config(args), args.split, args.repeat, args.json, every=args.every))
+            # As for `up`: a run directory another appliance holds is refused before torch loads.
+            config = _eval_config(args, resolved=False)
+            with preflight.claim(config):
+                return _run(
+                    _eval(config.with_resolved_device(), args.split, args.repeat, args.json, every=args.every)
+                )
         if args.command == "backup":
             from appliance.backup import backup
             from appliance.config import umask_bits
@@ -986,6 +991,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The lock and the checks that need no model come before torch is imported: a second
             # appliance on the directory, a port in use or a full disk are refused in a second.
             config = _config_from(args, resolved=False)
+            from appliance.tracking import check_backends
+
+            check_backends(config.tracking.loggers)  # a tracker that is not installed: one line
             with preflight.claim(config):
                 return _run(_up(config.with_resolved_device(), args.headless))
         finally:

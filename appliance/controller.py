@@ -160,7 +160,7 @@ class RolloutController:
                     [RewardReported(ts=time.time(), rollout=rollout, reward=float(reward), source="adapter")]
                 )
         except TimeoutError:
-            status, error = "failed", f"timed out after {self._timeout_s:g} s"
+            status, error = "failed", f"timed out after {self._timeout_s:g} s (rollout_timeout_s)"
         except asyncio.CancelledError:
             status, error, cancelled = "failed", "cancelled: the appliance stopped", True
         except Exception as exc:

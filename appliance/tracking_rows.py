@@ -66,6 +66,7 @@ METRIC_NAMES: dict[str, str] = {
     "stale_tokens_dropped": "staleness/tokens_masked",
     "memory_rss_gib": "memory/host_rss_gib",
     "memory_gpu_peak_gib": "memory/gpu_peak_gib",
+    "engine_rss_gib": "memory/engine_host_rss_gib",
 }
 
 

@@ -52,6 +52,7 @@ import torch
 
 from appliance.engines.base import Engine, WeightGroupMember
 from appliance.engines.buckets import WeightBucket, stream_buckets
+from appliance.engines.process_memory import engine_memory
 from appliance.engines.vllm_process import free_port
 from appliance.errors import TrainingFailed
 from store.events import (
@@ -412,6 +413,7 @@ class TrainingService:
         metrics["staleness_max"] = float(max(staleness, default=0))
         metrics["reward_std"] = reward_std(views)
         metrics.update(memory_metrics())
+        metrics.update(engine_memory(self.engine))
         completed = TrainStepCompleted(
             ts=time.time(),
             step=step,

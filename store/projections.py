@@ -70,7 +70,9 @@ def one_line(error: str, limit: int = 300) -> str:
     room = max(limit - len(head) - 2, 40)
     if len(rest) > room:
         rest = "..." + rest[-(room - 3) :]
-    return f"{head}: {rest}" if rest else head
+    if not rest:
+        return head
+    return f"{head} {rest}" if head.endswith(":") else f"{head}: {rest}"
 
 
 def reward_mean(views: Iterable[RolloutView]) -> float | None:

@@ -136,6 +136,24 @@ async def test_refusals_that_need_no_model_come_before_torch_is_imported(
             assert "appliance.cli" in imported or "appliance.preflight" in imported  # (it was traced)
 
 
+def test_eval_on_a_locked_data_dir_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    with preflight.data_dir_lock(locked):
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "appliance.cli", "eval", "--model", "tiny",
+             "--data-dir", str(locked), "--port", "0"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        seconds = time.monotonic() - started
+    lines = done.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
+    done.stderr = "".join(line + "\n" for line in lines if not line.startswith("import time:"))
+    assert_refused(done, f"another appliance (pid {os.getpid()}) is running on {locked}")
+    assert seconds < BEFORE_TORCH_S, seconds
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
 def test_a_lock_claimed_before_the_imports_is_lent_to_one_appliance(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     with preflight.claim(cfg) as path:

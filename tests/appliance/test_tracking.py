@@ -9,6 +9,7 @@ import importlib.util
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,11 +157,13 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_loads(tmp_pa
         "import sys, appliance.tracking as t; t.installed = lambda module: module != 'wandb'; "
         "from appliance.cli import main; sys.exit(main(sys.argv[1:]))"
     )
+    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", program, "up", "--headless", "--model", "tiny", "--port", "0",
          "--data-dir", str(tmp_path / "run"), "--loggers", "tensorboard,wandb"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+    assert time.monotonic() - started < 5.0  # refused before torch and the model load
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
         "lightning-appliance: loggers: wandb needs the wandb package: "

@@ -102,7 +102,7 @@ async def test_200_rollouts_32_at_once_all_accounted_for(tmp_path: Path, tiny_mo
             if behavior == "crash":
                 assert end.error.endswith(CRASH_MARKER)
             elif behavior == "hang":
-                assert end.error == f"timed out after {TIMEOUT_S:g} s"
+                assert end.error == f"timed out after {TIMEOUT_S:g} s (rollout_timeout_s)"
             else:
                 assert end.error.startswith("InfraError: task ") and "does not exist" in end.error
     assert outcomes == {"finished": 164, "crash": 20, "hang": 8, "InfraError": 8}, outcomes

@@ -132,6 +132,7 @@ def test_one_line_keeps_the_reason_and_the_end_of_the_detail() -> None:
         == "AgentFailed: agent exit code 1: Traceback (most recent call last): | ValueError: boom"
     )
     assert one_line("timed out after 5 s") == "timed out after 5 s"
+    assert one_line("AgentFailed: exit code 1:\nboom") == "AgentFailed: exit code 1: boom"  # one colon
     assert one_line("") == ""
     long = one_line("AgentFailed: agent exit code 1\n" + "x" * 1000 + "\nlast words", limit=100)
     assert len(long) <= 100

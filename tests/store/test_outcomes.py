@@ -33,7 +33,7 @@ def test_reasons_are_grouped_most_frequent_first_each_on_one_line() -> None:
     assert grouped_reasons(views) == [
         ("timed out after 120 s", 5),
         (
-            "AgentFailed: agent exit code 1:: Traceback (most recent call last): | File x | ValueError: boom",
+            "AgentFailed: agent exit code 1: Traceback (most recent call last): | File x | ValueError: boom",
             1,
         ),
         (NO_REASON, 1),
