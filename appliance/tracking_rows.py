@@ -67,6 +67,7 @@ METRIC_NAMES: dict[str, str] = {
     "memory_rss_gib": "memory/host_rss_gib",
     "memory_gpu_peak_gib": "memory/gpu_peak_gib",
     "engine_rss_gib": "memory/engine_host_rss_gib",
+    "trainer_ranks_rss_gib": "memory/trainer_ranks_host_rss_gib",
 }
 
 

@@ -52,7 +52,7 @@ import torch
 
 from appliance.engines.base import Engine, WeightGroupMember
 from appliance.engines.buckets import WeightBucket, stream_buckets
-from appliance.engines.process_memory import engine_memory
+from appliance.engines.process_memory import engine_memory, ranks_memory
 from appliance.engines.vllm_process import free_port
 from appliance.errors import TrainingFailed
 from store.events import (
@@ -414,6 +414,7 @@ class TrainingService:
         metrics["reward_std"] = reward_std(views)
         metrics.update(memory_metrics())
         metrics.update(engine_memory(self.engine))
+        metrics.update(ranks_memory(self.trainer))
         completed = TrainStepCompleted(
             ts=time.time(),
             step=step,

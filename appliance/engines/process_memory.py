@@ -1,10 +1,12 @@
-"""Host memory of an engine that runs in processes of its own: :func:`engine_memory`.
+"""Host memory of the engine's and the trainer's own processes: :func:`engine_memory`,
+:func:`ranks_memory`.
 
-Owns reading, from ``/proc``, the resident memory of the processes an engine launched (a vLLM
-server and the engine-core workers it spawns share the server's process group). The torch engine
-lives in the appliance's own process, whose memory ``trainer.device_memory.memory_metrics``
-records; an engine attached by URL has no process here. GPU memory held by those processes is not
-read (vLLM's own ``/metrics`` reports its KV-cache use).
+Owns reading, from ``/proc``, the resident memory of the processes the appliance launched for its
+engine (a vLLM server and the engine-core workers it spawns share the server's process group)
+and for its trainer (the ranks of ``trainer.ranks.RankGroup``, one process each). The torch
+engine and the in-process trainers live in the appliance's own process, whose memory
+``trainer.device_memory.memory_metrics`` records; an engine attached by URL has no process here.
+GPU memory held by those processes is not read (vLLM's own ``/metrics`` reports its KV-cache use).
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def process_group_rss_bytes(pgid: int, proc: Path = Path("/proc")) -> int:
     return total
 
 
+def process_rss_bytes(pid: int, proc: Path = Path("/proc")) -> int:
+    """Resident bytes of process ``pid`` (0 when it is gone, or without procfs)."""
+    try:
+        return int((proc / str(pid) / "statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def engine_pids(engine: Any) -> list[int]:
     """The process-group ids of the servers ``engine`` launched: its own (``server_pid``), or
     each replica's of a fleet (``replicas``)."""
@@ -53,3 +63,13 @@ def engine_memory(engine: Any) -> dict[str, float]:
     if not pids:
         return {}
     return {"engine_rss_gib": sum(process_group_rss_bytes(pid) for pid in pids) / GIB}
+
+
+def ranks_memory(trainer: Any) -> dict[str, float]:
+    """``trainer_ranks_rss_gib``: resident host memory of a trainer's rank processes (its
+    ``group``'s ``pids()``), in GiB; empty for a trainer without ranks."""
+    group = getattr(trainer, "group", None)
+    pids = group.pids() if group is not None and hasattr(group, "pids") else []
+    if not pids:
+        return {}
+    return {"trainer_ranks_rss_gib": sum(process_rss_bytes(pid) for pid in pids) / GIB}

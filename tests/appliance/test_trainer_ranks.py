@@ -73,6 +73,8 @@ async def test_two_ranks_train_push_and_survive_a_killed_rank(tmp_path: Path, ti
     assert [f.step for f in failed] == [2]
     assert "trainer rank 1 died" in failed[0].error
     assert [e.step for e in events if isinstance(e, TrainStepCompleted)] == [1, 2]
+    for step in (e for e in events if isinstance(e, TrainStepCompleted)):
+        assert step.metrics["trainer_ranks_rss_gib"] > 0.05  # two ranks, each holding the model
 
 
 async def test_a_run_resumes_with_another_number_of_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from appliance.engines.process_memory import GIB, engine_memory, engine_pids, process_group_rss_bytes
+from appliance.engines.process_memory import (
+    GIB,
+    engine_memory,
+    engine_pids,
+    process_group_rss_bytes,
+    process_rss_bytes,
+    ranks_memory,
+)
 
 #: A child that holds ~64 MiB resident and starts a grandchild in its process group.
 HOLDER = (
@@ -66,3 +73,27 @@ def test_engine_memory_reads_a_server_a_fleet_and_nothing_for_in_process_engines
     assert engine_memory(object()) == {}  # the torch engine: its memory is the appliance's
     assert engine_memory(Server(None)) == {}  # attached by URL
     assert GIB == 1 << 30
+
+
+@dataclass
+class Ranks:
+    ids: list[int]
+
+    def pids(self) -> list[int]:
+        return self.ids
+
+
+@dataclass
+class RankedTrainer:
+    group: Ranks
+
+
+def test_ranks_memory_sums_each_rank_process(group: int) -> None:
+    one = process_rss_bytes(group)
+    assert one >= 64 << 20
+    assert ranks_memory(RankedTrainer(Ranks([group, group])))["trainer_ranks_rss_gib"] == pytest.approx(
+        2 * one / GIB, rel=0.2
+    )
+    assert ranks_memory(object()) == {}  # an in-process trainer
+    assert ranks_memory(RankedTrainer(Ranks([]))) == {}  # ranks stopped
+    assert process_rss_bytes(2**22 + 12345) == 0
