@@ -55,7 +55,7 @@ def wandb_history(run_dir: Path) -> list[dict[str, str]]:
             pieces += data[position + 7 : position + 7 + length]
             position += 7 + length
             if kind in (1, 4):  # a whole record, or the last piece of one
-                record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+                record = wandb_internal_pb2.Record()  # type: ignore[attr-defined, unused-ignore]
                 record.ParseFromString(pieces)
                 pieces = b""
                 if record.WhichOneof("record_type") == "history":
