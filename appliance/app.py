@@ -1,26 +1,26 @@
 """The composition root: one object that starts the appliance in dependency order.
 
 Owns ``Appliance``: it locks the data directory (one appliance per directory, held until it
-exits) and runs the preflight checks (``appliance.preflight``) before anything loads, so a
-start that cannot work fails in one line with nothing written; then it opens the store,
+exits) and runs the preflight checks (``appliance.operations.preflight``) before anything loads,
+so a start that cannot work fails in one line with nothing written; then it opens the store,
 replays the log into the run's state, recovers what a crash left behind, loads the engine and
 the trainer at the stored policy version (collocated on GPUs: the engine started, then asleep
 while the trainer is built and restored, then the trainer offloaded and the engine woken, so
 the two never hold their full memory at once), starts the proxy, the live projection, the
-experiment trackers (``appliance.tracking``, when ``loggers`` names one), the rollout
+experiment trackers (``appliance.reporting.trackers``, when ``loggers`` names one), the rollout
 controller and the scheduler, and on exit stops them in reverse order (every background loop
 cancelled and awaited). Each part is built from its section of the config (``config.engine``,
 ``config.trainer``, ``config.scheduler``, ``config.proxy``, ``config.harness``) plus what only
-the run knows (the model's name, the admin token, the placement plan, the held-out tasks).
-Once every part has started, the process's collector is set for serving (``appliance.collector``:
-what exists then is frozen, the youngest generation collected less often).
-Nothing else constructs these parts for a real run, so tests that build an ``Appliance``
-exercise the production wiring.
+the run knows (the model's name, the admin token, the placement plan, the held-out tasks); the
+trainer and its service by ``appliance.training.setup``. Once every part has started, the
+process's collector is set for serving (``appliance.operations.collector``: what exists then is
+frozen, the youngest generation collected less often). Nothing else constructs these parts for
+a real run, so tests that build an ``Appliance`` exercise the production wiring.
 
 Recovery rules on start: rollouts that were running when the process died are recorded as
 failed ("interrupted"); finished rollouts that no step consumed stay available for training;
 the engine and trainer load the weights of the last ``PolicyVersionPublished`` (with the
-optimizer state of the last full checkpoint, see ``appliance.training``).
+optimizer state of the last full checkpoint, see ``appliance.training.service``).
 
 A clean stop (``run`` returned: the step target, a signal, or an operator's "stop") saves a
 full checkpoint (``CheckpointSaved`` "shutdown") and exports the policy as a Hugging Face model
@@ -41,36 +41,35 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
 
-import torch
-
-from appliance import preflight
 from appliance.chat.formats import detect_format
 from appliance.chat.tokenizer import Tokenizer
-from appliance.collector import freeze_startup_objects
 from appliance.config import ApplianceConfig, umask_bits
-from appliance.controller import RolloutController
 from appliance.engines.base import Engine
 from appliance.engines.factory import create_engine
 from appliance.engines.fleet import EngineFleet
-from appliance.errors import StopForced
-from appliance.evaluation import evaluate
-from appliance.external_runners import RunnerBoard
-from appliance.external_runners import attach as attach_runners
-from appliance.health import Health
-from appliance.placement import describe
+from appliance.operations import preflight
+from appliance.operations.collector import freeze_startup_objects
+from appliance.operations.health import Health
+from appliance.placement.plan import describe
 from appliance.proxy.calls import CallService
 from appliance.proxy.control import RUN_STATE
 from appliance.proxy.gate import ServingGate
 from appliance.proxy.http import ProxySettings
 from appliance.proxy.runners import RUNNERS
 from appliance.proxy.server import ProxyServer, build_app
-from appliance.rollouts import RolloutRegistry
+from appliance.reporting.trackers import BACKENDS, Tracker, check_backends
+from appliance.rollouts.controller import RolloutController
+from appliance.rollouts.evaluation import evaluate
+from appliance.rollouts.external import RunnerBoard
+from appliance.rollouts.external import attach as attach_runners
+from appliance.rollouts.registry import RolloutRegistry
+from appliance.rollouts.validation import training_tasks, validation_tasks
 from appliance.scheduler.decide import SchedulePolicy
 from appliance.scheduler.live import LiveState
 from appliance.scheduler.runner import SchedulerRunner, Validation
-from appliance.tracking import BACKENDS, Tracker, check_backends
-from appliance.training import TrainingService
-from appliance.validation import training_tasks, validation_tasks
+from appliance.training.service import TrainingService
+from appliance.training.setup import restore_training, start_training
+from contracts.errors import StopForced
 from harness_adapters.base import HarnessAdapter, Task
 from harness_adapters.registry import load_adapter
 from store.events import (
@@ -82,9 +81,6 @@ from store.events import (
 )
 from store.eventstore import EventStore
 from store.projections import RunState
-from trainer.checkpoints import CheckpointStore
-from trainer.factory import make_trainer
-from trainer.sharded import ShardedStore
 
 log = logging.getLogger(__name__)
 
@@ -230,64 +226,18 @@ class Appliance:
         # Collocated on GPUs, the trainer is built and restored while the engine sleeps, and
         # offloaded before it wakes: awake, vLLM holds its fraction of each GPU, and the trainer's
         # fp32 weights beside it would overcommit the GPU (the plan's start-up phases,
-        # ``appliance.placement_planner``).
+        # ``appliance.placement.planner``).
         collocated = on_gpus and plan is not None and plan.placement == "collocated"
         self._trainer_shares_gpu = collocated
         if collocated:
             await self.engine.sleep(config.scheduler.sleep_level)
 
-        train = config.trainer
-        verl = train.backend == "verl"
-        trainer_ranks = config.resolved_trainer_ranks()
-        trainer_gpus = None
-        if on_gpus and plan is not None and verl:
-            # The plan's training GPUs (in split placement, those the engine does not use).
-            trainer_ranks, trainer_gpus = plan.trainer_ranks, plan.trainer_gpus
-        trainer = await asyncio.to_thread(
-            make_trainer,
-            "verl" if verl else "torch",
-            model_dir,
-            # verl trains in worker processes (one per GPU, or processes on gloo on CPU).
-            ranks=trainer_ranks if verl else None,
-            threads=config.threads,
-            gpus=trainer_gpus,
-            **train.options(device=config.device, temperature=config.proxy.temperature),
+        self.training, trainer_ranks = await start_training(
+            config, model_dir, plan, store=self.store, engine=self.engine
         )
-        # verl's ranks write sharded checkpoints in parallel (and bf16 per-version weights when
-        # they compute in bf16); the torch backend one file per version.
-        checkpoints: CheckpointStore | ShardedStore = (
-            ShardedStore(config.checkpoint_dir, keep=train.keep_checkpoints)
-            if verl
-            else CheckpointStore(config.checkpoint_dir, keep=train.keep_checkpoints)
-        )
-        # The one dtype the trainer computes in and vLLM serves in (``config.engine_dtype``).
-        dtype = getattr(torch, config.engine_dtype())
-        self.training = training = TrainingService(
-            trainer=trainer,
-            checkpoints=checkpoints,
-            store=self.store,
-            engine=self.engine,
-            advantage=train.advantage,
-            checkpoint_every=train.checkpoint_every,
-            push_bucket_bytes=train.push_bucket_mb << 20,
-            keep_versions=train.keep_versions,
-            weights_dtype=torch.bfloat16 if verl and dtype == torch.bfloat16 else None,
-            # A trainer computing in 16 bits hands the engine weights in that dtype, the one it
-            # serves in (half the bytes of fp32).
-            push_dtype=dtype if verl and dtype != torch.float32 else None,
-            weight_group=config.weight_group_backend(),
-        )
+        training = self.training
         self._stack.push_async_callback(training.close)
-
-        async def hand_over() -> None:
-            """The GPU from the trainer to the engine, as after every step."""
-            await training.offload()
-            await self.engine.wake()
-
-        if state.policy_version > 0:
-            await training.restore(state, before_push=hand_over if collocated else None)
-        elif collocated:
-            await hand_over()
+        await restore_training(training, self.engine, state, collocated=collocated)
 
         proxy = config.proxy
         gate = ServingGate(hold_timeout_s=proxy.hold_timeout_s)
@@ -338,7 +288,7 @@ class Appliance:
                     resumed_from_version=state.policy_version,
                     resumed_from_step=state.step,
                     config=config.to_json(),
-                    trainer_ranks=trainer_ranks if verl else 1,
+                    trainer_ranks=trainer_ranks,
                     placement=plan.to_json() if plan is not None else {},
                 )
             ]
@@ -400,7 +350,7 @@ class Appliance:
 
     async def evaluate(self, tasks: Sequence[Task], *, split: str, repeat: int = 1) -> EvaluationCompleted:
         """Run every task ``repeat`` times on the policy served now, with no training, and record
-        the result (``appliance.evaluation``); the scheduler is not started."""
+        the result (``appliance.rollouts.evaluation``); the scheduler is not started."""
         return await evaluate(
             controller=self.controller,
             live=self.live,

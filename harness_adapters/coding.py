@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import Task
 from harness_adapters.rewards import VerifyContext
 from harness_adapters.workdir import copy_snapshot

@@ -20,8 +20,6 @@ the agent wrote to ``$LA_REWARD_FILE``, else ``None`` (the agent POSTed it, or g
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -31,8 +29,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness_adapters.base import DETAIL_CHARS, AgentFailed, ClientConfig, InfraError, Task
+from harness_adapters.lifecycle import Slots
+from harness_adapters.loading import load_object
 from harness_adapters.process import ProcessResult, ResourceLimits, run_process, scrubbed_env
-from harness_adapters.python import load_object
 from harness_adapters.rewards import (
     RewardFile,
     RewardFn,
@@ -147,7 +146,7 @@ class CommandAdapter:
         self.argv = split_command(self.config.command)
         self._limits = self.config.limits()
         self._root = self.config.workdir_root or default_root()
-        self._slots = asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
+        self._slots = Slots(self.config.max_concurrency)
         self.reward_sources: list[RewardSource] = (
             list(reward_sources) if reward_sources is not None else self._configured_rewards()
         )
@@ -220,7 +219,7 @@ class CommandAdapter:
     # --- one rollout ---------------------------------------------------------------------------
 
     async def run(self, task: Task, client: ClientConfig) -> float | None:
-        async with self._slots if self._slots is not None else contextlib.nullcontext():
+        async with self._slots:
             return await self._run(task, client)
 
     async def _run(self, task: Task, client: ClientConfig) -> float | None:

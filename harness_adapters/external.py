@@ -4,7 +4,7 @@ Owns the adapter that starts nothing. A runner elsewhere (another machine, a clu
 system, a notebook) claims a rollout over HTTP (``POST /admin/rollouts``), calls the model at the
 rollout's base URL, reports its reward and finishes it (``harness_adapters.runner`` is a client
 for all of that). The appliance attaches its board of offered rollouts
-(``appliance.external_runners.RunnerBoard``) to this adapter when it starts; ``run`` hands each
+(``appliance.rollouts.external.RunnerBoard``) to this adapter when it starts; ``run`` hands each
 rollout to it and returns when its runner finishes it (None: the reward came over HTTP), or
 raises ``AgentFailed`` when the runner failed it or went silent past its lease.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import ClientConfig, Task
 
 
@@ -31,7 +31,7 @@ class ExternalAdapter:
     name = "external"
 
     def __init__(self) -> None:
-        #: Set by the appliance when it starts (``appliance.external_runners.attach``).
+        #: Set by the appliance when it starts (``appliance.rollouts.external.attach``).
         self.board: RolloutBoard | None = None
 
     async def run(self, task: Task, client: ClientConfig) -> float | None:

@@ -34,10 +34,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import DETAIL_CHARS, AgentFailed, ClientConfig, InfraError, Task
 from harness_adapters.k8s_manifest import RUN_LABEL, job_name, label_value, pod_client, render_job
 from harness_adapters.k8s_watch import JobPoller, RateLimiter, job_outcome
+from harness_adapters.lifecycle import Slots
 from harness_adapters.rewards import parse_reward
 from harness_adapters.templates import split_command
 
@@ -141,7 +142,7 @@ class KubernetesAdapter:
         self.command = split_command(self.config.command)
         self._batch, self._core = batch_api, core_api
         self._limiter = RateLimiter(self.config.submit_per_second, self.config.submit_burst)
-        self._slots = asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
+        self._slots = Slots(self.config.max_concurrency)
         self._poller: JobPoller | None = None
         self._deletes: set[asyncio.Task[None]] = set()
 
@@ -188,8 +189,6 @@ class KubernetesAdapter:
         )
 
     async def run(self, task: Task, client: ClientConfig) -> float | None:
-        if self._slots is None:
-            return await self._run(task, client)
         async with self._slots:
             return await self._run(task, client)
 

@@ -12,6 +12,7 @@ controller to apply around ``adapter.run``:
 * ``ConcurrencyLimited``: at most ``limit`` rollouts inside the adapter at once. Note: under
   the controller's ``wait_for(timeout)`` the wait for a slot counts against the rollout's
   timeout; a controller should take the slot before it starts the clock (see the README).
+  ``Slots`` is the same limit for an adapter to keep itself (its ``max_concurrency`` option).
 """
 
 from __future__ import annotations
@@ -82,3 +83,19 @@ class ConcurrencyLimited:
                 return await self.adapter.run(task, client)
             finally:
                 self.running -= 1
+
+
+class Slots:
+    """At most ``limit`` rollouts at once (None: no limit), entered around each one with
+    ``async with``: the ``max_concurrency`` option of an adapter."""
+
+    def __init__(self, limit: int | None) -> None:
+        self._semaphore = asyncio.Semaphore(limit) if limit else None
+
+    async def __aenter__(self) -> None:
+        if self._semaphore is not None:
+            await self._semaphore.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._semaphore is not None:
+            self._semaphore.release()

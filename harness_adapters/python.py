@@ -20,8 +20,6 @@ Two ways to run it (``isolation``):
 
 from __future__ import annotations
 
-import asyncio
-import importlib
 import os
 import sys
 import traceback
@@ -29,26 +27,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import DETAIL_CHARS, AgentFailed, ClientConfig, InfraError, Task
+from harness_adapters.lifecycle import Slots
+from harness_adapters.loading import load_object
 
 AgentFn = Callable[[Task, ClientConfig], Awaitable[float | None]]
 Isolation = Literal["none", "process"]
-
-
-def load_object(target: str, *, what: str = "agent") -> Any:
-    """Import ``package.module:attribute``; a readable ConfigError if it is not there."""
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{what} must look like 'package.module:function'; got {target!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {what} module {module_name!r}: {exc}") from None
-    obj = getattr(module, attr, None)
-    if not callable(obj):
-        raise ConfigError(f"{module_name!r} has no callable {attr!r}")
-    return obj
 
 
 def load_agent(target: str) -> AgentFn:
@@ -71,11 +56,13 @@ class PythonAdapter:
         if isolation not in ("none", "process"):
             raise ConfigError(f"isolation must be 'none' or 'process'; got {isolation!r}")
         self.isolation = isolation
-        self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self._slots = Slots(max_concurrency)
         if isolation == "process":
             if not isinstance(agent, str):
                 raise ConfigError("isolation='process' needs the agent as 'package.module:function'")
             load_agent(agent)  # fail now, not in every rollout
+            # Imported here, not at the top: the worker process imports this module, and the
+            # command adapter's imports (pydantic among them) would slow every rollout's start.
             from harness_adapters.command import CommandAdapter
 
             path = [str(Path.cwd()), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -94,8 +81,6 @@ class PythonAdapter:
             self.agent = load_agent(agent) if isinstance(agent, str) else agent
 
     async def run(self, task: Task, client: ClientConfig) -> float | None:
-        if self._slots is None:
-            return await self._run(task, client)
         async with self._slots:
             return await self._run(task, client)
 

@@ -24,9 +24,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import HarnessAdapter
-from harness_adapters.python import load_object
+from harness_adapters.loading import load_object
 
 ADAPTERS: dict[str, str] = {
     "command": "harness_adapters.command:CommandAdapter",

@@ -276,8 +276,8 @@ async def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from appliance.errors import ConfigError
-    from harness_adapters.python import load_object
+    from contracts.errors import ConfigError
+    from harness_adapters.loading import load_object
 
     parser = argparse.ArgumentParser(
         prog="python -m harness_adapters.runner",

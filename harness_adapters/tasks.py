@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import Task
 
 ID_FIELDS = ("id", "instance_id", "task_id")

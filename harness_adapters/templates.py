@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import Task
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

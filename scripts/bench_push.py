@@ -9,7 +9,7 @@ Push (for each trainer: ``torch``, the in-process ``PolicyTrainer``; ``verl xN``
   over the rank's pipe) then ``await engine.load_weights(state_dict, version)``;
 - **new**: ``await engine.load_weight_buckets(buckets, version)`` over the trainer's
   ``weight_buckets(bucket_bytes)``, each ``next`` in a worker thread, as
-  ``appliance.training.TrainingService`` does it (one reusable file in /dev/shm).
+  ``appliance.training.service.TrainingService`` does it (one reusable file in /dev/shm).
 
 Old and new alternate (new first), after one unmeasured push of each; the time is the median
 over ``--repeats``. While a push runs, a thread reads ``/proc/<pid>/status`` every 5 ms (VmRSS,
@@ -58,9 +58,9 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig
-from appliance.engines.buckets import WeightBucket
 from appliance.engines.models import resolve
 from appliance.engines.torch_engine import TorchEngine
+from trainer.buckets import WeightBucket
 from trainer.factory import make_trainer
 from trainer.items import Trainer, TrainItem
 from trainer.ranks import RankedTrainer

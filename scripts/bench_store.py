@@ -44,7 +44,7 @@ from typing import Any
 
 import aiosqlite
 
-from appliance.collector import GC_YOUNG_THRESHOLD, serving_collector
+from appliance.operations.collector import GC_YOUNG_THRESHOLD, serving_collector
 from store import (
     EventStore,
     LLMCallCompleted,
@@ -395,7 +395,7 @@ async def main() -> None:
         print(
             "(up-gc: the store again with Python's collector as a started appliance runs it:"
             " what exists then frozen, the youngest generation collected every"
-            f" {GC_YOUNG_THRESHOLD:,} allocations; appliance.collector)"
+            f" {GC_YOUNG_THRESHOLD:,} allocations; appliance.operations.collector)"
         )
         print("\nwhere the store's wall time goes (median over rounds):")
         for appenders in (64, 512):

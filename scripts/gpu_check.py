@@ -25,7 +25,7 @@ means not run, with ``reason``):
                       them for two hosts and connects them over sockets), gloo on CPU
     model             the model served and trained: built at random unless ``--model`` is given
                       (CUDA: a ~0.36B Qwen2 in bf16; CPU: the project's tiny model in fp32)
-    plan              ``appliance.preflight.check_placement`` on this machine (collocated)
+    plan              ``appliance.operations.preflight.check_placement`` on this machine (collocated)
     engine_start      the engine ``up`` would start (vLLM: its command line as the server got it:
                       ``dtype``, ``enforce_eager``, ``gpu_memory_utilization``, sleep mode)
     trainer_build     the verl trainer, built as ``up`` builds it: collocated on GPUs while the
@@ -715,7 +715,7 @@ async def run(check: Check) -> None:
     async def plan() -> dict[str, Any]:
         """The config as ``up`` would build it from flags, and its placement plan."""
         from appliance.config import build_config
-        from appliance.preflight import check_placement
+        from appliance.operations.preflight import check_placement
 
         config = build_config(
             {
@@ -917,7 +917,7 @@ class Cycles:
         trainer rank (``cycle_N/offload``), vLLM asleep (every sleep), vLLM's CUDA graphs (its
         log's "Graph capturing finished ..., took X GiB"). Measured on CUDA with vLLM only (the
         torch engine shares the trainer's process; on CPU memory is RSS)."""
-        from appliance.memory_model import GPU_CHECK_FIGURES
+        from appliance.placement.memory_model import GPU_CHECK_FIGURES
 
         allowances = {name: round(value / 2**20) for name, value in GPU_CHECK_FIGURES.items()}
         if self.config.device != "cuda" or self.config.engine.kind != "vllm":
@@ -933,7 +933,7 @@ class Cycles:
         }
         fields: dict[str, Any] = {"allowance_mib": allowances, "measured_mib": measured}
         over = [
-            f"{name}: {value} MiB measured, appliance/memory_model.py allows {allowances[name]} MiB"
+            f"{name}: {value} MiB measured, appliance/placement/memory_model.py allows {allowances[name]} MiB"
             for name, value in measured.items()
             if name in allowances and value is not None and value > allowances[name]
         ]
@@ -1027,7 +1027,7 @@ class Cycles:
         return fields
 
     async def push(self, version: int) -> dict[str, Any]:
-        from appliance.engines.buckets import stream_buckets
+        from trainer.buckets import stream_buckets
 
         count = 0
         trainer = self.check.trainer

@@ -7,7 +7,7 @@ imports and its peak RSS during the export (``VmRSS``; ``VmHWM``, reset after th
 beside the peak RSS of reading the whole log into one list (what an export that did not stream
 would hold at least). The figures in
 docs/benchmarks.md ("Dataset export memory") come from this script; it is a measurement, not a
-test (tests/appliance/test_dataset_export.py holds the fast check that memory does not grow
+test (tests/appliance/reporting/test_export.py holds the fast check that memory does not grow
 with the log).
 
     .venv/bin/python scripts/measure_export_memory.py [--events 100000] [--prompt 256] [--response 64]
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 _CHILD = """
 import json, sys, time
 from pathlib import Path
-from appliance.dataset_export import ExportFilter, export_dataset
+from appliance.reporting.export import ExportFilter, export_dataset
 from store.eventstore import read_events_sync
 
 def kib(field):  # this process's own figures (ru_maxrss would count the parent it forked from)

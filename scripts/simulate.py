@@ -1,7 +1,7 @@
 """Predict sync vs async vs split scheduling on a machine: seconds per step, GPU busy, speedup.
 
 Drives the scheduler's own ``decide`` in the discrete-event simulator
-(``appliance/scheduler/simulate.py``) for a SWE-agent-like long-tailed workload and a uniform one,
+(``appliance/scheduler/simulate/``) for a SWE-agent-like long-tailed workload and a uniform one,
 in sync mode and async mode at each staleness bound, and prints one table. With ``--split N``
 it compares the placements instead: every GPU collocated (sync, async) against N GPUs
 generating while the others train (split), side by side. Either way a second table says where
@@ -53,17 +53,21 @@ parser.add_argument(
 parser.add_argument("--min-generate-s", type=float, default=0.0, help="SchedulePolicy.min_generate_s")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--cost-json", type=Path, help="JSON object of CostModel fields (flags override it)")
-parser.add_argument("--tokens-per-s", type=float, help="peak aggregate decode tokens/s")
-parser.add_argument("--b-half", type=float, help="decoding sequences at half the peak")
-parser.add_argument("--prefill-tokens-per-s", type=float, help="aggregate prefill tokens/s")
-parser.add_argument("--train-step-s", type=float, help="fixed seconds per training step")
-parser.add_argument("--train-s-per-token", type=float, help="training seconds per trained token")
-parser.add_argument("--switch-s", type=float, help="seconds of each switch (both directions)")
-parser.add_argument("--switch-to-train-s", type=float, help="seconds of the switch to training")
-parser.add_argument("--switch-to-generate-s", type=float, help="seconds of the switch back")
-parser.add_argument("--push-s", type=float, help="seconds generation pauses per weight push (split)")
-parser.add_argument("--tp-exponent", type=float, help="a replica on t GPUs is t ** this as fast as one")
-parser.add_argument("--train-exponent", type=float, help="g GPUs train g ** this as fast as one")
+# The cost model's figures, each overriding the default and --cost-json.
+for flag, help_text in (
+    ("--tokens-per-s", "peak aggregate decode tokens/s"),
+    ("--b-half", "decoding sequences at half the peak"),
+    ("--prefill-tokens-per-s", "aggregate prefill tokens/s"),
+    ("--train-step-s", "fixed seconds per training step"),
+    ("--train-s-per-token", "training seconds per trained token"),
+    ("--switch-s", "seconds of each switch (both directions)"),
+    ("--switch-to-train-s", "seconds of the switch to training"),
+    ("--switch-to-generate-s", "seconds of the switch back"),
+    ("--push-s", "seconds generation pauses per weight push (split)"),
+    ("--tp-exponent", "a replica on t GPUs is t ** this as fast as one"),
+    ("--train-exponent", "g GPUs train g ** this as fast as one"),
+):
+    parser.add_argument(flag, type=float, help=help_text)
 parser.add_argument(
     "--keep-kv", action="store_true", help="running rollouts keep their KV cache over a switch or a push"
 )

@@ -1,7 +1,13 @@
 """The event store: an append-only, durable log of everything the appliance did.
 
-``events`` defines what can be logged, ``codec`` how an event becomes a row, ``eventstore`` the
-SQLite log itself, and ``projections`` the state folded from it. Import from here.
+``events`` defines what can be logged; ``codec`` how an event becomes a row (``packing`` its
+token ids as binary); ``eventstore`` the SQLite log itself (``schema`` the file's tables and
+migrations, ``writer`` the one thread that commits, ``reading`` rows back into events); and
+``projections`` and ``outcomes`` the state folded from it. Import from here.
+
+The bottom layer of what records a run: it may import only ``contracts`` (and the standard
+library, aiosqlite, orjson), never ``appliance``, ``tui``, ``trainer`` nor ``harness_adapters``,
+which all read and write through it.
 """
 
 from store.codec import StoredEvent, register_upcaster

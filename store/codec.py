@@ -1,9 +1,10 @@
 """Codec: one event <-> one row of the ``events`` table.
 
-Owns the row representation of an event (:class:`EncodedEvent`, :class:`StoredEvent`), the binary
-packing of token ids and log-probabilities, and the upcasters that bring old payloads up to the
-current class version. It does not own the event classes (``store.events``) nor the SQL
-(``store.eventstore``).
+Owns the row representation of an event (:class:`EncodedEvent`, :class:`StoredEvent`), its JSON,
+what a call's row shares with its rollout's previous call, the row checksums, and the upcasters
+that bring old payloads up to the current class version. It does not own the event classes
+(``store.events``), the binary packing of token ids and log-probabilities (``store.packing``)
+nor the SQL (``store.schema``, ``store.eventstore``).
 
 Layout of a row:
 
@@ -22,7 +23,7 @@ packed field must be added after the existing ones and have a default; old blobs
 
 Prefix sharing: a call's ``prompt_ids`` usually start with the previous call's prompt + response
 (same rollout). :func:`share_prefix` stores such a field as a reference instead: the count word
-gets :data:`SHARED_FLAG` set and is followed by the position of the earlier call and the shared
+gets :data:`store.packing.SHARED_FLAG` set and is followed by the position of the earlier call and the shared
 length, then only the new suffix. :func:`decode` rebuilds the field from the earlier call's
 :func:`prefix_source` (the store resolves the reference, see :func:`shared_prefix_ref`). Blobs
 written before this existed never set the flag (counts stay below 2**31).
@@ -47,13 +48,9 @@ digest (BLAKE2b, 16 bytes), so each digest covers the whole log up to its row.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import operator
 import struct
-import sys
-import typing
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -61,20 +58,15 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from appliance.errors import StoreError
-from store import events as _events
+from contracts.errors import StoreError
 from store.events import EVENT_TYPES, Event, JsonObject, LLMCallCompleted, TokenIds
+from store.packing import LAYOUTS, layout_of, pack, shared_position, unpack
 
 Upcaster = Callable[[JsonObject], JsonObject]
 
 #: (event type, stored version) -> function turning a payload of that version into the next one.
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 
-_COUNT = struct.Struct("<I")
-_NO_VALUES = _COUNT.pack(0)
-#: Set in a packed field's count word: the field is (earlier call's position, shared length, suffix).
-SHARED_FLAG = 0x8000_0000
-_REF = struct.Struct("<QI")
 #: Shorter common prefixes are stored whole (a reference costs 12 bytes, three tokens).
 MIN_SHARED_TOKENS = 8
 #: The one packed field stored with a shared prefix, per event type.
@@ -95,11 +87,6 @@ _ORJSON_STRICT = (
 _DIGEST_SIZE = 16
 _blake2b = hashlib.blake2b
 _ROW_HEADER = struct.Struct("<qqdIiII")
-_TYPECODES = {"TokenIds": "i", "Floats": "f"}  # int32 / float32 on every platform we run on
-assert array("i").itemsize == 4 and array("f").itemsize == 4
-_SWAP = sys.byteorder == "big"
-#: Fields of this many values or more are packed by ``struct`` (see :func:`_packed`).
-_STRUCT_FROM = 16
 
 
 class EncodedEvent(NamedTuple):
@@ -119,82 +106,6 @@ class StoredEvent:
 
     position: int
     event: Event
-
-
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """How the fields of one event class are split between ``data`` and ``blob``."""
-
-    packed: tuple[tuple[str, str], ...]  # (field name, typecode), in declared order
-    json_fields: tuple[str, ...]
-    tuple_fields: frozenset[str]  # JSON fields to turn back from lists into tuples
-    #: The values of ``json_fields`` and of the ``packed`` fields, each as one tuple (C getters).
-    json_values: Callable[[Event], tuple[Any, ...]]
-    packed_values: Callable[[Event], tuple[Any, ...]]
-
-    def payload(self, event: Event) -> dict[str, Any]:
-        """The JSON fields of ``event`` (``data`` before encoding), in declared order."""
-        return dict(zip(self.json_fields, self.json_values(event), strict=True))
-
-    def pack(self, event: Event) -> bytes:
-        """The blob of ``event`` with nothing shared (the common case of :func:`_pack`)."""
-        parts: list[bytes] = []
-        for (name, code), field in zip(self.packed, self.packed_values(event), strict=True):
-            if not field:
-                parts.append(_NO_VALUES)
-                continue
-            if len(field) >= SHARED_FLAG:
-                raise ValueError(f"field {name!r} has too many values ({len(field)})")
-            parts.append(_COUNT.pack(len(field)))
-            parts.append(_packed(code, field))
-        return b"".join(parts)
-
-
-_LAYOUTS: dict[type[Event], _Layout] = {}
-
-
-def _layout(cls: type[Event]) -> _Layout:
-    layout = _LAYOUTS.get(cls)
-    if layout is None:
-        layout = _LAYOUTS[cls] = _make_layout(cls)
-    return layout
-
-
-def _make_layout(cls: type[Event]) -> _Layout:
-    module = sys.modules.get(cls.__module__)
-    namespace = {**vars(_events), **(vars(module) if module else {})}
-    hints = typing.get_type_hints(cls, globalns=namespace)
-    packed: list[tuple[str, str]] = []
-    json_fields: list[str] = []
-    tuples: set[str] = set()
-    for f in dataclasses.fields(cls):
-        if f.name == "ts":
-            continue
-        # Annotations are strings (``from __future__ import annotations``): the alias name is what
-        # tells a packed field from any other tuple.
-        if isinstance(f.type, str) and f.type in _TYPECODES:
-            packed.append((f.name, _TYPECODES[f.type]))
-            continue
-        json_fields.append(f.name)
-        if typing.get_origin(hints[f.name]) is tuple:
-            tuples.add(f.name)
-    return _Layout(
-        tuple(packed),
-        tuple(json_fields),
-        frozenset(tuples),
-        _getter(json_fields),
-        _getter([name for name, _code in packed]),
-    )
-
-
-def _getter(names: Sequence[str]) -> Callable[[Event], tuple[Any, ...]]:
-    """A function returning the attributes ``names`` of an event as one tuple."""
-    if len(names) >= 2:
-        return operator.attrgetter(*names)
-    if names:
-        one = operator.attrgetter(names[0])
-        return lambda event: (one(event),)
-    return lambda event: ()
 
 
 def register_upcaster(type_name: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
@@ -219,7 +130,7 @@ def register_upcaster(type_name: str, from_version: int) -> Callable[[Upcaster],
 
 def encode(event: Event) -> EncodedEvent:
     """Split ``event`` into the columns of a row. Raises StoreError if it cannot be stored."""
-    layout = _LAYOUTS.get(type(event)) or _layout(type(event))
+    layout = LAYOUTS.get(type(event)) or layout_of(type(event))
     rollout = event.rollout_id
     try:
         data = _dumps(layout.payload(event))
@@ -292,7 +203,7 @@ def share_prefix(row: EncodedEvent, event: Event, position: int, source: TokenId
     shared = _common_prefix(getattr(event, name), source)
     if shared < MIN_SHARED_TOKENS:
         return row
-    blob = _pack(event, _layout(type(event)).packed, (name, position, shared))
+    blob = pack(event, layout_of(type(event)).packed, (name, position, shared))
     return row._replace(blob=blob)
 
 
@@ -303,13 +214,13 @@ def encode_shared(event: LLMCallCompleted, position: int, earlier: LLMCallComple
     packing or writing what is shared: its cost grows with the new tokens and messages, not
     with the conversation. Raises StoreError if the event cannot be stored.
     """
-    layout = _layout(LLMCallCompleted)
+    layout = layout_of(LLMCallCompleted)
     try:
         shared = _prefix_length(event.prompt_ids, earlier.prompt_ids, earlier.response_ids)
         data = _dumps(_shared_payload(event, position, earlier.request) or layout.payload(event))
         event.rollout.encode("utf-8")
         ref = ("prompt_ids", position, shared) if shared >= MIN_SHARED_TOKENS else None
-        blob = _pack(event, layout.packed, ref)
+        blob = pack(event, layout.packed, ref)
     except (TypeError, ValueError, OverflowError) as exc:
         raise StoreError(f"cannot encode {event.type} event: {exc}") from exc
     return EncodedEvent(event.type, event.version, event.rollout, event.ts, data, blob)
@@ -347,7 +258,7 @@ def _shared_payload(event: LLMCallCompleted, position: int, earlier: JsonObject)
     shared = _common_prefix(messages, before)
     if shared == 0:
         return None
-    payload: JsonObject = {REQUEST_REF: [position, key, shared], **_layout(LLMCallCompleted).payload(event)}
+    payload: JsonObject = {REQUEST_REF: [position, key, shared], **layout_of(LLMCallCompleted).payload(event)}
     payload["request"] = {**request, key: messages[shared:]}
     return payload
 
@@ -370,16 +281,7 @@ def shared_prefix_ref(type_name: str, blob: bytes) -> int | None:
     cls = EVENT_TYPES.get(type_name)
     if name is None or cls is None:
         return None
-    offset = 0
-    for field_name, code in _layout(cls).packed:
-        if offset == len(blob):
-            return None
-        (count,) = _COUNT.unpack_from(blob, offset)
-        offset += _COUNT.size
-        if count & SHARED_FLAG:
-            return int(_REF.unpack_from(blob, offset)[0]) if field_name == name else None
-        offset += count * array(code).itemsize
-    return None
+    return shared_position(blob, layout_of(cls).packed, name)
 
 
 def chain_digest(previous: bytes, position: int, row: EncodedEvent) -> bytes:
@@ -421,7 +323,7 @@ def decode(
         raise StoreError(
             f"{type_name} v{version} was written by a newer appliance (this one knows v{cls.version})"
         )
-    layout = _layout(cls)
+    layout = layout_of(cls)
     try:
         fields: dict[str, Any] = _loads(data)
         if REQUEST_REF in fields:
@@ -433,7 +335,7 @@ def decode(
             fields = upcaster(fields)
         for name in layout.tuple_fields & fields.keys():
             fields[name] = tuple(fields[name])
-        fields.update(_unpack(blob, layout.packed, prefix))
+        fields.update(unpack(blob, layout.packed, prefix))
         return cls(ts=ts, **fields)
     except (TypeError, ValueError, KeyError, struct.error) as exc:
         raise StoreError(f"cannot decode {type_name} v{version}: {exc}") from exc
@@ -445,7 +347,7 @@ def as_stored(event: Event, row: EncodedEvent) -> Event:
     rounded through float32 as stored), the messages its request shares from ``event``'s request,
     the rest from the row. Costs what is new in the row, not the conversation.
     """
-    layout = _layout(type(event))
+    layout = layout_of(type(event))
     try:
         fields: dict[str, Any] = _loads(row.data)
         ref = fields.pop(REQUEST_REF, None)
@@ -470,42 +372,6 @@ def _rebuild_request(ref: list[Any], stored: JsonObject, earlier: JsonObject | N
     return stored
 
 
-def _pack(event: Event, packed: tuple[tuple[str, str], ...], shared: tuple[str, int, int] | None) -> bytes:
-    """The blob of ``event``; ``shared`` = (field, earlier position, shared length) or None."""
-    parts: list[bytes] = []
-    for name, code in packed:
-        field = getattr(event, name)
-        flag, ref = 0, b""
-        if shared is not None and shared[0] == name:
-            _, position, length = shared
-            field = field[length:]
-            flag, ref = SHARED_FLAG, _REF.pack(position, length)
-        if len(field) >= SHARED_FLAG:
-            raise ValueError(f"field {name!r} has too many values ({len(field)})")
-        parts += (_COUNT.pack(len(field) | flag), ref, _packed(code, field))
-    return b"".join(parts)
-
-
-def _packed(code: str, field: Sequence[Any]) -> bytes:
-    """The values of ``field`` as little-endian int32 (``code`` "i") or float32 ("f").
-
-    ``struct`` packs a field of hundreds of values in 40-50% of ``array``'s time, one of a few
-    values in more: it is used from :data:`_STRUCT_FROM` values on. What it refuses (a value out
-    of range or not a number; a float beyond float32, which ``array`` stores as an infinity)
-    goes to ``array``, so the bytes and the errors are ``array``'s either way.
-    """
-    count = len(field)
-    if count >= _STRUCT_FROM:
-        try:
-            return struct.pack(f"<{count}{code}", *field)
-        except (struct.error, OverflowError):
-            pass
-    values = array(code, field)
-    if _SWAP:
-        values.byteswap()
-    return values.tobytes()
-
-
 def _common_prefix(values: Sequence[Any], source: Sequence[Any]) -> int:
     """Length of the longest common prefix, by bisection over slice comparisons (done in C)."""
     limit = min(len(values), len(source))
@@ -519,35 +385,3 @@ def _common_prefix(values: Sequence[Any], source: Sequence[Any]) -> int:
         else:
             high = middle
     return low
-
-
-def _unpack(
-    blob: bytes, packed: tuple[tuple[str, str], ...], prefix: TokenIds | None
-) -> dict[str, tuple[Any, ...]]:
-    out: dict[str, tuple[Any, ...]] = {}
-    offset = 0
-    for name, code in packed:
-        if offset == len(blob):
-            break  # written before this field existed: the dataclass default applies
-        (count,) = _COUNT.unpack_from(blob, offset)
-        offset += _COUNT.size
-        head: tuple[Any, ...] = ()
-        if count & SHARED_FLAG:
-            count &= ~SHARED_FLAG
-            position, length = _REF.unpack_from(blob, offset)
-            offset += _REF.size
-            if prefix is None or len(prefix) < length:
-                raise ValueError(f"field {name!r} shares {length} tokens with the event at {position}")
-            head = prefix[:length]
-        values = array(code)
-        end = offset + count * values.itemsize
-        if end > len(blob):
-            raise ValueError(f"blob too short for field {name!r}")
-        values.frombytes(blob[offset:end])
-        if _SWAP:
-            values.byteswap()
-        out[name] = head + tuple(values)
-        offset = end
-    if offset != len(blob):
-        raise ValueError(f"{len(blob) - offset} unexpected trailing bytes in blob")
-    return out

@@ -32,10 +32,12 @@ class Event:
     #: Seconds since the epoch at which the event was created (not when it became durable).
     ts: float
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, group: bool = False, **kwargs: Any) -> None:
         # Not bare ``super()``: its ``__class__`` cell names the class ``dataclass(slots=True)``
         # discarded, which the subclasses of the final ``Event`` do not derive from.
         super(Event, cls).__init_subclass__(**kwargs)
+        if group:  # fields that events share, not an event of its own: not registered
+            return
         name = cls.__dict__.get("type", cls.__name__)
         existing = EVENT_TYPES.get(name)
         # ``dataclass(slots=True)`` builds a second class with the same qualified name: that one
@@ -50,6 +52,54 @@ class Event:
         """The rollout this event belongs to, or None for run-level events."""
         value = getattr(self, "rollout", None)
         return value if isinstance(value, str) else None
+
+
+# --- field groups ------------------------------------------------------------------------------
+# Fields that several events share, each group defined once: an ``Event`` subclass made with
+# ``group=True`` (never registered nor logged) and no slots of its own (the event's
+# ``slots=True`` makes them). An event lists its groups as its bases, the group whose fields come
+# last first: its fields are ``ts``, the groups' in that order, then its own. That order is the
+# order of the keys in a stored event's JSON: a group never moves an event's field.
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OfRollout(Event, group=True):
+    """An event of one rollout."""
+
+    __slots__ = ()
+    rollout: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OfCall(_OfRollout, group=True):
+    """An event of one model call of a rollout."""
+
+    __slots__ = ()
+    call_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OfPolicy(Event, group=True):
+    """An event about the policy as it stands at a training step."""
+
+    __slots__ = ()
+    step: int
+    policy_version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Round(Event, group=True):
+    """The outcome of a round of rollouts sampled from one policy, with no training."""
+
+    __slots__ = ()
+    rollouts: tuple[str, ...]
+    #: Mean and standard deviation of the rewards of the rollouts that finished with one.
+    reward_mean: float
+    reward_std: float
+    #: Rollouts that failed or reported no reward (counted, not averaged in).
+    failed: int
+    #: The sampling parameters the round's calls were served with.
+    sampling: JsonObject = field(default_factory=dict)
 
 
 # --- run lifecycle -----------------------------------------------------------------------------
@@ -69,7 +119,7 @@ class ApplianceStarted(Event):
     config: JsonObject = field(default_factory=dict)
     #: Training worker processes this start trains with (1 in logs written before it existed).
     trainer_ranks: int = 1
-    #: The GPU placement this start runs with (``appliance.placement.Plan.to_json``: the GPUs of
+    #: The GPU placement this start runs with (``appliance.placement.plan.Plan.to_json``: the GPUs of
     #: each engine replica and of the trainer ranks, the memory figures, fits and why); empty in
     #: logs written before it existed, or when the model was not known before loading.
     placement: JsonObject = field(default_factory=dict)
@@ -110,10 +160,9 @@ class PhaseOverran(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RolloutCreated(Event):
+class RolloutCreated(_OfRollout):
     """A rollout was admitted: one run of the harness on one task."""
 
-    rollout: str
     task_id: str
     #: Rollouts of one group share a task and are compared with each other (GRPO).
     group: str
@@ -126,11 +175,9 @@ class RolloutCreated(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LLMCallCompleted(Event):
+class LLMCallCompleted(_OfCall):
     """One model call made by a harness through the proxy, with the exact tokens involved."""
 
-    rollout: str
-    call_id: str
     #: Which API surface the harness used ("openai.chat", ...).
     surface: str
     prompt_ids: TokenIds
@@ -176,13 +223,12 @@ class LLMCallCompleted(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ResponseStored(Event):
+class ResponseStored(_OfRollout):
     """A Responses call answered with ``store`` true (OpenAI's default): what ``GET
     /v1/responses/{id}``, its ``input_items`` and a later ``previous_response_id`` read, within
     the rollout that made it. Appended after the call's ``LLMCallCompleted`` and before the
     client hears the answer."""
 
-    rollout: str
     #: The response object exactly as the client received it (its ``id``, ``output`` items,
     #: ``previous_response_id``, ``usage``, ...).
     response: JsonObject
@@ -192,30 +238,26 @@ class ResponseStored(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ResponseDeleted(Event):
+class ResponseDeleted(_OfRollout):
     """``DELETE /v1/responses/{id}``: the response is no longer retrievable nor chained on (a
     response already chained on it keeps its input items)."""
 
-    rollout: str
     response_id: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RewardReported(Event):
+class RewardReported(_OfRollout):
     """A reward for a whole rollout (the last one reported counts)."""
 
-    rollout: str
     reward: float
     source: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CallRewardReported(Event):
+class CallRewardReported(_OfCall):
     """An intermediate reward for one call of a rollout (kept for analysis; the rollout's reward
     is still the last ``RewardReported``)."""
 
-    rollout: str
-    call_id: str
     reward: float
     source: str
     #: Optional label the reporter gave this signal ("tests_passed", "format", ...).
@@ -223,14 +265,13 @@ class CallRewardReported(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LLMCallRefused(Event):
+class LLMCallRefused(_OfRollout):
     """The proxy answered a model call of the rollout with an error instead of a completion (a
     prompt past the model's context, a malformed request, the engine unavailable, ...): nothing
     of it was sampled, so nothing of it can be trained on. Counted per rollout
     (``RolloutView.refused_calls``); a rollout whose calls were all refused, or more than
     ``max_refused_fraction`` of them, is failed with the refusal as its reason."""
 
-    rollout: str
     #: The route called, after the rollout's base URL ("/chat/completions", "/messages", ...).
     route: str
     #: The answer's HTTP status (200 when the error went out as an event of a stream already begun).
@@ -248,21 +289,18 @@ class LLMCallRefused(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RolloutFinished(Event):
+class RolloutFinished(_OfRollout):
     """The harness ended. ``status`` is "finished" or "failed"; a failure carries its reason."""
 
-    rollout: str
     status: str
     error: str = ""
     duration_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RolloutClaimed(Event):
+class RolloutClaimed(_OfRollout):
     """An external runner claimed the rollout (``POST /admin/rollouts``); until then, a rollout
     of the ``external`` adapter is offered, not running."""
-
-    rollout: str
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -319,45 +357,29 @@ class PolicyVersionPublished(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ValidationCompleted(Event):
+class ValidationCompleted(_Round, _OfPolicy):
     """A round of validation rollouts (evaluation sampling, held-out tasks) ended."""
 
-    step: int
-    policy_version: int
-    rollouts: tuple[str, ...]
-    #: Mean and standard deviation of the rewards of the rollouts that finished with one.
-    reward_mean: float
-    reward_std: float
-    #: Rollouts that failed or reported no reward (counted, not averaged in).
-    failed: int
-    #: The sampling parameters validation calls were served with.
-    sampling: JsonObject = field(default_factory=dict)
+
+@dataclass(frozen=True, kw_only=True)
+class _Evaluated(_OfPolicy, group=True):
+    """What an evaluation ran: the tasks of a split, each some times (before its outcome)."""
+
+    __slots__ = ()
+    split: str
+    repeat: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class EvaluationCompleted(Event):
+class EvaluationCompleted(_Round, _Evaluated):
     """An evaluation (``lightning-appliance eval``) ended: every task of ``split`` run ``repeat``
     times on the policy at ``policy_version``, with no training."""
 
-    step: int
-    policy_version: int
-    split: str
-    repeat: int
-    rollouts: tuple[str, ...]
-    #: Mean and standard deviation of the rewards of the rollouts that finished with one.
-    reward_mean: float
-    reward_std: float
-    #: Rollouts that failed or reported no reward (counted, not averaged in).
-    failed: int
-    sampling: JsonObject = field(default_factory=dict)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointSaved(Event):
+class CheckpointSaved(_OfPolicy):
     """A full checkpoint (model, optimizer, trainer state) is durable on disk."""
 
-    step: int
-    policy_version: int
     #: Relative to the run directory.
     path: str
     #: "periodic" (every N steps), "requested" (operator), or "shutdown".
@@ -365,11 +387,9 @@ class CheckpointSaved(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ModelExported(Event):
+class ModelExported(_OfPolicy):
     """The policy was exported as a Hugging Face model directory."""
 
-    step: int
-    policy_version: int
     path: str
 
 

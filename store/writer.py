@@ -2,8 +2,8 @@
 
 Owns the writer connection once the store is open, the position and checksum of the end of the
 log, and the rollouts' last calls that later calls share prefixes and requests with. It does not
-own the schema or the reads (``store.eventstore``) nor how an event becomes a row
-(``store.codec``).
+own the schema (``store.schema``), the reads (``store.eventstore``) nor how an event becomes a
+row (``store.codec``).
 
 The store hands over the appends of one turn of the event loop together; more queue up while a
 transaction is in flight. The thread takes everything queued (up to :data:`MAX_BATCH_EVENTS` per
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import StoreError, StoreFull
+from contracts.errors import StoreError, StoreFull
 from store.codec import EncodedEvent, chain_digest, encode, encode_shared
 from store.events import Event, LLMCallCompleted, RolloutFinished
 

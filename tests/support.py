@@ -8,7 +8,7 @@ from openai import AsyncOpenAI
 
 from appliance.app import Appliance
 from appliance.config import ApplianceConfig, load_config
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from store.events import LLMCallCompleted
 
 
@@ -23,7 +23,7 @@ def make_config(tmp_path: Path, model_dir: Path, **overrides: object) -> Applian
         "max_tokens": 8,
         # Always two calls per rollout (the default agent of `up` makes one or two).
         "agent": "harness_adapters.examples.arithmetic:agent",
-        # Validation rounds are tested on their own (tests/appliance/test_validation.py).
+        # Validation rounds are tested on their own (tests/appliance/rollouts/test_validation.py).
         "validate_every": 0,
     }
     values.update(overrides)

@@ -6,6 +6,11 @@
 transformers (several seconds). So this package resolves those names on first use:
 ``from trainer import Sample`` stays cheap, ``from trainer import PolicyTrainer`` pays for the
 heavy imports.
+
+May import: ``store`` (the recorded calls samples are built from) and ``contracts`` (the error
+base), nothing else of the project: the appliance drives the trainer (``appliance.training``),
+never the other way, and the weight-bucket format both sides read lives here
+(``trainer.buckets``).
 """
 
 from __future__ import annotations

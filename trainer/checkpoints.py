@@ -2,10 +2,11 @@
 
 Owns the checkpoint directory: the file format (``torch.save`` of a dict ``{version, step,
 model, optimizer}``, plus an optional ``trainer`` dict of backend state such as which backend
-wrote it), the names (``v{version:06d}.pt``), atomic writes and pruning; and the export of a
-final Hugging Face model directory (:func:`export_hf_model`). It does not own what is in the
-state dicts (the trainers) nor the event that announces a version (``PolicyVersionPublished``,
-whose ``checkpoint`` field is :meth:`CheckpointStore.relative_path`).
+wrote it), the names (``v{version:06d}.pt``; listed as ``trainer.versions.VersionStore`` lists
+any store's), atomic writes and pruning; and the export of a final Hugging Face model directory
+(:func:`export_hf_model`). It does not own what is in the state dicts (the trainers) nor the
+event that announces a version (``PolicyVersionPublished``, whose ``checkpoint`` field is
+:meth:`CheckpointStore.relative_path`).
 
 Three kinds of files. Two in the trainers' own format, fp32, so a trainer's ``save``/``load``
 serve both: full checkpoints (:class:`CheckpointStore`, ``checkpoints/v*.pt``) and per-version
@@ -17,7 +18,7 @@ holds each published version's weights in bf16 safetensors (a quarter of a full 
 size), for serving, loading into an engine or another tool, and backups; a store given one
 writes it beside each version it saves.
 
-What is kept is the training service's decision (``appliance.training``): a store never prunes
+What is kept is the training service's decision (``appliance.training.service``): a store never prunes
 a version in :attr:`CheckpointStore.needed` (the ones a restart of the run loads), so a version
 written by a step whose events are not durable yet never costs the one the log names.
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -39,13 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from appliance.errors import ApplianceError
+from contracts.errors import ApplianceError
+from trainer.versions import VersionStore, fsync_path
 
 if TYPE_CHECKING:
-    from appliance.engines.buckets import WeightBucket
+    from trainer.buckets import WeightBucket
 
-_NAME = re.compile(r"^v(\d{6,})\.pt$")
-_PUBLISHED_NAME = re.compile(r"^v(\d{6,})\.safetensors$")
 _TMP_SUFFIX = ".tmp"
 _KEYS = ("version", "step", "model", "optimizer")
 #: Size of the safetensors shards of an export written from buckets (``buckets_to_hf``).
@@ -58,28 +57,37 @@ class CheckpointError(ApplianceError):
     code = "checkpoint_error"
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` with ``torch.save`` to ``path`` atomically (see the module docstring)."""
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` the file it is given, a temporary sibling of ``path``, then fsync it and rename
+    it over ``path`` (see the module docstring); nothing is left behind if it fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
     try:
-        with tmp.open("wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fsync_path(tmp)
         tmp.replace(path)  # os.replace: atomic on POSIX
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    fsync_path(path.parent)
+
+
+def _open_directory(directory: Path) -> None:
+    """Create a store's directory; remove the leftovers of a write interrupted by a crash (never
+    complete, never referenced)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for leftover in directory.glob(f".v*{_TMP_SUFFIX}"):
+        leftover.unlink(missing_ok=True)
+
+
+def write_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` with ``torch.save`` to ``path`` atomically (see the module docstring)."""
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as f:
+            torch.save(payload, f)
+
+    _write_atomically(path, write)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
@@ -96,45 +104,19 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return payload
 
 
-class CheckpointStore:
+class CheckpointStore(VersionStore):
     """A directory of checkpoints ``v{version:06d}.pt``; keeps the newest ``keep`` versions and
     every version in :attr:`needed`. With ``published``, each version saved is also written
     there, in bf16 safetensors."""
 
+    suffix = ".pt"
+
     def __init__(self, directory: Path, keep: int = 3, *, published: PublishedWeights | None = None) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}")
-        self.directory = Path(directory)
-        self.keep = keep
+        super().__init__(directory, keep)
         self.published = published
         #: Versions never pruned (those a restart loads; set by the training service).
         self.needed: set[int] = set()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        # Leftovers of a write interrupted by a crash: never complete, never referenced.
-        for leftover in self.directory.glob(f".v*{_TMP_SUFFIX}"):
-            leftover.unlink(missing_ok=True)
-
-    def path(self, version: int) -> Path:
-        """Absolute path of a version's checkpoint (whether or not it exists)."""
-        if version < 0:
-            raise ValueError(f"a policy version is >= 0, got {version}")
-        return self.directory / f"v{version:06d}.pt"
-
-    def relative_path(self, version: int, start: Path | None = None) -> Path:
-        """A version's path relative to ``start`` (default: the directory holding ``directory``,
-        i.e. the run directory when checkpoints live in ``<run>/checkpoints``)."""
-        base = start if start is not None else self.directory.parent
-        return self.path(version).relative_to(base)
-
-    def versions(self) -> list[int]:
-        """Versions with a complete checkpoint on disk, ascending."""
-        found = (_NAME.match(p.name) for p in self.directory.iterdir())
-        return sorted(int(m.group(1)) for m in found if m is not None)
-
-    def latest(self) -> int | None:
-        """The newest version on disk, or None when there is none."""
-        versions = self.versions()
-        return versions[-1] if versions else None
+        _open_directory(self.directory)
 
     def save(
         self,
@@ -173,16 +155,6 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {path} records version {payload['version']}, not {version}")
         return payload
 
-    def discard_after(self, version: int) -> list[int]:
-        """Delete the versions newer than ``version`` (written by a step that crashed before its
-        events became durable: never published, and stale once the step is retried)."""
-        newer = [v for v in self.versions() if v > version]
-        for stale in newer:
-            self.path(stale).unlink(missing_ok=True)
-        if newer:
-            _fsync_directory(self.directory)
-        return newer
-
     def prune(self, keep: int | None = None) -> list[int]:
         """Delete all but the newest ``keep`` (None: :attr:`keep`; 0: none) versions and those
         in :attr:`needed`; returns the deleted."""
@@ -195,7 +167,7 @@ class CheckpointStore:
         for version in stale:
             self.path(version).unlink(missing_ok=True)
         if stale:
-            _fsync_directory(self.directory)
+            fsync_path(self.directory)
         return stale
 
 
@@ -240,7 +212,7 @@ class WeightsStore(CheckpointStore):
         return payload
 
 
-class PublishedWeights:
+class PublishedWeights(VersionStore):
     """Each published version's weights as one file ``v{version:06d}.safetensors``, cast to
     ``dtype`` (bf16: half of fp32), under the trainer's parameter names (Hugging Face's, for
     both backends' full state dicts); a tied weight is stored once, under its first name.
@@ -251,25 +223,12 @@ class PublishedWeights:
     files: they lose fp32's low bits.
     """
 
+    suffix = ".safetensors"
+
     def __init__(self, directory: Path, keep: int = 2, dtype: torch.dtype = torch.bfloat16) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}")
-        self.directory = Path(directory)
-        self.keep = keep
+        super().__init__(directory, keep)
         self.dtype = dtype
-        self.directory.mkdir(parents=True, exist_ok=True)
-        for leftover in self.directory.glob(f".v*{_TMP_SUFFIX}"):
-            leftover.unlink(missing_ok=True)
-
-    def path(self, version: int) -> Path:
-        if version < 0:
-            raise ValueError(f"a policy version is >= 0, got {version}")
-        return self.directory / f"v{version:06d}.safetensors"
-
-    def versions(self) -> list[int]:
-        """Versions with a complete file on disk, ascending."""
-        found = (_PUBLISHED_NAME.match(p.name) for p in self.directory.iterdir())
-        return sorted(int(m.group(1)) for m in found if m is not None)
+        _open_directory(self.directory)
 
     def save(self, version: int, model_state: Mapping[str, Any]) -> Path:
         """Write ``version``'s weights unless they are on disk already (a version's weights never
@@ -290,19 +249,8 @@ class PublishedWeights:
             seen.add(key)
             cast = value.detach().to(device="cpu", dtype=self.dtype if value.is_floating_point() else None)
             tensors[name] = cast.contiguous()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
-        try:
-            save_file(tensors, str(tmp), metadata={"format": "pt", "policy_version": str(version)})
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            tmp.replace(path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_directory(self.directory)
+        metadata = {"format": "pt", "policy_version": str(version)}
+        _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
         return path
 
     def load(self, version: int) -> dict[str, torch.Tensor]:
@@ -324,17 +272,8 @@ class PublishedWeights:
         for version in stale:
             self.path(version).unlink(missing_ok=True)
         if stale:
-            _fsync_directory(self.directory)
+            fsync_path(self.directory)
         return stale
-
-    def discard_after(self, version: int) -> list[int]:
-        """Delete the versions newer than ``version`` (never published)."""
-        newer = [v for v in self.versions() if v > version]
-        for stale in newer:
-            self.path(stale).unlink(missing_ok=True)
-        if newer:
-            _fsync_directory(self.directory)
-        return newer
 
 
 #: Files of a model directory that hold weights: never copied by :func:`export_hf_model` (the
@@ -363,7 +302,7 @@ def export_hf_model(save_pretrained: Callable[[Path], None], model_dir: Path, di
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_directory(directory.parent)
+    fsync_path(directory.parent)
     return directory
 
 
@@ -378,7 +317,7 @@ def buckets_to_hf(buckets: Iterable[WeightBucket]) -> Callable[[Path], None]:
     def save(target: Path) -> None:
         from safetensors.torch import save_file
 
-        from appliance.engines.buckets import bucket_tensors
+        from trainer.buckets import bucket_tensors
 
         weight_map: dict[str, str] = {}
         files: list[Path] = []

@@ -16,7 +16,7 @@ block is only handed back once no queued copy reads it), then ``torch.cuda.empty
 own FSDP worker ends its offload the same way. Off CUDA it does nothing.
 
 What is left on the GPU afterwards (CUDA context, NCCL buffers, what the allocator could not
-release) is ``appliance.memory_model.TRAINER_OFFLOADED``; it is not measured on a GPU yet.
+release) is ``appliance.placement.memory_model.TRAINER_OFFLOADED``; it is not measured on a GPU yet.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from trainer.checkpoints import CheckpointStore
 from trainer.samples import Overflow, Sample, truncate_sample
 
 if TYPE_CHECKING:
-    from appliance.engines.buckets import WeightBucket
+    from trainer.buckets import WeightBucket
     from trainer.sharded import ShardedStore
 
 
@@ -94,7 +94,7 @@ class StepOutput:
 
 @runtime_checkable
 class Trainer(Protocol):
-    """A trainable policy: the API ``appliance.training`` drives, whatever the backend."""
+    """A trainable policy: the API ``appliance.training.service`` drives, whatever the backend."""
 
     #: Optimizer steps taken (restored by ``load``; the training service may set it).
     global_step: int

@@ -2,7 +2,7 @@
 
 Owns :class:`PolicyTrainer`: loading the model (float32), the AdamW optimizer, the forward pass
 over :class:`~trainer.samples.Sample` token sequences, the optimizer step, the weights handed to
-the engine (whole, or streamed in buckets through ``appliance.engines.buckets``), offload/onload
+the engine (whole, or streamed in buckets through ``trainer.buckets``), offload/onload
 and the trainer's part of a checkpoint. It does not own which rollouts are trained on or when
 (the scheduler), the advantages (``trainer.advantage``), how samples are built
 (``trainer.samples``), the loss options (``trainer.losses``), the token weights
@@ -34,7 +34,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM
 
-from appliance.engines.buckets import WeightBucket, pack_buckets
+from trainer.buckets import WeightBucket, pack_buckets
 from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model
 from trainer.device_memory import release_cached
 from trainer.items import (
@@ -43,7 +43,6 @@ from trainer.items import (
     check_items,
     has_signal,
     reward_stats,
-    trainable_tokens,
     truncate_items,
 )
 from trainer.losses import (
@@ -57,14 +56,12 @@ from trainer.losses import (
     importance_weights,
     logprobs_from_logits,
 )
-from trainer.normalization import Normalization, check_normalization, sample_weights
-from trainer.samples import Overflow, Sample
+from trainer.normalization import Normalization, check_normalization
+from trainer.samples import Overflow
 from trainer.sharded import ShardedStore
+from trainer.step_plan import Row, weighted_rows
 
 __all__ = ["LossTotals", "PolicyTrainer", "StepOutput", "TrainItem"]
-
-#: One row of a micro-batch: a sample, its rollout's advantage, its per-token weight.
-_Row = tuple[Sample, float, float]
 
 
 @dataclass(slots=True)
@@ -182,25 +179,18 @@ class PolicyTrainer:
         """
         check_items(items)
         self.optimizer.zero_grad(set_to_none=True)
-        mode = check_normalization(normalization or self.normalization)
-        weights = sample_weights([it.samples for it in items], mode)
-        rows = [
-            (sample, it.advantage, w)
-            for it, row in zip(items, weights, strict=True)
-            for sample, w in zip(it.samples, row, strict=True)
-            if trainable_tokens(sample) > 0
-        ]
+        rows = weighted_rows(items, check_normalization(normalization or self.normalization))
         totals = LossTotals()
         for batch in self._microbatches(rows):
             self._accumulate(batch, totals)
         return totals
 
-    def _microbatches(self, rows: list[_Row]) -> list[list[_Row]]:
+    def _microbatches(self, rows: list[Row]) -> list[list[Row]]:
         """Pack rows into right-padded micro-batches of at most ``max_tokens_per_microbatch``
         padded tokens (a longer sample gets a batch of its own). Longest first, so each batch's
         rows have similar lengths and little padding."""
         ordered = sorted(rows, key=lambda row: len(row[0].tokens), reverse=True)
-        batches: list[list[_Row]] = []
+        batches: list[list[Row]] = []
         for row in ordered:
             # Within a batch the first row is the longest, so the padded size is rows * its length.
             if batches and (len(batches[-1]) + 1) * len(batches[-1][0][0].tokens) <= (
@@ -211,7 +201,7 @@ class PolicyTrainer:
                 batches.append([row])
         return batches
 
-    def _accumulate(self, batch: list[_Row], totals: LossTotals) -> None:
+    def _accumulate(self, batch: list[Row], totals: LossTotals) -> None:
         """Forward one micro-batch, backpropagate its share of the loss, add up its metrics."""
         b, length = len(batch), max(len(s.tokens) for s, _, _ in batch)
         # Right padding: pad positions come after every real token, so causal attention keeps

@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance.errors import ApplianceError
+from contracts.errors import ApplianceError
 from trainer.checkpoints import CheckpointStore
 from trainer.sharded import ShardedStore
 from trainer.step_plan import RankStep
 from trainer.weight_group import GroupSpec
 
 if TYPE_CHECKING:
-    from appliance.engines.buckets import WeightBucket
+    from trainer.buckets import WeightBucket
 
 
 class TrainerRankFailed(ApplianceError):

@@ -17,7 +17,7 @@ push over the weight group, within the group's timeout plus a margin) fails the 
 :class:`~trainer.rank_rpc.TrainerRankFailed` and every rank is stopped (a rank that raised
 inside a collective leaves the others waiting in it; they are killed, not waited for). The
 group must then be restarted (:meth:`RankedTrainer.restart`), and the caller loads the last
-published version into it (``appliance.training.TrainingService``).
+published version into it (``appliance.training.service.TrainingService``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from trainer.step_plan import RankResult, finish, plan_step, shard
 from trainer.weight_group import GroupSpec
 
 if TYPE_CHECKING:
-    from appliance.engines.buckets import WeightBucket
+    from trainer.buckets import WeightBucket
 
 log = logging.getLogger(__name__)
 

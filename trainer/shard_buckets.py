@@ -2,7 +2,7 @@
 
 Owns :func:`sharded_buckets`. FSDP2 shards each parameter along its first dimension, so a rank's
 local shard is a contiguous run of rows of the whole tensor, and in a row-major bucket file a
-contiguous run of bytes. Every rank computes the same layout (``appliance.engines.buckets``'s
+contiguous run of bytes. Every rank computes the same layout (``trainer.buckets``'s
 format: the whole tensors in order, each at a multiple of ``ALIGN``, a new bucket when the next
 would not fit) from the global shapes alone, maps the one file rank 0 created, and copies its
 rows to their place: nothing is gathered, no rank ever holds more than its shards, and the
@@ -11,7 +11,7 @@ bucket on, and nobody overwrites it before the consumer is done (rank 0 resumes 
 
 A tensor that is not sharded by rows (a replicated buffer, or another placement) is gathered
 (``full_tensor``, a collective every rank makes in the same order) and written by rank 0.
-It does not own the bucket format or the consumers (``appliance.engines.buckets``, the
+It does not own the bucket format or the consumers (``trainer.buckets``, the
 engines), nor which tensors are pushed (``trainer.verl_backend``).
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from appliance.engines.buckets import BucketBuffer, TensorEntry, WeightBucket, aligned, dtype_name
+from trainer.buckets import BucketBuffer, TensorEntry, WeightBucket, aligned, dtype_name
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,9 @@
 
 Owns :class:`StepPlan` (items -> mini-batches of weighted rows, and which of them train),
 :func:`plan_step`, :func:`shard` (one rank's share of each mini-batch, :class:`RankStep`) and
-:func:`finish` (the ranks' :class:`RankResult` -> one :class:`~trainer.items.StepOutput`). It is
-light (no verl, no model): the driver plans in the appliance's process, each rank runs its share
+:func:`finish` (the ranks' :class:`RankResult` -> one :class:`~trainer.items.StepOutput`), and
+:func:`weighted_rows`, by which the torch backend weighs its rows too. It is light (no verl, no
+model): the driver plans in the appliance's process, each rank runs its share
 (``trainer.verl_backend.VerlFSDPTrainer.run_step``), and a world-size-1 trainer does all three.
 
 Why the plan is made once. Every decision that makes ranks call collectives (whether a
@@ -85,6 +86,18 @@ class RankResult:
     step: int
 
 
+def weighted_rows(items: Sequence[TrainItem], normalization: Normalization) -> list[Row]:
+    """The rows of ``items``: each sample with a trainable token, its rollout's advantage and
+    its per-token weight (``sample_weights`` over ``items``)."""
+    weights = sample_weights([it.samples for it in items], normalization)
+    return [
+        (sample, it.advantage, w)
+        for it, row in zip(items, weights, strict=True)
+        for sample, w in zip(it.samples, row, strict=True)
+        if trainable_tokens(sample) > 0
+    ]
+
+
 def plan_step(
     items: Sequence[TrainItem],
     *,
@@ -100,17 +113,7 @@ def plan_step(
     items = _truncate_items(items, max_sample_tokens, overflow)
     chunks = [list(items[i::mini_batches]) for i in range(mini_batches)]
     chunks = [chunk for chunk in chunks if chunk]
-    minibatches: list[tuple[Row, ...]] = []
-    for chunk in chunks:
-        weights = sample_weights([it.samples for it in chunk], normalization)
-        minibatches.append(
-            tuple(
-                (sample, it.advantage, w)
-                for it, row in zip(chunk, weights, strict=True)
-                for sample, w in zip(it.samples, row, strict=True)
-                if trainable_tokens(sample) > 0
-            )
-        )
+    minibatches = [tuple(weighted_rows(chunk, normalization)) for chunk in chunks]
     reward_mean, reward_std = reward_stats(items)
     return StepPlan(
         minibatches=tuple(minibatches),

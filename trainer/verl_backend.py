@@ -1,11 +1,12 @@
 """The verl backend: policy updates on verl 0.9.1's FSDP engine, with the PolicyTrainer API.
 
-Owns :class:`VerlFSDPTrainer`: building verl's ``FSDPEngineWithLMHead`` (FSDP2) for the policy
-(and for a reference model when there is a KL term), one step = one or more ``train_batch`` calls
-with verl's ``ppo_loss``, offload/onload, checkpoints, the weights for the engine and the HF
-export. It does not own the batch layout or the loss function (``trainer.verl_batch``), the
-loss options (``trainer.losses``), the process-wide setup (``trainer.verl_runtime``), nor
-anything the plain-torch backend (``trainer.policy``) owns for itself.
+Owns :class:`VerlFSDPTrainer`: verl's ``FSDPEngineWithLMHead`` (FSDP2) for the policy (and for a
+reference model when there is a KL term), one step = one or more ``train_batch`` calls with
+verl's ``ppo_loss``, offload/onload, checkpoints, the weights for the engine and the HF export.
+It does not own building the engine and reading its tensors whole (``trainer.verl_engine``), the
+batch layout or the loss function (``trainer.verl_batch``), the loss options
+(``trainer.losses``), the process-wide setup (``trainer.verl_runtime``), nor anything the
+plain-torch backend (``trainer.policy``) owns for itself.
 
 One code path for CPU and GPU: on CPU the engine runs on gloo (a CPU platform registered with
 verl, fp32); on CUDA on NCCL with FSDP2 mixed precision (bf16 compute, fp32 master weights and
@@ -31,11 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
-import logging
 import math
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -49,7 +47,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from trainer.checkpoints import (
     EXPORT_BUCKET_BYTES,
@@ -66,77 +63,15 @@ from trainer.samples import Overflow
 from trainer.sharded import ShardedStore
 from trainer.step_plan import RankResult, RankStats, RankStep, Row, StepPlan, finish, plan_step, shard
 from trainer.verl_batch import build_batch, response_values, step_loss
-from trainer.verl_lora import adapter_name, merge_lora_stream
+from trainer.verl_engine import adapter_tensors, build_engine, full_tensors, unique_state
+from trainer.verl_lora import merge_lora_stream
 from trainer.verl_runtime import ensure_runtime
 from trainer.weight_group import GroupSpec, WeightGroup, group_buckets
 
 if TYPE_CHECKING:
-    from appliance.engines.buckets import WeightBucket
+    from trainer.buckets import WeightBucket
 
-log = logging.getLogger(__name__)
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """verl prints progress (memory, model size) and warns about engines it cannot import while
-    an engine is built; that goes to the debug log instead of the appliance's output. (Both
-    redirections are process-wide, so this wraps only engine construction, done once at start.)"""
-    buffer = io.StringIO()
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(buffer):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        if buffer.getvalue():
-            log.debug("verl: %s", buffer.getvalue().strip())
-
-
-def _build_engine(model_dir: Path, *, lr: float, weight_decay: float, grad_clip: float, **kw: Any) -> Any:
-    """One verl ``FSDPEngineWithLMHead``, initialized. ``kw``: lora_rank, lora_alpha,
-    param_dtype, gradient_checkpointing, remove_padding, max_token_len, param_offload."""
-    with _quiet():
-        from verl.trainer.config import CheckpointConfig
-        from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-        model_config = HFModelConfig(
-            path=str(model_dir),
-            load_tokenizer=False,
-            override_config={"attn_implementation": "sdpa"},
-            use_remove_padding=kw["remove_padding"],
-            enable_gradient_checkpointing=kw["gradient_checkpointing"],
-            lora_rank=kw["lora_rank"],
-            lora_alpha=kw["lora_alpha"],
-            target_modules="all-linear",
-        )
-        dtype = kw["param_dtype"]
-        engine_config = FSDPEngineConfig(
-            strategy="fsdp2",
-            model_dtype="fp32",  # master weights; compute dtype is the mixed-precision policy's
-            mixed_precision={"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-            use_torch_compile=False,
-            use_dynamic_bsz=True,
-            max_token_len_per_gpu=kw["max_token_len"],
-            infer_max_token_len_per_gpu=kw["max_token_len"],
-            param_offload=kw["param_offload"],
-            optimizer_offload=kw["param_offload"],
-        )
-        optimizer_config = FSDPOptimizerConfig(
-            lr=lr, weight_decay=weight_decay, clip_grad=grad_clip, total_training_steps=1
-        )
-        engine: Any = FSDPEngineWithLMHead(
-            model_config=model_config,
-            engine_config=engine_config,
-            optimizer_config=optimizer_config,
-            checkpoint_config=CheckpointConfig(),
-        )
-        # The same random initialization (LoRA's A matrices) in every process and on every rank:
-        # seeded, without disturbing the caller's random state.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            engine.initialize()
-    return engine
 
 
 class VerlFSDPTrainer:
@@ -210,13 +145,13 @@ class VerlFSDPTrainer:
             "remove_padding": remove_padding,
             "max_token_len": max_tokens_per_microbatch,
         }
-        self.engine: Any = _build_engine(self.model_dir, param_offload=False, **engine_kw)
+        self.engine: Any = build_engine(self.model_dir, param_offload=False, **engine_kw)
         self._tied = bool(getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False))
         # The reference: LoRA's base model (adapters off) or a frozen copy that lives in host
         # memory between uses (verl's param_offload loads it around each forward).
         self._ref_engine: Any = None
         if kl_coef > 0 and lora_rank == 0:
-            self._ref_engine = _build_engine(self.model_dir, param_offload=True, **engine_kw)
+            self._ref_engine = build_engine(self.model_dir, param_offload=True, **engine_kw)
 
     # --- the step ------------------------------------------------------------------------------
 
@@ -356,35 +291,10 @@ class VerlFSDPTrainer:
             if was_offloaded:
                 self.offload()
 
-    def _unique_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The module's state dict (sharded DTensors as they are), each tensor once under its
-        first name: tied embeddings share one."""
-        seen: set[int] = set()
-        for name, value in self.engine.module.state_dict().items():
-            if id(value) not in seen:
-                seen.add(id(value))
-                yield name, value
-
-    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's tensors, whole, the module's own names, read where the parameters are
-        (no onload: an offloaded trainer is read from host memory); tensors that share storage
-        (tied embeddings) come once, under their first name.
-
-        A collective at world size > 1: every rank must iterate it to the end, in step (each
-        sharded parameter is all-gathered in turn). At world size 1 the local shard is the whole
-        tensor and nothing is gathered.
-        """
-        for name, value in self._unique_state():
-            if isinstance(value, DTensor):
-                whole = value.to_local() if self.world_size == 1 else value.full_tensor()
-            else:
-                whole = value
-            yield name, whole.detach()
-
     def _engine_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """:meth:`_full_tensors` as the engine's model names them: LoRA merged into the base
+        """``full_tensors`` as the engine's model names them: LoRA merged into the base
         weights (one layer at a time), a tied LM head left out."""
-        tensors = self._full_tensors()
+        tensors = full_tensors(self.engine.module, self.world_size)
         if self.lora_rank > 0:
             tensors = merge_lora_stream(tensors, alpha=self.lora_alpha, rank=self.lora_rank)
         for name, tensor in tensors:
@@ -403,16 +313,7 @@ class VerlFSDPTrainer:
         return state
 
     def _adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The LoRA adapters, whole, named for the engine (``<module>.lora_A.weight``, see
-        ``appliance.engines.buckets.LoraAdapter``); base weights are neither read nor gathered.
-        A collective at world size > 1 (each adapter is all-gathered in turn)."""
-        for name, value in self._unique_state():
-            if ".lora_A." not in name and ".lora_B." not in name:
-                continue
-            whole = value.full_tensor() if isinstance(value, DTensor) and self.world_size > 1 else value
-            if isinstance(whole, DTensor):
-                whole = whole.to_local()
-            yield adapter_name(name), whole.detach()
+        return adapter_tensors(self.engine.module, self.world_size)
 
     def weight_buckets(
         self,
@@ -424,7 +325,7 @@ class VerlFSDPTrainer:
         via_group: bool = False,
     ) -> Iterator[WeightBucket]:
         """What the engine needs of this version, packed into buckets of about ``bucket_bytes``
-        (``appliance.engines.buckets``), never the whole model at once: with LoRA the adapters
+        (``trainer.buckets``), never the whole model at once: with LoRA the adapters
         alone (buckets marked with their ``LoraAdapter``; the engine keeps its base weights),
         unless ``merged``; otherwise (or ``merged``) the weights as :meth:`state_dict_for_engine`
         names them, a tied LM head left out. A collective at world size > 1: every rank iterates
@@ -433,7 +334,7 @@ class VerlFSDPTrainer:
         ``via_group``: whole weights broadcast over the weight group rank 0 hosts
         (:meth:`host_weight_group`, ``trainer.weight_group``) from a buffer on the training
         device, gathered for rank 0; adapters (small) still go through a file."""
-        from appliance.engines.buckets import LoraAdapter, pack_buckets
+        from trainer.buckets import LoraAdapter, pack_buckets
 
         adapters = self.lora_rank > 0 and not merged
         if via_group and not adapters:
@@ -445,7 +346,7 @@ class VerlFSDPTrainer:
 
             tensors = [
                 (name, value)
-                for name, value in self._unique_state()
+                for name, value in unique_state(self.engine.module)
                 if not (self._tied and name == "lm_head.weight")
             ]
             yield from sharded_buckets(tensors, bucket_bytes=bucket_bytes, directory=directory, dtype=dtype)

@@ -24,7 +24,7 @@ _PREFIX = re.compile(r"^(base_model\.model\.|base_model\.)")
 def adapter_name(name: str) -> str:
     """A peft adapter parameter's name as a push names it: ``base_model.model.model.layers.0.mlp.
     up_proj.lora_A.default.weight`` -> ``model.layers.0.mlp.up_proj.lora_A.weight`` (the base
-    model's module, see ``appliance.engines.buckets.LoraAdapter``)."""
+    model's module, see ``trainer.buckets.LoraAdapter``)."""
     for kind in ("lora_A", "lora_B"):
         marker = f".{kind}."
         if marker in name:

@@ -3,10 +3,10 @@
 Owns :class:`GroupSpec` (where and how the group meets), :class:`WeightGroup` (rank 0's side:
 it hosts the rendezvous store, is rank 0 of the group and connects it) and
 :func:`group_buckets` (a push's tensors packed into one reusable buffer on rank 0's device and
-broadcast, a bucket at a time, in ``appliance.engines.buckets``' layout). The workers' side is
+broadcast, a bucket at a time, in ``trainer.buckets``' layout). The workers' side is
 ``appliance.engines.vllm_worker``'s ``appliance_join_group`` / ``appliance_receive_bucket``
 (which repeats the join's few steps: it imports nothing from here); who joins when is
-``appliance.training``'s.
+``appliance.training.service``'s.
 
 Why: with the split placement the trainer's GPUs are not vLLM's, and a bucket written to
 ``/dev/shm`` crosses the host twice (device -> shared memory -> device). Over NCCL it goes GPU
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from appliance.engines.buckets import TensorEntry, WeightBucket, aligned, dtype_name
+from trainer.buckets import TensorEntry, WeightBucket, lay_out
 
 #: ``torch.distributed``'s store and process-group classes (not in its type stubs' exports).
 _dist: Any = torch.distributed
@@ -135,7 +135,7 @@ def group_buckets(
     device: torch.device,
     dtype: torch.dtype | None = None,
 ) -> Iterator[WeightBucket]:
-    """``appliance.engines.buckets.pack_buckets``' buckets (the same layout, ``path`` empty and
+    """``trainer.buckets.pack_buckets``' buckets (the same layout, ``path`` empty and
     ``via_group`` set), each broadcast from a buffer on ``device`` while it is handed on: the
     broadcast is started (the group is connected: the call returns at once), the bucket yielded
     (the consumer has the workers receive it), and once the consumer resumes the generator the
@@ -146,25 +146,22 @@ def group_buckets(
     buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
     timeout = timedelta(seconds=group.spec.timeout_s)
     entries: list[TensorEntry] = []
-    used = index = 0
+    index = 0
 
     def send(last: bool) -> Iterator[WeightBucket]:
-        work = group.broadcast(buffer[: max(used, 1)])
-        yield WeightBucket("", tuple(entries), index, last, via_group=True)
+        bucket = WeightBucket("", tuple(entries), index, last, via_group=True)
+        work = group.broadcast(buffer[: max(bucket.end, 1)])
+        yield bucket
         work.wait(timeout)
 
-    for name, tensor in tensors:
-        source = tensor.detach()
-        target = dtype if dtype is not None and source.is_floating_point() else source.dtype
-        nbytes = source.numel() * target.itemsize
-        offset = aligned(used)
-        if entries and offset + nbytes > bucket_bytes:
+    for source, target, entry, new_bucket in lay_out(tensors, bucket_bytes=bucket_bytes, dtype=dtype):
+        if new_bucket:
             yield from send(last=False)
-            entries, used, index, offset = [], 0, index + 1, 0
-        if offset + nbytes > buffer.numel():
-            buffer = torch.empty(offset + nbytes, dtype=torch.uint8, device=device)
-        destination = buffer[offset : offset + nbytes].view(target).view(source.shape)
+            entries, index = [], index + 1
+        end = entry.offset + entry.nbytes
+        if end > buffer.numel():
+            buffer = torch.empty(end, dtype=torch.uint8, device=device)
+        destination = buffer[entry.offset : end].view(target).view(source.shape)
         destination.copy_(source)
-        entries.append(TensorEntry(name, dtype_name(target), tuple(source.shape), offset, nbytes))
-        used = offset + nbytes
+        entries.append(entry)
     yield from send(last=True)

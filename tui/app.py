@@ -26,7 +26,7 @@ from textual.css.query import NoMatches
 from textual.widget import Widget
 from textual.widgets import Header, Input, TabbedContent, TabPane
 
-from appliance.errors import ApplianceError
+from contracts.errors import ApplianceError
 from tui.detail import Decoder, rollout_detail, tokenizer_decoder
 from tui.messages import ControlFailed, ControlSent, EventsApplied, RolloutSelected, SourceFailed
 from tui.model import DashboardModel

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -175,13 +176,20 @@ def tokenizer_decoder(
             base / "models" / name for name in (model_name, model) if isinstance(name, str) and name
         ]
     for directory in candidates:
-        if not (directory / "tokenizer.json").is_file():
+        path = directory / "tokenizer.json"
+        if not path.is_file():
             continue
         try:
-            from appliance.chat.tokenizer import Tokenizer
+            from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_model_dir(directory)
+            tokenizer = Tokenizer.from_file(str(path))
         except Exception:  # a broken or foreign tokenizer: fall back to recorded text
             continue
-        return lambda ids: tokenizer.decode(list(ids))
+        return partial(_decode, tokenizer)
     return None
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """``ids`` as text, special tokens included (as the appliance's own tokenizer decodes)."""
+    text: str = tokenizer.decode(list(ids), skip_special_tokens=False)
+    return text

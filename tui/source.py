@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from appliance.errors import ApplianceError, StoreError
+from contracts.errors import ApplianceError, StoreError
 from store.codec import StoredEvent, decode
 from store.events import LLMCallCompleted
 from store.eventstore import read_calls_sync, read_events_sync

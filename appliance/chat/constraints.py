@@ -25,7 +25,7 @@ from typing import Any
 from appliance.chat.schemas import no_finite_value
 from appliance.chat.template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from appliance.engines.constraints import Constraint, check_constraint
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 #: llguidance's JSON options (``x-guidance``): the compact form ``json.dumps`` writes.
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -17,7 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -202,14 +202,19 @@ def _exact(value: Any) -> bool:
     return False
 
 
-def tools_from_openai(raw: Any) -> list[dict[str, Any]]:
-    """Validate an OpenAI ``tools`` array; the function schemas are rendered as given."""
+def tool_array(raw: Any) -> list[Any]:
+    """A request's ``tools``: its array, [] when absent (``BadRequest`` if it is not an array)."""
     if raw is None:
         return []
     if not isinstance(raw, list):
         raise BadRequest("'tools' must be an array", param="tools")
+    return raw
+
+
+def tools_from_openai(raw: Any) -> list[dict[str, Any]]:
+    """Validate an OpenAI ``tools`` array; the function schemas are rendered as given."""
     tools: list[dict[str, Any]] = []
-    for i, tool in enumerate(raw):
+    for i, tool in enumerate(tool_array(raw)):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRequest(f"tools[{i}] needs a function with a name", param=f"tools[{i}]")

@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 from appliance.chat.template import ENDOFTEXT, IM_END
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 
 
 class Tokenizer:

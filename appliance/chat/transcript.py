@@ -22,7 +22,7 @@ from appliance.chat.formats import CHATML, ChatFormat
 from appliance.chat.messages import Message, MessageMemo
 from appliance.chat.render import Conversation, RenderedPrompt
 from appliance.chat.tokenizer import Tokenizer
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 
 @dataclass(slots=True)

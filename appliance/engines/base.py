@@ -18,9 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from appliance.engines.buckets import WeightBucket
 from appliance.engines.constraints import Constraint, check_constraint
-from appliance.errors import BadRequest, ContextTooLong
+from contracts.errors import BadRequest, ContextTooLong
+from trainer.buckets import WeightBucket
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

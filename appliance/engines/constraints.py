@@ -29,7 +29,7 @@ from typing import Any
 import llguidance
 import torch
 
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from appliance.engines.vllm_engine import VLLMEngine
 # light to import: ``lightning-appliance doctor`` uses it); re-exported here for callers.
 from appliance.engines.vllm_process import PROJECT_ROOT as PROJECT_ROOT
 from appliance.engines.vllm_process import vllm_python as vllm_python
-from appliance.errors import ConfigError
-from appliance.memory_model import MAX_UTILIZATION
+from appliance.placement.memory_model import MAX_UTILIZATION
+from contracts.errors import ConfigError
 
 
 def create_engine(

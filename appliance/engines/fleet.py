@@ -20,7 +20,7 @@ engine (the proxy answers a retryable 503), its rollout loses the replica, and t
 down; its next call goes elsewhere (a cold prefix cache there: only slower).
 
 Weights: every replica gets every push. The trainer's bucket stream can be read once, and each
-bucket lives in a file the next bucket overwrites (``appliance.engines.buckets``), so the tee
+bucket lives in a file the next bucket overwrites (``trainer.buckets``), so the tee
 offers a bucket to every replica and reads the next only once each has asked for it (or closed
 its stream, or ended). A replica that fails does not hold up the others: its stream is dropped
 and the push goes on without it. Afterwards the fleet serves ``version`` if any replica took it;
@@ -49,8 +49,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, WeightGroupMember
-from appliance.engines.buckets import WeightBucket, close_stream
-from appliance.errors import EngineUnavailable
+from contracts.errors import EngineUnavailable
+from trainer.buckets import WeightBucket, close_stream
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

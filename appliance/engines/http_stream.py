@@ -11,7 +11,7 @@ connection, which makes vLLM abort the request. A request on a kept-alive connec
 server closed before answering is sent again once on a new one. What goes wrong on the wire is
 ``EngineUnavailable`` (retryable); an answer with a 4xx status is ``BadRequest``. Every other
 call to the server (JSON routes, weight pushes) goes through ``ServerClient`` in
-``appliance.engines.vllm_process``.
+``appliance.engines.vllm_client``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import orjson
 
-from appliance.errors import BadRequest, EngineUnavailable
+from contracts.errors import BadRequest, EngineUnavailable
 
 #: Bytes read ahead of the consumer before the connection stops reading.
 READ_AHEAD = 1 << 20

@@ -8,7 +8,7 @@ checking it against the served model (``check_adapter``), serving it on a torch 
 ``(alpha / rank) * B (A x)``, the computation peft's LoRA layer makes while training, so the
 engine's log-probs are the trainer's), and the files vLLM loads an adapter from
 (``write_peft_adapter``, ``vllm_max_lora_rank``). The wire format itself (``LoraAdapter``, entry
-names) is ``appliance.engines.buckets``'s; when to load what is the engines'.
+names) is ``trainer.buckets``'s; when to load what is the engines'.
 
 Why adapters alone: a LoRA run never changes the base weights, so a push of a 7B model's
 adapters (rank 16: ~40 MB) replaces a push of its merged weights (14 GB in bf16), and the
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from appliance.engines.buckets import LoraAdapter, WeightBucket, adapter_pairs, bucket_tensors
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
+from trainer.buckets import LoraAdapter, WeightBucket, adapter_pairs, bucket_tensors
 
 #: The ranks vLLM accepts as ``--max-lora-rank`` (its ``MaxLoRARanks``).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

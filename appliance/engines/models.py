@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from appliance.chat.formats import detect_format
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -3,7 +3,7 @@
 Owns ``ApplianceWorkerExtension``, the ``--worker-extension-cls`` vLLM mixes into each worker, so
 that ``POST /collective_rpc`` can call its methods: ``appliance_reload_weights`` (a whole
 safetensors directory), ``appliance_load_bucket`` / ``appliance_abort_buckets`` (a push streamed
-in buckets, see ``appliance.engines.buckets``) and ``appliance_weight_digests`` (what the served
+in buckets, see ``trainer.buckets``) and ``appliance_weight_digests`` (what the served
 model computes with, for tests and diagnosis). It imports nothing from the appliance (the file is
 copied next to the server and put on its ``PYTHONPATH`` alone; the bucket layout is therefore
 read here by its own few lines) and nothing from vLLM at import time, so it type-checks without
@@ -220,7 +220,7 @@ class ApplianceWorkerExtension:
 
 def tensor_views(raw: Any, entries: list[list[Any]]) -> Iterator[tuple[str, Any]]:
     """Zero-copy views of ``entries`` in the bytes ``raw`` (as
-    ``appliance.engines.buckets.bucket_tensors`` makes them)."""
+    ``trainer.buckets.bucket_tensors`` makes them)."""
     import torch
 
     for name, dtype, shape, offset, nbytes in entries:

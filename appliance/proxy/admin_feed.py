@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import BadRequest
 from appliance.proxy.http import CALLS, check_admin
+from contracts.errors import BadRequest
 from store.codec import StoredEvent, encode
 
 #: Most events one request returns (a client pages with ``after``).

@@ -34,11 +34,11 @@ from aiohttp import web
 
 from appliance.chat.messages import Message, ToolCall
 from appliance.engines.base import SEED_MAX
-from appliance.errors import ApplianceError, BadRequest
 from appliance.proxy import validate
 from appliance.proxy.driver import handler
 from appliance.proxy.http import ProxySettings, add_post, anthropic_client, json_body, rollout_of
 from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started, Structure
+from contracts.errors import ApplianceError, BadRequest
 
 SURFACE = "anthropic.messages"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

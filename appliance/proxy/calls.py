@@ -27,9 +27,9 @@ from appliance.chat.template import TOOL_CALL_OPEN
 from appliance.chat.tokenizer import IncrementalDecoder, Tokenizer
 from appliance.chat.tools import parse_assistant
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from appliance.errors import ApplianceError, ContextTooLong, EngineUnavailable
 from appliance.proxy.gate import ServingGate
-from appliance.rollouts import DEFAULT_ROLLOUT, ActiveRollout
+from appliance.rollouts.registry import DEFAULT_ROLLOUT, ActiveRollout
+from contracts.errors import ApplianceError, ContextTooLong, EngineUnavailable
 from store.events import LLMCallCompleted
 from store.eventstore import EventStore
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import BadRequest, NotFound
 from appliance.proxy.http import CALLS, check_admin, json_body
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
+from contracts.errors import BadRequest, NotFound
 from store.events import CallRewardReported, ControlRequested, LLMCallCompleted
 from store.projections import RunState
 

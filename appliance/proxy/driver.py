@@ -27,7 +27,6 @@ from appliance.chat.messages import reading_conversation
 from appliance.chat.template import TOOL_CALL_OPEN
 from appliance.chat.tokenizer import Tokenizer
 from appliance.engines.constraints import Constraint
-from appliance.errors import ApplianceError
 from appliance.proxy.calls import CallOutcome, CallService, PreparedCall
 from appliance.proxy.http import (
     CALLS,
@@ -50,7 +49,8 @@ from appliance.proxy.pipeline import (
     TokenLogprob,
 )
 from appliance.proxy.refusals import note as note_refusal
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
+from contracts.errors import ApplianceError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import contextlib
 from dataclasses import dataclass
 
 from appliance.engines.base import GenerateResult
-from appliance.errors import EngineUnavailable
+from contracts.errors import EngineUnavailable
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from appliance.errors import BadRequest, Overloaded, Unauthorized
-from appliance.health import Health
+from appliance.operations.health import Health
 from appliance.proxy.calls import CallService
-from appliance.rollouts import DEFAULT_ROLLOUT, ActiveRollout, RolloutRegistry
+from appliance.rollouts.registry import DEFAULT_ROLLOUT, ActiveRollout, RolloutRegistry
+from contracts.errors import BadRequest, Overloaded, Unauthorized
 from store.codec import INEXACT_FROM
 
 if TYPE_CHECKING:

@@ -17,7 +17,6 @@ from typing import Any
 from aiohttp import web
 
 from appliance.chat.messages import assistant_to_openai, messages_from_openai, tools_from_openai
-from appliance.errors import ApplianceError, BadRequest
 from appliance.proxy.driver import handler
 from appliance.proxy.http import ProxySettings, add_post
 from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started, TokenLogprob
@@ -26,18 +25,16 @@ from appliance.proxy.validate import (
     flag,
     forced_tool,
     include_usage,
-    number,
+    openai_sampling,
     output_format,
     positive_int,
     refuse_distribution_changes,
     required_str,
-    sampling_for,
-    seed,
     shown,
     stop_strings,
-    top_k,
     top_logprobs,
 )
+from contracts.errors import ApplianceError, BadRequest
 
 SURFACE = "openai.chat"
 MAX_N = 16
@@ -71,14 +68,8 @@ class ChatSurface:
         tools = [] if tool_choice == "none" else declared
         legacy = positive_int(body, "max_tokens")  # deprecated by OpenAI; still checked
         max_tokens = positive_int(body, "max_completion_tokens") or legacy
-        params = sampling_for(
-            settings,
-            max_tokens=max_tokens,
-            temperature=number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=number(body, "top_p", 1.0, 0.0, 1.0),
-            seed=seed(body),
-            top_logprobs=(top or 0) if logprobs else 0,
-            top_k=top_k(body),
+        params = openai_sampling(
+            settings, body, max_tokens=max_tokens, top_logprobs=(top or 0) if logprobs else 0
         )
         return CallRequest(
             surface=SURFACE,
@@ -123,7 +114,18 @@ class ChatSurface:
         return ChatChunks(request, started.call_id, hold_space=bool(tools))
 
 
-class ChatChunks:
+class OpenAIStreamEnd:
+    """How an OpenAI stream ends, chat or completions alike: an error after the headers went out
+    is an ``error`` event, and the stream closes with ``[DONE]``."""
+
+    def failed(self, error: ApplianceError) -> list[Event]:
+        return [(None, {"error": error.openai_error()})]
+
+    def trailer(self) -> list[Event]:
+        return [(None, "[DONE]")]
+
+
+class ChatChunks(OpenAIStreamEnd):
     """One streamed choice as ``chat.completion.chunk`` events, then ``[DONE]``."""
 
     def __init__(self, request: CallRequest, call_id: str, *, hold_space: bool = False) -> None:
@@ -188,12 +190,6 @@ class ChatChunks:
             usage = _usage(answer.prompt_tokens, answer.completion_tokens)
             events.append((None, {**self.base, "choices": [], "usage": usage}))
         return events
-
-    def failed(self, error: ApplianceError) -> list[Event]:
-        return [(None, {"error": error.openai_error()})]
-
-    def trailer(self) -> list[Event]:
-        return [(None, "[DONE]")]
 
 
 def _tools_and_choice(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:

@@ -17,24 +17,22 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import ApplianceError, BadRequest
 from appliance.proxy.driver import handler
 from appliance.proxy.http import ProxySettings, add_post
+from appliance.proxy.openai_chat import OpenAIStreamEnd
 from appliance.proxy.pipeline import Answer, CallRequest, Event, Started, TextPrompt, TokenLogprob
 from appliance.proxy.validate import (
     fits_context,
     flag,
     include_usage,
-    number,
+    openai_sampling,
     optional_int,
     positive_int,
     refuse_distribution_changes,
     required_str,
-    sampling_for,
-    seed,
     stop_strings,
-    top_k,
 )
+from contracts.errors import BadRequest
 
 SURFACE = "openai.completions"
 MAX_CHOICES = 16
@@ -109,15 +107,7 @@ class CompletionsSurface:
         _refuse_suffix(body)
         max_tokens = positive_int(body, "max_tokens", lo=0)
         refuse_distribution_changes(body)
-        params = sampling_for(
-            settings,
-            max_tokens=max_tokens,
-            temperature=number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=number(body, "top_p", 1.0, 0.0, 1.0),
-            seed=seed(body),
-            top_logprobs=logprobs or 0,
-            top_k=top_k(body),
-        )
+        params = openai_sampling(settings, body, max_tokens=max_tokens, top_logprobs=logprobs or 0)
         return CallRequest(
             surface=SURFACE,
             model=model,
@@ -192,7 +182,7 @@ def _top(entry: TokenLogprob, first_prompt_token: bool) -> dict[str, float] | No
     return None if first_prompt_token else dict(entry.top)
 
 
-class CompletionChunks:
+class CompletionChunks(OpenAIStreamEnd):
     """One streamed choice as ``text_completion`` events (the echoed prompt first), then ``[DONE]``."""
 
     def __init__(self, request: CallRequest, call_id: str, echo: str | None) -> None:
@@ -224,12 +214,6 @@ class CompletionChunks:
             }
             events.append((None, {**self.base, "choices": [], "usage": usage}))
         return events
-
-    def failed(self, error: ApplianceError) -> list[Event]:
-        return [(None, {"error": error.openai_error()})]
-
-    def trailer(self) -> list[Event]:
-        return [(None, "[DONE]")]
 
 
 def add_routes(app: web.Application) -> None:

@@ -4,11 +4,12 @@ Owns the conversion between Responses bodies and the call pipeline
 (``appliance.proxy.pipeline``): ``instructions`` and ``input`` items (messages, ``function_call``,
 ``function_call_output``; ``reasoning`` items are dropped) become internal messages, function
 tools become chat-style tool schemas, and the outcome becomes a ``response`` object (a message
-item, then one ``function_call`` item per tool call) or its numbered event stream. As with
-OpenAI, a completion cut at ``max_output_tokens`` is ``status: "incomplete"`` and its stream ends
-with ``response.incomplete``; an error after the stream began is sent as an ``error`` event.
-Every field the response object repeats (``truncation``, ``metadata``, ``user``, ...) is
-validated against the values the API allows, so a client's ``Response`` model parses the answer.
+item, then one ``function_call`` item per tool call) or its numbered event stream, both shaped
+by ``responses_output``. As with OpenAI, a completion cut at ``max_output_tokens`` is
+``status: "incomplete"`` and its stream ends with ``response.incomplete``; an error after the
+stream began is sent as an ``error`` event. Every field the response object repeats
+(``truncation``, ``metadata``, ``user``, ...) is validated against the values the API allows,
+so a client's ``Response`` model parses the answer.
 
 As with OpenAI, a response is stored unless ``store`` is false (``response_store`` keeps it in
 the rollout's events before the client hears it), and a request with ``previous_response_id``
@@ -31,13 +32,13 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.chat.messages import Message, ToolCall, tools_from_openai
-from appliance.errors import ApplianceError, BadRequest
+from appliance.chat.messages import Message, ToolCall, tool_array, tools_from_openai
 from appliance.proxy import response_store
 from appliance.proxy.driver import serve
 from appliance.proxy.http import ProxySettings, add_post, json_body, rollout_of
-from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started
+from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Started
 from appliance.proxy.response_store import RESPONSES, PreviousResponseNotFound, input_items
+from appliance.proxy.responses_output import ResponseEvents, output_items, response_object
 from appliance.proxy.validate import (
     fits_context,
     flag,
@@ -50,6 +51,7 @@ from appliance.proxy.validate import (
     shown,
     top_logprobs,
 )
+from contracts.errors import BadRequest
 
 SURFACE = "openai.responses"
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -155,12 +157,8 @@ def _read_items(out: list[Message], items: Sequence[Any], name: str) -> None:
 
 def tools_from_responses(raw: Any) -> list[dict[str, Any]]:
     """Responses function tools (flat) as the chat-style schemas the renderer shows the model."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise BadRequest("'tools' must be an array", param="tools")
     chat: list[dict[str, Any]] = []
-    for i, tool in enumerate(raw):
+    for i, tool in enumerate(tool_array(raw)):
         tool = tool if isinstance(tool, Mapping) else {}
         kind = tool.get("type")
         if kind != "function":
@@ -323,17 +321,6 @@ def _parse(
     )
 
 
-def _message_item(
-    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    content = [] if text is None else [_text_part(text, logprobs)]
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
-
-
-def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
 def _include(value: Any) -> list[str]:
     """``include``: a list of strings (what else to return); only ``LOGPROBS`` changes anything
     here (the other values name outputs of OpenAI's hosted tools, which the proxy has none of)."""
@@ -342,75 +329,6 @@ def _include(value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise BadRequest("'include' must be an array of strings", param="include")
     return value
-
-
-def _logprobs(answer: Answer, *, with_bytes: bool = True) -> list[dict[str, Any]]:
-    """The sampled tokens' log-probs in the Responses shape (``include`` asked for them): an
-    output text part's entries carry each token's UTF-8 ``bytes``, a text event's do not."""
-
-    def entry(token: str, logprob: float | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"token": token, "logprob": logprob}
-        if with_bytes:
-            out["bytes"] = list(token.encode())
-        return out
-
-    return [
-        {**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
-        for e in answer.logprobs or ()
-    ]
-
-
-def _call_item(item_id: str, call: ToolCall, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def _shows_message(answer: Answer) -> bool:
-    """The message item is left out only when the turn is tool calls without any text."""
-    return bool(answer.message.content) or not answer.message.tool_calls
-
-
-def _output(answer: Answer) -> list[dict[str, Any]]:
-    message = answer.message
-    items = [_message_item("msg_" + answer.call_id, message.content, "completed", _logprobs(answer))]
-    calls = [
-        _call_item(f"fc_{answer.call_id}_{i}", c, c.arguments, "completed")
-        for i, c in enumerate(message.tool_calls)
-    ]
-    return (items if _shows_message(answer) else []) + calls
-
-
-def _response(
-    call_id: str, echo: Mapping[str, Any], output: list[dict[str, Any]], answer: Answer | None
-) -> dict[str, Any]:
-    status, usage = "in_progress", None
-    if answer is not None:
-        status = "incomplete" if answer.truncated else "completed"
-        generated = answer.completion_tokens
-        usage = {
-            "input_tokens": answer.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": generated,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": answer.prompt_tokens + generated,
-        }
-    return {
-        "id": "resp_" + call_id,
-        "object": "response",
-        **echo,
-        "status": status,
-        "completed_at": int(time.time()) if answer is not None else None,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "error": None,
-        "output": output,
-        "usage": usage,
-    }
 
 
 class ResponsesSurface:
@@ -430,7 +348,7 @@ class ResponsesSurface:
         """The finished response object of ``answer`` (made once)."""
         made = self.answered.get(answer.call_id)
         if made is None:
-            made = _response(answer.call_id, request.options["echo"], _output(answer), answer)
+            made = response_object(answer.call_id, request.options["echo"], output_items(answer), answer)
             self.answered[answer.call_id] = made
         return made
 
@@ -443,131 +361,6 @@ class ResponsesSurface:
         tools = prompt.tools if isinstance(prompt, ChatPrompt) else ()
         echo = request.options["echo"]
         return ResponseEvents(started.call_id, echo, hold_space=bool(tools), answered=self.answered)
-
-
-class ResponseEvents:
-    """One call as the Responses event sequence, numbering every event."""
-
-    def __init__(
-        self,
-        call_id: str,
-        echo: Mapping[str, Any],
-        *,
-        hold_space: bool,
-        answered: Mapping[str, dict[str, Any]] | None = None,
-    ) -> None:
-        self.call_id, self.echo = call_id, echo
-        #: Response objects already made (and stored): the stream ends with the one stored.
-        self.answered = {} if answered is None else answered
-        self.sequence = 0
-        self.message_id = "msg_" + call_id
-        self.message_open = False
-        self.sent = ""  # text sent as deltas
-        # With tools declared, the text before a tool call loses its trailing whitespace: that
-        # waits until more text follows (or the end), so the deltas add up to the final text.
-        self.strip = hold_space
-        self.held = ""
-
-    def _event(self, kind: str, **fields: Any) -> Event:
-        event = (kind, {"type": kind, "sequence_number": self.sequence, **fields})
-        self.sequence += 1
-        return event
-
-    def _open_message(self) -> list[Event]:
-        if self.message_open:
-            return []
-        self.message_open = True
-        return [
-            self._event(
-                "response.output_item.added",
-                output_index=0,
-                item=_message_item(self.message_id, None, "in_progress"),
-            ),
-            self._event(
-                "response.content_part.added",
-                item_id=self.message_id,
-                output_index=0,
-                content_index=0,
-                part=_text_part(""),
-            ),
-        ]
-
-    def _delta(self, text: str) -> list[Event]:
-        events = self._open_message()
-        events.append(
-            self._event(
-                "response.output_text.delta",
-                item_id=self.message_id,
-                output_index=0,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
-        )
-        self.sent += text
-        return events
-
-    def opening(self) -> list[Event]:
-        started = _response(self.call_id, self.echo, [], None)
-        return [
-            self._event("response.created", response=started),
-            self._event("response.in_progress", response=started),
-        ]
-
-    def text(self, delta: str) -> list[Event]:
-        if not self.strip:
-            return self._delta(delta)
-        self.held += delta
-        text = self.held.rstrip()
-        if not text:
-            return []
-        self.held = self.held[len(text) :]
-        return self._delta(text)
-
-    def closing(self, answer: Answer) -> list[Event]:
-        events: list[Event] = []
-        output: list[dict[str, Any]] = []
-        content = answer.message.content
-        if self.message_open or _shows_message(answer):
-            events += self._open_message()
-            if content.startswith(self.sent) and len(content) > len(self.sent):
-                events += self._delta(content[len(self.sent) :])
-            where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-            # Every log-prob arrives with the text's end (the deltas carry none).
-            logprobs = _logprobs(answer)
-            plain = _logprobs(answer, with_bytes=False)
-            events.append(self._event("response.output_text.done", **where, text=content, logprobs=plain))
-            part = _text_part(content, logprobs)
-            events.append(self._event("response.content_part.done", **where, part=part))
-            output.append(_message_item(self.message_id, content, "completed", logprobs))
-            events.append(self._event("response.output_item.done", output_index=0, item=output[-1]))
-        for i, call in enumerate(answer.message.tool_calls):
-            index, item_id = len(output), f"fc_{answer.call_id}_{i}"
-            events.append(
-                self._event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item=_call_item(item_id, call, "", "in_progress"),
-                )
-            )
-            where = {"item_id": item_id, "output_index": index}
-            events.append(
-                self._event("response.function_call_arguments.delta", **where, delta=call.arguments)
-            )
-            events.append(
-                self._event("response.function_call_arguments.done", **where, arguments=call.arguments)
-            )
-            output.append(_call_item(item_id, call, call.arguments, "completed"))
-            events.append(self._event("response.output_item.done", output_index=index, item=output[-1]))
-        final = self.answered.get(answer.call_id) or _response(answer.call_id, self.echo, output, answer)
-        events.append(self._event(f"response.{final['status']}", response=final))
-        return events
-
-    def failed(self, error: ApplianceError) -> list[Event]:
-        return [self._event("error", code=error.code, message=error.message, param=error.param)]
-
-    def trailer(self) -> list[Event]:
-        return []
 
 
 async def _create(request: web.Request) -> web.StreamResponse:

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from appliance.chat.messages import Message
 from appliance.engines.base import SamplingParams
-from appliance.errors import ApplianceError
 from appliance.proxy.http import ProxySettings
+from contracts.errors import ApplianceError
 
 
 @dataclass(frozen=True, slots=True)

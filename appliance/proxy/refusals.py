@@ -5,7 +5,7 @@ that fails after its headers in ``driver``) it is noted on the request (:func:`n
 outermost middleware (:func:`middleware`) records it once the answer is built, before a whole
 answer is sent, so a harness never sees a refusal the log does not hold. It also counts the
 refusal on the live rollout (``ActiveRollout.refused``), which the rollout controller reads when
-the agent ends (``appliance.controller.calls_verdict``).
+the agent ends (``appliance.rollouts.controller.calls_verdict``).
 
 Recorded: model calls (``MODEL_CALL_ROUTES``, POST) of a rollout whose key was accepted. Not
 recorded: the rollout-less ``/v1`` routes, a request refused before its rollout was known (a
@@ -20,9 +20,9 @@ import time
 
 from aiohttp import web
 
-from appliance.errors import ApplianceError
 from appliance.proxy.http import CALLS, PREFIXES, Handler, authorised_rollout
-from appliance.rollouts import DEFAULT_ROLLOUT
+from appliance.rollouts.registry import DEFAULT_ROLLOUT
+from contracts.errors import ApplianceError
 from store.events import LLMCallRefused
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import BadRequest, NotFound
 from appliance.proxy.http import CALLS, PREFIXES, add_get, json_answer, rollout_of
 from appliance.proxy.validate import shown
+from contracts.errors import BadRequest, NotFound
 from store.events import JsonObject, ResponseDeleted, ResponseStored
 from store.eventstore import EventStore
 

@@ -1,6 +1,6 @@
 """External runners over HTTP: claiming a rollout, its heartbeats, and its end.
 
-Owns three routes' logic (the board behind them is ``appliance.external_runners``):
+Owns three routes' logic (the board behind them is ``appliance.rollouts.external``):
 
 * ``POST /admin/rollouts`` (admin token), body ``{}`` (the oldest offered rollout) or
   ``{"task": {...}}`` (a rollout of a group on this task, queued ahead of the task set): answers
@@ -29,10 +29,10 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.errors import BadRequest, Conflict, Unauthorized
-from appliance.external_runners import RunnerBoard, task_from
 from appliance.proxy.http import CALLS, REGISTRY, SETTINGS, check_admin, json_body, request_token
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.external import RunnerBoard, task_from
+from appliance.rollouts.registry import ActiveRollout
+from contracts.errors import BadRequest, Conflict, Unauthorized
 from store.events import RolloutClaimed
 
 #: The board of the ``external`` adapter, set by the appliance; absent when it runs its own agents.

@@ -24,8 +24,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from appliance.errors import ApplianceError, BadRequest, HTTPError, ModelNotFound
-from appliance.health import Health
+from appliance.operations.health import Health
 from appliance.proxy import (
     admin_feed,
     anthropic_messages,
@@ -52,7 +51,8 @@ from appliance.proxy.http import (
     json_body,
     rollout_of,
 )
-from appliance.rollouts import RolloutRegistry
+from appliance.rollouts.registry import RolloutRegistry
+from contracts.errors import ApplianceError, BadRequest, HTTPError, ModelNotFound
 from store.events import RewardReported
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from appliance.engines.base import (
     SEED_MIN,
     SamplingParams,
 )
-from appliance.errors import BadRequest
 from appliance.proxy.http import ProxySettings
 from appliance.proxy.pipeline import Structure
+from contracts.errors import BadRequest
 
 
 def shown(value: Any, limit: int = 40) -> str:
@@ -209,6 +209,22 @@ def sampling_for(
         seed=seed,
         top_logprobs=top_logprobs,
         top_k=top_k,
+    )
+
+
+def openai_sampling(
+    settings: ProxySettings, body: dict[str, Any], *, max_tokens: int | None, top_logprobs: int
+) -> SamplingParams:
+    """The sampling fields OpenAI's Chat Completions and Completions read alike: ``temperature``
+    (0 to 2), ``top_p``, ``seed`` and vLLM's ``top_k``."""
+    return sampling_for(
+        settings,
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=number(body, "top_p", 1.0, 0.0, 1.0),
+        seed=seed(body),
+        top_logprobs=top_logprobs,
+        top_k=top_k(body),
     )
 
 

@@ -1,7 +1,7 @@
 """The external runners test's agent: one chat call with the official openai client, a reward.
 
 Run by ``python -m harness_adapters.runner --agent tests.appliance.external_agent:agent`` in
-processes of their own (``tests/appliance/test_external_runners.py``). A plain function, so the
+processes of their own (``tests/appliance/rollouts/test_external.py``). A plain function, so the
 runner calls it in a thread and heartbeats go on meanwhile. The reward varies with the sampled
 text (1 for the right sum, else a little for brevity), so a group of the tiny model's answers is
 rarely all alike.

@@ -13,14 +13,14 @@ import torch
 
 from appliance.app import Appliance
 from appliance.chat.render import GENERATION_PROMPT
-from appliance.collector import GC_YOUNG_THRESHOLD
 from appliance.engines.base import GenerateRequest, GenerateResult
-from appliance.engines.buckets import WeightBucket
-from appliance.errors import BadRequest
+from appliance.operations.collector import GC_YOUNG_THRESHOLD
+from contracts.errors import BadRequest
 from store.events import LLMCallCompleted, PolicyVersionPublished, RewardReported, TrainStepCompleted
 from store.eventstore import EventStore
 from store.projections import RunState
 from tests.support import make_config
+from trainer.buckets import WeightBucket
 from trainer.samples import build_samples
 
 
@@ -177,11 +177,11 @@ async def test_collocated_on_gpus_the_trainer_loads_while_the_engine_sleeps(
     fp32 weights overcommit a collocated GPU. With a collocated GPU plan (the CPU standing in
     for the GPU) the engine sleeps while the trainer is built and restored, and wakes only once
     the trainer has offloaded; the restored version is pushed after that."""
-    from appliance import preflight
     from appliance.engines.torch_engine import TorchEngine
-    from appliance.memory_model import ModelSpec
-    from appliance.placement import Machine, PlacementSettings, plan
-    from appliance.training import TrainingService
+    from appliance.operations import preflight
+    from appliance.placement.memory_model import ModelSpec
+    from appliance.placement.plan import Machine, PlacementSettings, plan
+    from appliance.training.service import TrainingService
     from trainer.policy import PolicyTrainer
 
     async with Appliance(make_config(tmp_path, tiny_model_dir, max_steps=1)) as app:

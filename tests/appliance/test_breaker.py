@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from appliance.app import Appliance
-from appliance.cli import EXIT_RUN_FAILED, _up
+from appliance.cli.up import EXIT_RUN_FAILED, _up
 from store.events import AdmissionsPaused, ApplianceStarted, ApplianceStopped, RolloutCreated
 from store.eventstore import EventStore
 from tests.appliance.appliance_process import up

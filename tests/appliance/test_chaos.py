@@ -45,7 +45,7 @@ import httpx
 import pytest
 from openai import APIConnectionError, APIStatusError, OpenAI
 
-from appliance.preflight import LOCK_NAME
+from appliance.operations.preflight import LOCK_NAME
 from store.codec import EncodedEvent, encode
 from store.events import (
     AdmissionsPaused,

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from appliance.app import Appliance
-from appliance.cli import _eval, main, progress_line
+from appliance.cli import main
+from appliance.cli.evaluate import _eval
+from appliance.cli.up import progress_line
 from appliance.config import ApplianceConfig
-from appliance.evaluation import evaluation_tasks
+from appliance.rollouts.evaluation import evaluation_tasks
 from harness_adapters.base import ClientConfig, Task
 from harness_adapters.python import PythonAdapter
 from store.events import (

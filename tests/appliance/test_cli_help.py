@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from appliance.cli import _parser, main
+from appliance.cli import main
+from appliance.cli.entry import _parser
 from appliance.config import config_keys, load_config
 
 ENV_NOTE = re.compile(r" \(env (APPLIANCE_[A-Z0-9_]+)\)$")

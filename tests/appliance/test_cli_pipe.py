@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.cli import EXIT_CLOSED_STDOUT
+from appliance.cli.entry import EXIT_CLOSED_STDOUT
 from store.events import Event, TrainStepCompleted
 from tests.tui.run_events import run_events, write_run
 

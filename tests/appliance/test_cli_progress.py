@@ -10,7 +10,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from appliance.app import Appliance
-from appliance.cli import loss_text, main, progress_line, status_report
+from appliance.cli import main
+from appliance.cli.common import loss_text
+from appliance.cli.status import status_report
+from appliance.cli.up import progress_line
 from harness_adapters.base import ClientConfig, Task
 from harness_adapters.python import PythonAdapter
 from store.events import LLMCallCompleted, RewardReported, RolloutCreated, RolloutFinished, TrainStepCompleted

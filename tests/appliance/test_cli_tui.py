@@ -24,7 +24,7 @@ def test_tui_url_needs_a_token(tmp_path: Path, capsys: pytest.CaptureFixture[str
 async def test_tui_db_builds_a_read_only_dashboard(tmp_path: Path) -> None:
     import argparse
 
-    from appliance.cli import tui_app
+    from appliance.cli.tui import tui_app
 
     db = await write_run(tmp_path / "events.sqlite")
     app = tui_app(argparse.Namespace(db=db, url=None, token=None, data_dir=tmp_path))
@@ -37,7 +37,7 @@ async def test_tui_db_builds_a_read_only_dashboard(tmp_path: Path) -> None:
 async def test_status_lists_validation_rounds_apart_from_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from appliance.cli import status_report
+    from appliance.cli.status import status_report
 
     await write_run(tmp_path / "events.sqlite")
     report = status_report(tmp_path)

@@ -22,9 +22,9 @@ from appliance.config import (
     section_of,
     umask_bits,
 )
-from appliance.errors import ConfigError
 from appliance.proxy.http import ProxySettings
 from appliance.scheduler.decide import SchedulePolicy
+from contracts.errors import ConfigError
 
 
 def test_sources_override_in_order(tmp_path: Path) -> None:
@@ -92,7 +92,8 @@ def test_export_dir_defaults_into_the_run_directory(tmp_path: Path) -> None:
 
 
 def test_trainer_settings_layer_like_every_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from appliance.cli import _config_from, _parser
+    from appliance.cli.entry import _parser
+    from appliance.cli.up import _config_from
 
     path = tmp_path / "run.toml"
     path.write_text('trainer = "verl"\nlora_rank = 8\nparam_dtype = "bf16"\ngradient_checkpointing = true\n')
@@ -278,7 +279,8 @@ def test_placement_fields_are_checked_like_the_others() -> None:
 
 
 def test_up_takes_the_placement_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    from appliance.cli import _config_from, _parser
+    from appliance.cli.entry import _parser
+    from appliance.cli.up import _config_from
 
     for key in [k for k in os.environ if k.startswith("APPLIANCE_")]:
         monkeypatch.delenv(key)

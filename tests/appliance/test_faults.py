@@ -46,9 +46,9 @@ from appliance.engines.base import GenerateRequest, GenerateResult
 from appliance.engines.factory import vllm_python
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
-from appliance.errors import TrainingFailed
-from appliance.scheduler.runner import MAX_TRAIN_FAILURES
-from appliance.training import _Taken
+from appliance.scheduler.switch import MAX_TRAIN_FAILURES
+from appliance.training.service import _Taken
+from contracts.errors import TrainingFailed
 from store.events import TrainStepCompleted, TrainStepFailed
 from tests.support import make_config, openai_client, recorded_calls, register_rollout
 from trainer.items import StepOutput

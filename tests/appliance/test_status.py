@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.cli import disk_usage, human_bytes, main, status_report
+from appliance.cli import main
+from appliance.cli.status import disk_usage, human_bytes, status_report
 from appliance.config import load_config
 from store.codec import decode, encode
 from store.events import ApplianceStarted

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import Task
 from harness_adapters.coding import CodingTask, TaskTests, default_test_cmd
 from harness_adapters.command import CommandAdapter

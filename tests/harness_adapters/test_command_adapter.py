@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import AgentFailed, InfraError, Task
 from harness_adapters.command import CommandAdapter
 from tests.harness_adapters.agents.chat_agent import CRASH_MARKER

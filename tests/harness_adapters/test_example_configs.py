@@ -30,6 +30,7 @@ from appliance.app import Appliance
 from appliance.config import ApplianceConfig, load_config
 from harness_adapters.base import Task
 from harness_adapters.command import CommandAdapter
+from harness_adapters.examples.agents import calculator
 from harness_adapters.examples.agents.aider_agent import source_files
 from harness_adapters.examples.agents.answers import answer_reward
 from harness_adapters.mini_swe import MiniSweAgentAdapter
@@ -181,6 +182,17 @@ def test_answer_reward_reads_the_last_number(tmp_path: Path) -> None:
     assert answer_reward(task, tmp_path) == 1.0
     (tmp_path / "answer.txt").write_text("17, no: 18")
     assert answer_reward(task, tmp_path) == 0.0
+
+
+def test_the_calculator_tool_and_answer_agree_with_the_reward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert calculator.add_reply({"a": 8, "b": 9.5}) == "17.5"
+    assert calculator.add_reply({"a": 8}).startswith("error: ")
+    assert calculator.add_reply("not a mapping").startswith("error: ")
+    monkeypatch.chdir(tmp_path)
+    calculator.write_answer("17")
+    assert answer_reward(Task("t", {"answer": 17}), tmp_path) == 1.0
 
 
 def test_aider_agent_gives_aider_the_sources_and_the_model_context(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ pytest.importorskip("kubernetes")
 
 from kubernetes import client as k8s  # type: ignore[import-untyped]
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import AgentFailed, InfraError, Task
 from harness_adapters.k8s_manifest import (
     RUN_LABEL,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import AgentFailed, ClientConfig, Task
 from harness_adapters.examples.arithmetic import run_tool, score
 from harness_adapters.python import PythonAdapter, load_agent

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import ClientConfig, HarnessAdapter, Task
 from harness_adapters.command import CommandAdapter
 from harness_adapters.mini_swe import MiniSweAgentAdapter

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters.base import Task
 from harness_adapters.tasks import TaskSet, load_splits
 

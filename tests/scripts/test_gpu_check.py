@@ -185,7 +185,7 @@ def test_figures_fail_where_a_measurement_exceeds_the_memory_models_allowance(tm
     import gpu_check
 
     from appliance.config import build_config
-    from appliance.memory_model import GPU_CHECK_FIGURES
+    from appliance.placement.memory_model import GPU_CHECK_FIGURES
 
     allowed = {name: value / 2**20 for name, value in GPU_CHECK_FIGURES.items()}
     logs = tmp_path / "logs"

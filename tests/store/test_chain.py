@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import StoreCorrupted, StoreError, StoreFull
+from contracts.errors import StoreCorrupted, StoreError, StoreFull
 from store import EventStore, LLMCallCompleted, RewardReported
 from store.codec import encode
-from store.eventstore import SCHEMA_VERSION, read_events_sync, verify_log
+from store.eventstore import read_events_sync, verify_log
+from store.schema import SCHEMA_VERSION
 
 
 def reward(i: int, rollout: str = "r") -> RewardReported:

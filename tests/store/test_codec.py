@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.errors import StoreError
-from store import codec, events
+from contracts.errors import StoreError
+from store import codec, events, packing
 from store.codec import EncodedEvent, decode, encode, register_upcaster
 from store.events import EVENT_TYPES, Event, LLMCallCompleted, TokenIds, TrainStepCompleted
 
@@ -135,7 +135,7 @@ def _array_bytes(code: str, values: tuple[Any, ...]) -> bytes | str:
 
 def _packed_or_error(code: str, values: tuple[Any, ...]) -> bytes | str:
     try:
-        return codec._packed(code, values)
+        return packing._packed(code, values)
     except (TypeError, OverflowError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
@@ -146,8 +146,8 @@ _floats = st.one_of(st.floats(width=32), st.floats(), st.integers(-(2**60), 2**6
 
 @settings(max_examples=300)
 @given(
-    ints=st.lists(_ints, max_size=3 * codec._STRUCT_FROM).map(tuple),
-    floats=st.lists(_floats, max_size=3 * codec._STRUCT_FROM).map(tuple),
+    ints=st.lists(_ints, max_size=3 * packing._STRUCT_FROM).map(tuple),
+    floats=st.lists(_floats, max_size=3 * packing._STRUCT_FROM).map(tuple),
 )
 def test_packed_fields_are_the_arrays_bytes_or_its_error(
     ints: tuple[Any, ...], floats: tuple[Any, ...]
@@ -159,8 +159,8 @@ def test_packed_fields_are_the_arrays_bytes_or_its_error(
 
 
 def test_a_float_beyond_float32_is_stored_as_an_infinity_in_a_long_field() -> None:
-    values = (-0.5,) * codec._STRUCT_FROM + (-1e300,)
-    assert struct.unpack(f"<{len(values)}f", codec._packed("f", values))[-1] == float("-inf")
+    values = (-0.5,) * packing._STRUCT_FROM + (-1e300,)
+    assert struct.unpack(f"<{len(values)}f", packing._packed("f", values))[-1] == float("-inf")
 
 
 def test_unknown_type_is_a_readable_store_error() -> None:
@@ -234,6 +234,95 @@ def test_a_missing_upcaster_is_reported() -> None:
 def test_registering_an_upcaster_twice_fails() -> None:
     with pytest.raises(ValueError, match="already registered"):
         register_upcaster("TestRenamed", 1)(lambda data: data)
+
+
+#: Each event type's JSON keys and packed fields, in stored order: a log written before
+#: reads back, and an event written again is the same bytes, only while these hold.
+_STORED_ORDER: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "AdmissionsPaused": (("failures", "backoff_s", "cause", "trips"), ()),
+    "ApplianceStarted": (
+        (
+            "run_id",
+            "model",
+            "engine",
+            "resumed_from_version",
+            "resumed_from_step",
+            "config",
+            "trainer_ranks",
+            "placement",
+        ),
+        (),
+    ),
+    "ApplianceStopped": (("reason",), ()),
+    "CallRewardReported": (("rollout", "call_id", "reward", "source", "name"), ()),
+    "CheckpointSaved": (("step", "policy_version", "path", "reason"), ()),
+    "ControlRequested": (("action", "source"), ()),
+    "EvaluationCompleted": (
+        (
+            "step",
+            "policy_version",
+            "split",
+            "repeat",
+            "rollouts",
+            "reward_mean",
+            "reward_std",
+            "failed",
+            "sampling",
+        ),
+        (),
+    ),
+    "LLMCallCompleted": (
+        (
+            "rollout",
+            "call_id",
+            "surface",
+            "policy_version",
+            "finish_reason",
+            "request",
+            "response_text",
+            "queue_s",
+            "total_s",
+            "user_agent",
+            "spliced_tokens",
+            "ttft_s",
+            "unmatched_assistant_turns",
+            "sampling",
+            "preemptions",
+            "assistant_turns",
+            "stop_sequence",
+        ),
+        ("prompt_ids", "response_ids", "response_logprobs", "response_versions"),
+    ),
+    "LLMCallRefused": (("rollout", "route", "status", "code", "error_type", "message"), ()),
+    "ModelExported": (("step", "policy_version", "path"), ()),
+    "PhaseChanged": (("phase", "policy_version"), ()),
+    "PhaseOverran": (("phase", "step", "deadline_s", "reason", "preempted"), ()),
+    "PolicyVersionPublished": (("policy_version", "step", "checkpoint"), ()),
+    "ResponseDeleted": (("rollout", "response_id"), ()),
+    "ResponseStored": (("rollout", "response", "input_items"), ()),
+    "RewardReported": (("rollout", "reward", "source"), ()),
+    "RolloutClaimed": (("rollout",), ()),
+    "RolloutCreated": (("rollout", "task_id", "group", "task", "policy_version", "adapter", "purpose"), ()),
+    "RolloutFinished": (("rollout", "status", "error", "duration_s"), ()),
+    "SwitchPhaseCompleted": (("step", "phase", "duration_s"), ()),
+    "TrainStepCompleted": (
+        ("step", "rollouts", "samples", "tokens", "zero_variance_groups", "metrics", "duration_s"),
+        (),
+    ),
+    "TrainStepFailed": (("step", "groups", "error", "attempt"), ()),
+    "ValidationCompleted": (
+        ("step", "policy_version", "rollouts", "reward_mean", "reward_std", "failed", "sampling"),
+        (),
+    ),
+}
+
+
+def test_every_event_type_keeps_its_stored_order() -> None:
+    stored = {}
+    for name, cls in EVENT_TYPES.items():
+        row = encode(_sample(cls))
+        stored[name] = (tuple(json.loads(row.data)), tuple(_packed_fields(cls)))
+    assert stored == _STORED_ORDER
 
 
 def test_encoded_event_is_plain_columns() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from appliance.errors import StoreError
+from contracts.errors import StoreError
 from store import ApplianceStopped, EventStore, LLMCallCompleted, RewardReported, StoredEvent
 from store.eventstore import read_events_sync, read_last_sync, verify_log
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.errors import StoreCorrupted, StoreError
-from store import EventStore, LLMCallCompleted, RolloutFinished, StoredEvent, eventstore
+from contracts.errors import StoreCorrupted, StoreError
+from store import EventStore, LLMCallCompleted, RolloutFinished, StoredEvent, reading
 from store.codec import (
     decode,
     encode,
@@ -192,7 +192,7 @@ async def test_reads_stay_exact_when_the_token_cache_is_tiny(
     events = interleaved(rollouts=4, calls=6)
     async with await EventStore.open(path) as store:
         await store.append(events)
-    monkeypatch.setattr(eventstore, "_DECODED_TOKENS", 50)  # evicts all but the newest call
+    monkeypatch.setattr(reading, "_DECODED_TOKENS", 50)  # evicts all but the newest call
     async with await EventStore.open(path, readonly=True) as reader:
         assert [s.event for s in await reader.read(limit=7)] == events[:7]
         assert [s.event for s in await reader.read(after=7)] == events[7:]

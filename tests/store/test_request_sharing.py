@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.errors import StoreError
+from contracts.errors import StoreError
 from store import EventStore, LLMCallCompleted
 from store.codec import REQUEST_REF, decode, encode, share_request, shared_ref
 from store.eventstore import read_events_sync, read_last_sync, verify_log

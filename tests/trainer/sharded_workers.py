@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from trainer.checkpoints import CheckpointError
-from trainer.sharded import ShardedStore, ShardedWeightsStore, load_sharded
+from trainer.sharded import ShardedStore, ShardedWeightsStore
+from trainer.sharded_format import load_sharded
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

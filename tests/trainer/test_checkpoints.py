@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from appliance.errors import ApplianceError
+from contracts.errors import ApplianceError
 from trainer.checkpoints import CheckpointError, CheckpointStore, PublishedWeights, export_hf_model
 
 

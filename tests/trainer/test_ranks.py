@@ -21,8 +21,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from transformers import AutoModelForCausalLM
 
-from appliance.engines.buckets import bucket_tensors
 from tests.trainer.helpers import sample
+from trainer.buckets import bucket_tensors
 from trainer.checkpoints import CheckpointStore, buckets_to_hf, export_hf_model
 from trainer.items import TrainItem
 from trainer.rank_rpc import TrainerRankFailed

@@ -12,17 +12,11 @@ import torch
 from torch import nn
 
 from tests.trainer.sharded_workers import Load, Save, launch, load_and_snapshot, train_and_save
-from trainer import sharded
+from trainer import sharded_format
 from trainer.checkpoints import CheckpointError, CheckpointStore
-from trainer.sharded import (
-    ShardedStore,
-    ShardedWeightsStore,
-    VersionStore,
-    checkpoint_bytes,
-    load_sharded,
-    read_manifest,
-    save_sharded,
-)
+from trainer.sharded import ShardedStore, ShardedWeightsStore
+from trainer.sharded_format import checkpoint_bytes, load_sharded, read_manifest, save_sharded
+from trainer.versions import VersionStore
 
 # In-process tests run without a process group; DCP says so each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -185,7 +179,7 @@ def test_an_interrupted_write_leaves_no_version_and_the_store_cleans_up(
     def crash(path: Path) -> None:
         raise OSError("power cut")
 
-    monkeypatch.setattr(sharded, "_fsync", crash)  # publish() dies before its rename
+    monkeypatch.setattr(sharded_format, "fsync_path", crash)  # publish() dies before its rename
     with pytest.raises(OSError, match="power cut"):
         save(store, 2, module, optimizer)
     with pytest.raises(OSError, match="power cut"):
@@ -211,7 +205,7 @@ def test_manifest_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         read_manifest(tmp_path / "v000001")
     path = save_sharded(tmp_path / "v000001", module, optimizer, step=1, version=1, trainer_state={})
-    manifest_file = path / sharded.MANIFEST
+    manifest_file = path / sharded_format.MANIFEST
     raw = json.loads(manifest_file.read_text())
     manifest_file.write_text(json.dumps({**raw, "format": "something else"}))
     with pytest.raises(CheckpointError, match="not one of ours"):

@@ -254,7 +254,7 @@ def test_gradient_checkpointing_and_truncation(tiny_model_dir: Path, hf_model: A
 async def test_driven_from_worker_threads_as_the_training_service_does(
     tiny_model_dir: Path, hf_model: Any, tmp_path: Path
 ) -> None:
-    # appliance.training runs construction, steps and saves through asyncio.to_thread: each call
+    # appliance.training.service runs construction, steps and saves through asyncio.to_thread: each call
     # may land on a different pool thread; the one process group serves them all.
     trainer = await asyncio.to_thread(VerlFSDPTrainer, tiny_model_dir, lr=1e-2)
     items = [TrainItem("A", 1.0, (sample(hf_model, "A", GOOD),))]

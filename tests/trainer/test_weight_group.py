@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.distributed
 
-from appliance.engines.buckets import WeightBucket
 from appliance.engines.vllm_process import free_port
 from appliance.engines.vllm_worker import ApplianceWorkerExtension
+from trainer.buckets import WeightBucket
 from trainer.weight_group import GroupSpec, WeightGroup, group_buckets
 
 _dist: Any = torch.distributed

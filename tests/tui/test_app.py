@@ -16,7 +16,7 @@ from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Static
 
 from appliance.app import Appliance
-from appliance.cli import tui_app
+from appliance.cli.tui import tui_app
 from store.events import ControlRequested, TrainStepCompleted
 from store.eventstore import read_calls_sync, read_events_sync
 from tests.support import make_config

@@ -57,8 +57,11 @@ def test_decoding_with_the_runs_tokenizer(tiny_model_dir: Path, tmp_path: Path) 
     assert tokenizer_decoder({"model": "tiny", "data_dir": str(tmp_path)}, "tiny") is None
     from appliance.chat.tokenizer import Tokenizer
 
-    ids = Tokenizer.from_model_dir(tiny_model_dir).encode("hello world")
+    tokenizer = Tokenizer.from_model_dir(tiny_model_dir)
+    ids = tokenizer.encode("hello world")
     assert decode(ids) == "hello world"
+    ids.append(tokenizer.im_end_id)  # special tokens are shown, as the appliance decodes them
+    assert decode(ids) == tokenizer.decode(ids)
 
 
 def test_assistant_turns_not_spliced_exactly_are_listed_with_their_reason() -> None:

@@ -10,15 +10,12 @@ The answer goes to ``answer.txt``.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from langchain_core.tools import tool  # type: ignore[import-not-found, unused-ignore]
 from langchain_openai import ChatOpenAI  # type: ignore[import-not-found, unused-ignore]
 from langgraph.errors import GraphRecursionError  # type: ignore[import-not-found, unused-ignore]
 from langgraph.prebuilt import create_react_agent  # type: ignore[import-not-found, unused-ignore]
 
-PROMPT = "You are a careful calculator. Use the add tool if it helps, then reply with only the number."
+from harness_adapters.examples.agents import calculator
 
 
 @tool  # type: ignore[untyped-decorator, unused-ignore]
@@ -28,18 +25,16 @@ def add(a: float, b: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True)
+    parser = calculator.question_parser(__doc__)
     parser.add_argument("--max-steps", type=int, default=8, help="LangGraph's recursion limit")
-    parser.add_argument("question")
     args = parser.parse_args()
-    graph = create_react_agent(ChatOpenAI(model=args.model, max_retries=2), [add], prompt=PROMPT)
+    graph = create_react_agent(ChatOpenAI(model=args.model, max_retries=2), [add], prompt=calculator.PROMPT)
     try:
         state = graph.invoke({"messages": [("user", args.question)]}, {"recursion_limit": args.max_steps})
         answer = str(state["messages"][-1].content)
     except GraphRecursionError:
         answer = ""
-    Path("answer.txt").write_text(answer)
+    calculator.write_answer(answer)
 
 
 if __name__ == "__main__":

@@ -9,25 +9,25 @@ litellm's ``openai/`` route reads ``OPENAI_BASE_URL`` / ``OPENAI_API_BASE`` and
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import litellm
 
-SYSTEM = "You are a careful calculator. Reply with only the number."
+from harness_adapters.examples.agents import calculator
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True, help="a litellm model name, e.g. openai/<served model>")
-    parser.add_argument("question")
+    parser = calculator.question_parser(
+        __doc__, model_help="a litellm model name, e.g. openai/<served model>"
+    )
     args = parser.parse_args()
     reply = litellm.completion(
         model=args.model,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": args.question}],
+        messages=[
+            {"role": "system", "content": calculator.ANSWER_ONLY},
+            {"role": "user", "content": args.question},
+        ],
         num_retries=2,
     )
-    Path("answer.txt").write_text(reply.choices[0].message.content or "")
+    calculator.write_answer(reply.choices[0].message.content or "")
 
 
 if __name__ == "__main__":

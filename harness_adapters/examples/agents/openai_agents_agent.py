@@ -12,9 +12,7 @@ answer goes to ``answer.txt``.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 from agents import (
     Agent,
@@ -26,37 +24,26 @@ from agents import (
     set_tracing_disabled,
 )
 
-INSTRUCTIONS = "You are a careful calculator. Use the add tool if it helps, then reply with only the number."
+from harness_adapters.examples.agents import calculator
 
-
-@function_tool
-def add(a: float, b: float) -> float:
-    """Add two numbers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
+add = function_tool(calculator.add)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True)
+    parser = calculator.question_parser(__doc__)
     parser.add_argument("--api", choices=["responses", "chat_completions"], default="responses")
     parser.add_argument("--max-turns", type=int, default=4)
-    parser.add_argument("question")
     args = parser.parse_args()
     set_tracing_disabled(True)
     set_default_openai_api(args.api)
-    agent = Agent(name="calculator", instructions=INSTRUCTIONS, model=args.model, tools=[add])
+    agent = Agent(name="calculator", instructions=calculator.PROMPT, model=args.model, tools=[add])
     try:
         result = Runner.run_sync(agent, args.question, max_turns=args.max_turns)
         answer = str(result.final_output)
     except (MaxTurnsExceeded, ModelBehaviorError) as exc:
         print(f"no answer: {type(exc).__name__}: {exc}", file=sys.stderr)
         answer = ""
-    Path("answer.txt").write_text(answer)
+    calculator.write_answer(answer)
 
 
 if __name__ == "__main__":

@@ -7,46 +7,39 @@ sets to the rollout's endpoint. The answer goes to ``answer.txt``.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 from openai import OpenAI
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
-SYSTEM = "You are a careful calculator. Use the add tool if it helps, then reply with only the number."
+from harness_adapters.examples.agents import calculator
+
 ADD: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
-        "name": "add",
-        "description": "Add two numbers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-            "required": ["a", "b"],
-        },
+        "name": calculator.ADD_NAME,
+        "description": calculator.ADD_DESCRIPTION,
+        "parameters": calculator.ADD_PARAMETERS,
     },
 }
 
 
 def add(arguments: str) -> str:
-    """The tool: the sum of ``a`` and ``b``, or why the arguments are unusable."""
+    """The tool on the model's JSON arguments: the sum, or why the arguments are unusable."""
     try:
         values = json.loads(arguments)
-        return str(values["a"] + values["b"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except ValueError as exc:
         return f"error: {exc}"
+    return calculator.add_reply(values)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True)
+    parser = calculator.question_parser(__doc__)
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("question")
     args = parser.parse_args()
     client = OpenAI()
     messages: list[ChatCompletionMessageParam] = [
-        {"role": "system", "content": SYSTEM},
+        {"role": "system", "content": calculator.PROMPT},
         {"role": "user", "content": args.question},
     ]
     answer = ""
@@ -62,7 +55,7 @@ def main() -> None:
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "content": add(call.function.arguments)}
             )
-    Path("answer.txt").write_text(answer)
+    calculator.write_answer(answer)
 
 
 if __name__ == "__main__":

@@ -11,35 +11,24 @@ The answer goes to ``answer.txt``.
 
 from __future__ import annotations
 
-import argparse
 import os
-from pathlib import Path
 
 from smolagents import CodeAgent, OpenAIServerModel, tool  # type: ignore[import-not-found, unused-ignore]
 
+from harness_adapters.examples.agents import calculator
 
-@tool  # type: ignore[untyped-decorator, unused-ignore]
-def add(a: float, b: float) -> float:
-    """Add two numbers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
+add = tool(calculator.add)  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True)
+    parser = calculator.question_parser(__doc__)
     parser.add_argument("--max-steps", type=int, default=4)
-    parser.add_argument("question")
     args = parser.parse_args()
     model = OpenAIServerModel(
         model_id=args.model, api_base=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"]
     )
     agent = CodeAgent(tools=[add], model=model, max_steps=args.max_steps, verbosity_level=1)
-    Path("answer.txt").write_text(str(agent.run(args.question)))
+    calculator.write_answer(str(agent.run(args.question)))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from appliance.chat.schemas import no_finite_value
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.tools import parse_assistant
 from appliance.engines.constraints import Constraint, GrammarCompiler
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 ADD = {
     "type": "function",

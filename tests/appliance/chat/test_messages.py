@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from appliance.chat.messages import MessageMemo, messages_from_openai, reading_conversation
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 
 def _call(call_id: Any, arguments: Any) -> dict[str, Any]:

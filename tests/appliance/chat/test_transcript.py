@@ -9,7 +9,7 @@ import pytest
 from appliance.chat.messages import Message
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.transcript import Transcript
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams, TokenCallback
-from appliance.errors import BadRequest, ContextTooLong, EngineUnavailable
+from contracts.errors import BadRequest, ContextTooLong, EngineUnavailable
 
 #: Eight prompts of different lengths (1 to 15 tokens), so batching has to pad.
 PROMPTS: list[list[int]] = [[1, *range(100 + 37 * i, 100 + 37 * i + 2 * i)] for i in range(8)]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from appliance.engines.base import GenerateRequest, SamplingParams, validate_request
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 VOCAB = 1002
 

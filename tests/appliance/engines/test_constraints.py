@@ -22,7 +22,7 @@ from appliance.chat.tools import parse_assistant
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams, validate_request
 from appliance.engines.constraints import Constraint, GrammarCompiler
 from appliance.engines.torch_engine import TorchEngine
-from appliance.errors import BadRequest
+from contracts.errors import BadRequest
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

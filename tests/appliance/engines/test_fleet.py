@@ -19,15 +19,15 @@ from appliance import app as app_module
 from appliance.app import Appliance
 from appliance.config import ApplianceConfig
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams, WeightGroupMember
-from appliance.engines.buckets import WeightBucket, close_stream, pack_buckets, stream_buckets
 from appliance.engines.factory import create_engine, replica_devices, visible_ids
 from appliance.engines.fleet import EngineFleet
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.engines.vllm_process import server_command, server_env
-from appliance.errors import ConfigError, EngineUnavailable
+from contracts.errors import ConfigError, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, EngineContract, greedy
 from tests.support import make_config
+from trainer.buckets import WeightBucket, close_stream, pack_buckets, stream_buckets
 
 
 class TestEngineFleet(EngineContract):

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from appliance.engines.http_stream import StreamPool
-from appliance.errors import BadRequest, EngineUnavailable
+from contracts.errors import BadRequest, EngineUnavailable
 
 pytestmark = pytest.mark.asyncio
 

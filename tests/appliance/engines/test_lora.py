@@ -16,7 +16,11 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from appliance.engines import lora
-from appliance.engines.buckets import (
+from appliance.engines.torch_engine import TorchEngine
+from contracts.errors import BadRequest
+from tests.appliance.engines.contract import PROMPTS, generate, greedy
+from tests.trainer.helpers import sample
+from trainer.buckets import (
     LoraAdapter,
     WeightBucket,
     adapter_pairs,
@@ -24,10 +28,6 @@ from appliance.engines.buckets import (
     pack_buckets,
     stream_buckets,
 )
-from appliance.engines.torch_engine import TorchEngine
-from appliance.errors import BadRequest
-from tests.appliance.engines.contract import PROMPTS, generate, greedy
-from tests.trainer.helpers import sample
 from trainer.items import TrainItem
 from trainer.verl_backend import VerlFSDPTrainer
 from trainer.verl_lora import adapter_name

@@ -25,7 +25,7 @@ from appliance.engines import models
 from appliance.engines.base import GenerateRequest, SamplingParams
 from appliance.engines.models import MODELS, convert_smollm2, is_converted, resolve
 from appliance.engines.torch_engine import TorchEngine
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams, validate_request
-from appliance.engines.buckets import WeightBucket, pack_buckets, stream_buckets
 from appliance.engines.sampling import NUCLEUS_CANDIDATES, draw_rows
 from appliance.engines.torch_engine import TorchEngine
-from appliance.errors import ApplianceError, BadRequest, EngineUnavailable
+from contracts.errors import ApplianceError, BadRequest, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, EngineContract, generate, greedy, unsampled_id
+from trainer.buckets import WeightBucket, pack_buckets, stream_buckets
 from trainer.policy import PolicyTrainer
 
 #: A stop id no sampled token equals: runs go on to their length.

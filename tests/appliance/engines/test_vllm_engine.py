@@ -25,11 +25,10 @@ from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
-from appliance.engines import vllm_process
+from appliance.engines import vllm_client
 from appliance.engines.base import Engine, GenerateRequest, SamplingParams, validate_request
-from appliance.engines.buckets import WeightBucket, pack_buckets, stream_buckets
 from appliance.engines.vllm_engine import VLLMEngine
-from appliance.errors import BadRequest, EngineUnavailable
+from contracts.errors import BadRequest, EngineUnavailable
 from harness_adapters.base import ClientConfig, Task
 from tests.appliance.engines.contract import (
     PROMPTS,
@@ -42,6 +41,7 @@ from tests.appliance.engines.contract import (
 from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
 from tests.support import make_config
 from tests.trainer import helpers
+from trainer.buckets import WeightBucket, pack_buckets, stream_buckets
 from trainer.items import TrainItem
 from trainer.policy import PolicyTrainer
 from trainer.ranks import RankedTrainer
@@ -114,7 +114,7 @@ class TestVLLMEngine(EngineContract):
         event echoes the prompt's ids (nor the sampled ones: they are the log-probs' tokens)."""
         sizes: list[int] = []  # tokens per streamed event
         echoed: list[str] = []
-        real_read = vllm_process.read_chunks
+        real_read = vllm_client.read_chunks
 
         def read_chunks(events: list[dict[str, Any]], *lists: Any) -> str | None:
             for event in events:

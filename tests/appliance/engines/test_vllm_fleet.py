@@ -15,12 +15,12 @@ import pytest_asyncio
 import torch
 
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
-from appliance.engines.buckets import WeightBucket, stream_buckets
 from appliance.engines.fleet import EngineFleet
 from appliance.engines.vllm_engine import VLLMEngine
-from appliance.errors import EngineUnavailable
+from contracts.errors import EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS
 from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
+from trainer.buckets import WeightBucket, stream_buckets
 from trainer.policy import PolicyTrainer
 
 skip_without_vllm()

@@ -17,18 +17,18 @@ from aiohttp import web
 from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
-from appliance.engines import vllm_engine
-from appliance.engines.buckets import TensorEntry, WeightBucket, stream_buckets
+from appliance.engines import vllm_buckets
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
 from appliance.engines.vllm_process import free_port
-from appliance.errors import BadRequest, EngineUnavailable
-from appliance.training import TrainingService
+from appliance.training.service import TrainingService
+from contracts.errors import BadRequest, EngineUnavailable
 from store.eventstore import EventStore
 from tests.appliance.engines.test_vllm_engine import digests, relaunched, served_digests
 from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
 from tests.support import make_config
 from tests.trainer import helpers
+from trainer.buckets import TensorEntry, WeightBucket, stream_buckets
 from trainer.items import TrainItem
 from trainer.ranks import RankedTrainer
 from trainer.sharded import ShardedStore
@@ -239,7 +239,7 @@ async def test_calls_that_wait_on_the_group_are_bounded(
     """The engine's session has no total timeout (generations take what they take): a join or
     a bucket whose workers never finish waited for ever. Each now fails after the group's
     timeout plus a margin, and the engine leaves the group."""
-    monkeypatch.setattr(vllm_engine, "GROUP_RPC_MARGIN_S", 0.5)
+    monkeypatch.setattr(vllm_buckets, "GROUP_RPC_MARGIN_S", 0.5)
     engine = VLLMEngine(tiny_model_dir, base_url=stuck_workers)
     await engine.start()
     try:

@@ -16,13 +16,13 @@ from transformers import AutoModelForCausalLM
 
 from appliance.engines import lora
 from appliance.engines.base import GenerateResult
-from appliance.engines.buckets import LoraAdapter, WeightBucket, pack_buckets, stream_buckets
 from appliance.engines.torch_engine import TorchEngine
 from appliance.engines.vllm_engine import VLLMEngine
-from appliance.errors import BadRequest, EngineUnavailable
+from contracts.errors import BadRequest, EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS, generate, greedy
 from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
 from tests.trainer.helpers import sample
+from trainer.buckets import LoraAdapter, WeightBucket, pack_buckets, stream_buckets
 from trainer.items import TrainItem
 from trainer.verl_backend import VerlFSDPTrainer
 

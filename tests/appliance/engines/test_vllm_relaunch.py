@@ -24,7 +24,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from appliance.engines.vllm_engine import VLLMEngine
-from appliance.errors import EngineUnavailable
+from contracts.errors import EngineUnavailable
 
 GIB = 1024**3
 TOTAL = 80 * GIB

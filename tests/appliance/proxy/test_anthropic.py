@@ -19,10 +19,10 @@ from appliance.chat.messages import Message, ToolCall
 from appliance.chat.render import render_text
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.tools import new_tool_call_id
-from appliance.errors import StoreError
 from appliance.proxy.anthropic_messages import MessageEvents, to_content, to_messages, to_tools
 from appliance.proxy.pipeline import Answer, Started
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
+from contracts.errors import StoreError
 from tests.support import make_config
 from tests.support import recorded_calls as calls_recorded
 from tests.support import register_rollout as rollout

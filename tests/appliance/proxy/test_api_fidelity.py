@@ -16,7 +16,7 @@ import pytest
 from anthropic import AsyncAnthropic
 
 from appliance.app import Appliance
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from tests.support import make_config, recorded_calls
 from tests.support import openai_client as sdk
 from tests.support import register_rollout as rollout

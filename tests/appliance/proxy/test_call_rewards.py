@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from appliance.app import Appliance
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from store.events import CallRewardReported, RewardReported
 from tests.support import make_config, openai_client, register_rollout, rollout_base
 

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from appliance.app import Appliance
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from store.events import LLMCallRefused
 from tests.support import make_config
 

@@ -13,7 +13,7 @@ import pytest
 from appliance.app import Appliance
 from appliance.chat.messages import messages_from_openai
 from appliance.chat.render import render_text
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from tests.support import make_config, recorded_calls, rollout_base
 
 

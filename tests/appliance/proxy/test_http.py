@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from appliance.errors import BadRequest
 from appliance.proxy.http import MAX_NESTING, parse_body, sse_events
+from contracts.errors import BadRequest
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import pytest
 from appliance.app import Appliance
 from appliance.chat.tokenizer import Tokenizer
 from appliance.config import load_config
-from appliance.errors import ConfigError, Overloaded
+from contracts.errors import ConfigError, Overloaded
 from store.events import LLMCallRefused
 from tests.appliance.proxy.fakes import HeldEngine
 from tests.support import make_config, register_rollout

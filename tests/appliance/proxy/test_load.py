@@ -21,7 +21,7 @@ import pytest
 
 from appliance.app import Appliance
 from appliance.chat.tokenizer import Tokenizer
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from tests.appliance.proxy.fakes import FastEngine
 from tests.support import make_config, recorded_calls, register_rollout
 

@@ -34,7 +34,7 @@ from appliance.app import Appliance
 from appliance.chat.render import GENERATION_PROMPT
 from appliance.chat.tokenizer import Tokenizer
 from appliance.engines.base import GenerateRequest, GenerateResult
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from store.events import LLMCallCompleted
 from tests.support import make_config
 from trainer.samples import Sample, build_samples

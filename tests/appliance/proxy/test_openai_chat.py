@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from appliance.app import Appliance
 from appliance.chat.tools import new_tool_call_id
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from tests.support import make_config
 from tests.support import openai_client as client
 from tests.support import recorded_calls as recorded

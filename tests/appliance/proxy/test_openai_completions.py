@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from tests.support import make_config
 from tests.support import openai_client as client
 from tests.support import recorded_calls as recorded

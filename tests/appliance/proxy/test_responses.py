@@ -17,7 +17,7 @@ from openai.types.responses import FunctionTool, Response
 from appliance.app import Appliance
 from appliance.chat.tokenizer import Tokenizer
 from appliance.engines.base import GenerateRequest, GenerateResult
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from tests.support import make_config
 from tests.support import openai_client as client
 from tests.support import recorded_calls as recorded

@@ -18,7 +18,7 @@ import pytest
 
 from appliance.app import Appliance
 from appliance.chat.tokenizer import Tokenizer
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
 from store.events import ResponseDeleted, ResponseStored
 from tests.appliance.proxy.test_responses import ADD_TOOL, TOOL_CALL, script
 from tests.support import make_config

@@ -41,8 +41,8 @@ from appliance.app import Appliance
 from appliance.chat.formats import QWEN3
 from appliance.chat.tokenizer import Tokenizer
 from appliance.engines.base import GenerateRequest, GenerateResult
-from appliance.errors import EngineUnavailable
-from appliance.rollouts import ActiveRollout
+from appliance.rollouts.registry import ActiveRollout
+from contracts.errors import EngineUnavailable
 from tests.support import make_config, register_rollout
 
 Json = dict[str, Any]

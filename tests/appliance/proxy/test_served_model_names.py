@@ -18,7 +18,7 @@ from openai import AsyncOpenAI
 
 from appliance.app import Appliance
 from appliance.config import load_config
-from appliance.errors import ConfigError
+from contracts.errors import ConfigError
 from harness_adapters import runner
 from harness_adapters.base import ClientConfig, Task
 from harness_adapters.python import PythonAdapter
@@ -130,7 +130,7 @@ async def test_harnesses_and_runners_are_given_the_first_name(tmp_path: Path, ti
 
 
 def test_ups_banner_says_the_names_served() -> None:
-    from appliance.cli import _served_as
+    from appliance.cli.up import _served_as
 
     assert _served_as(SimpleNamespace(model_name="m", served_names=("m",))) == ""
     named = SimpleNamespace(model_name="m", served_names=NAMES)

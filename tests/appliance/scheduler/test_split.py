@@ -3,7 +3,7 @@
 On CPU the engine and the trainer share the processor, but the schedule is the split one: the
 proxy keeps serving while a step trains, and the new weights reach the engine by a push at the
 end of each step (generation pauses for the push alone). The placement plan refuses split
-without GPUs (``appliance.placement``): these tests skip that check, not the schedule.
+without GPUs (``appliance.placement.plan``): these tests skip that check, not the schedule.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.app import Appliance
-from appliance.training import TrainedStep
+from appliance.training.service import TrainedStep
 from store.codec import StoredEvent
 from store.events import (
     LLMCallCompleted,

@@ -1,0 +1,7 @@
+"""``python -m appliance.cli``: the ``lightning-appliance`` command."""
+
+import sys
+
+from appliance.cli.entry import main
+
+sys.exit(main())
