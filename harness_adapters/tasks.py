@@ -211,7 +211,7 @@ def read_parquet(path: Path) -> list[Record]:
 def read_hf_dir(path: Path) -> dict[str | None, list[Record]]:
     """A ``datasets`` ``save_to_disk`` directory: one ``Dataset``, or a ``DatasetDict`` of splits."""
     try:
-        import datasets  # type: ignore[import-untyped]
+        import datasets
     except ImportError:
         raise ConfigError("reading a datasets directory needs the datasets package") from None
     loaded = datasets.load_from_disk(str(path))

@@ -38,29 +38,26 @@ def default_root() -> Path:
     return Path(tempfile.gettempdir()) / "lightning-appliance" / "rollouts"
 
 
+class _Part:
+    """A path of the layout: read on a ``RolloutDir``, its ``name`` under the directory's root."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, rdir: RolloutDir, owner: type | None = None) -> Path:
+        return rdir.root / self.name
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutDir:
     root: Path
 
-    @property
-    def work(self) -> Path:
-        return self.root / "work"
-
-    @property
-    def home(self) -> Path:
-        return self.root / "home"
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
-
-    @property
-    def task_json(self) -> Path:
-        return self.root / "task.json"
-
-    @property
-    def reward_file(self) -> Path:
-        return self.root / "reward"
+    # The layout (see the module's docstring), each part by its name under ``root``.
+    work = _Part("work")
+    home = _Part("home")
+    tmp = _Part("tmp")
+    task_json = _Part("task.json")
+    reward_file = _Part("reward")
 
     def log(self, name: str, stream: Literal["stdout", "stderr"]) -> Path:
         return self.root / f"{name}.{stream}"

@@ -594,9 +594,9 @@ def build_model(directory: Path, size: str, dtype: torch.dtype) -> dict[str, Any
     before the engine starts, as with ``up``."""
     import shutil
 
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
-    from appliance.engines.tiny_model import build_tiny_model
+    from appliance.engines.tiny_model import build_tiny_model, qwen2_config, random_qwen2
 
     tiny = build_tiny_model(directory.with_name(directory.name + "-tiny"))
     config = json.loads((tiny / "config.json").read_text())
@@ -605,26 +605,21 @@ def build_model(directory: Path, size: str, dtype: torch.dtype) -> dict[str, Any
         if source.suffix != ".safetensors" and source.name != "config.json":
             shutil.copy2(source, directory / source.name)
     if size == "small":
-        model_config = Qwen2Config(
+        model_config = qwen2_config(
             vocab_size=config["vocab_size"],
+            eos_token_id=config.get("eos_token_id"),
+            pad_token_id=config.get("pad_token_id"),
             hidden_size=896,
             intermediate_size=4864,
             num_hidden_layers=24,
             num_attention_heads=14,
             num_key_value_heads=2,
             max_position_embeddings=4096,
-            tie_word_embeddings=True,
             initializer_range=0.02,
-            eos_token_id=config.get("eos_token_id"),
-            pad_token_id=config.get("pad_token_id"),
-            bos_token_id=None,
         )
     else:
         model_config = Qwen2Config.from_pretrained(tiny)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model_class: Any = Qwen2ForCausalLM
-        model: Any = model_class(model_config)
+    model = random_qwen2(model_config, 0)
     model.to(dtype).save_pretrained(directory, safe_serialization=True)
     parameters = sum(p.numel() for p in model.parameters())
     return {"parameters": parameters, "vocab": config["vocab_size"]}

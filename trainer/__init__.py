@@ -32,7 +32,8 @@ if TYPE_CHECKING:
         reinforce_advantages,
         rloo_advantages,
     )
-    from trainer.policy import LossTotals, PolicyTrainer
+    from trainer.policy import PolicyTrainer
+    from trainer.step_plan import LossTotals
     from trainer.verl_backend import VerlFSDPTrainer
 
 _LAZY = {
@@ -41,7 +42,7 @@ _LAZY = {
     "grpo_advantages": "trainer.advantage",
     "reinforce_advantages": "trainer.advantage",
     "rloo_advantages": "trainer.advantage",
-    "LossTotals": "trainer.policy",
+    "LossTotals": "trainer.step_plan",
     "PolicyTrainer": "trainer.policy",
     "VerlFSDPTrainer": "trainer.verl_backend",
 }

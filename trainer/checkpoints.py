@@ -136,7 +136,7 @@ class CheckpointStore(VersionStore):
             "version": version,
             "step": step,
             "model": model_state,
-            "optimizer": optimizer_state,
+            "optimizer": self._kept_optimizer_state(optimizer_state),
         }
         if trainer_state is not None:
             payload["trainer"] = trainer_state
@@ -145,6 +145,10 @@ class CheckpointStore(VersionStore):
             self.published.save(version, model_state)
         self._prune(protect=version)
         return path
+
+    def _kept_optimizer_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        """What of the optimizer's state dict a version stores: all of it."""
+        return optimizer_state
 
     def load(self, version: int) -> dict[str, Any]:
         """The ``{version, step, model, optimizer}`` dict of a version; ``CheckpointError`` if
@@ -191,18 +195,11 @@ class WeightsStore(CheckpointStore):
         super().__init__(directory, keep, published=published)
         self.optimizer_from = optimizer_from
 
-    def save(
-        self,
-        version: int,
-        step: int,
-        model_state: dict[str, Any],
-        optimizer_state: dict[str, Any],
-        trainer_state: dict[str, Any] | None = None,
-    ) -> Path:
-        """Write the version's weights (the optimizer's ``state`` left out) atomically, prune."""
+    def _kept_optimizer_state(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer's state dict without its per-parameter ``state`` (the moments)."""
         slim = {key: value for key, value in optimizer_state.items() if key != "state"}
         slim["state"] = {}
-        return super().save(version, step, model_state, slim, trainer_state)
+        return slim
 
     def load(self, version: int) -> dict[str, Any]:
         """The version's weights, step and trainer state with ``optimizer_from``'s optimizer."""

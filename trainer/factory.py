@@ -4,13 +4,9 @@ Owns the names of the backends and which class each one builds. It does not own 
 (``trainer.policy``: plain torch + transformers on one device; ``trainer.verl_backend``: verl's
 FSDP engine) nor the configuration that picks one (the appliance's config).
 
-Both take ``model_dir`` and the common options ``device``, ``lr``, ``weight_decay``,
-``grad_clip``, ``clip_ratio``, ``clip_ratio_high``, ``temperature``, ``max_tokens_per_microbatch``,
-``loss``, ``off_policy``, ``is_cap``, ``normalization``, ``max_sample_tokens``, ``overflow``. Only
-"verl" has ``kl_coef``/``kl_type`` (a reference model), ``lora_rank``/``lora_alpha``,
-``mini_batches``, ``param_dtype``, ``gradient_checkpointing`` and ``remove_padding``. The
-defaults differ in one place: ``off_policy`` is "bypass" for "torch" (its historical behaviour)
-and "decoupled" (truncated importance sampling) for "verl".
+Both take ``model_dir`` and the keywords of ``trainer.options.TrainerOptions``; only "verl" has
+those ``trainer.options.VerlOptions`` adds (:data:`VERL_ONLY_OPTIONS`, named here too so that
+choosing a backend stays light).
 
 ``ranks``: None builds the trainer in this process (world size 1). A number builds verl's trainer
 as that many worker processes (``trainer.ranks.RankedTrainer``: one per GPU, or processes on gloo

@@ -1,8 +1,8 @@
 """Policy-loss options shared by both backends: which verl loss, and how off-policy tokens are
 corrected.
 
-Owns the names of the loss options (:data:`LossMode`, :data:`OffPolicy`), the verl
-``ActorConfig`` their losses read, typed handles on verl's loss functions, and
+Owns what the loss options (named in ``trainer.options``: ``LossMode``, ``OffPolicy``) mean: the
+verl ``ActorConfig`` their losses read, typed handles on verl's loss functions, and
 :func:`importance_weights`. It does not own the forward pass or the step (``trainer.policy``,
 ``trainer.verl_backend``) nor the per-token normalization weights (``trainer.normalization``).
 
@@ -33,7 +33,7 @@ numerically identical to the trainer's (bf16 engine vs fp32 trainer):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, cast, get_args
+from typing import Any, Protocol, cast
 
 import torch
 from verl.trainer.ppo import core_algos
@@ -41,10 +41,7 @@ from verl.utils import torch_functional as verl_F
 from verl.workers.config import ActorConfig
 from verl.workers.config.actor import PolicyLossConfig
 
-LossMode = Literal["ppo", "gspo", "cispo"]
-LOSS_MODES: tuple[str, ...] = get_args(LossMode)
-OffPolicy = Literal["bypass", "decoupled"]
-OFF_POLICY_MODES: tuple[str, ...] = get_args(OffPolicy)
+from trainer.options import LOSS_MODES, LossMode, check_option
 
 #: Our loss names -> verl's registered policy-loss names.
 VERL_LOSS_NAMES: dict[str, str] = {"ppo": "vanilla", "gspo": "gspo", "cispo": "cispo"}
@@ -70,12 +67,6 @@ get_policy_loss_fn: Callable[[str], PolicyLossFn] = core_algos.get_policy_loss_f
 kl_penalty = cast(Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor], core_algos.kl_penalty)
 logprobs_from_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = verl_F.logprobs_from_logits
 entropy_from_logits: Callable[[torch.Tensor], torch.Tensor] = verl_F.entropy_from_logits
-
-
-def check_option(value: str, valid: tuple[str, ...], what: str) -> None:
-    """``ValueError`` naming the valid choices unless ``value`` is one of them."""
-    if value not in valid:
-        raise ValueError(f"unknown {what} {value!r}; use one of {', '.join(valid)}")
 
 
 def actor_config(

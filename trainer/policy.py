@@ -5,8 +5,9 @@ over :class:`~trainer.samples.Sample` token sequences, the optimizer step, the w
 the engine (whole, or streamed in buckets through ``trainer.buckets``), offload/onload
 and the trainer's part of a checkpoint. It does not own which rollouts are trained on or when
 (the scheduler), the advantages (``trainer.advantage``), how samples are built
-(``trainer.samples``), the loss options (``trainer.losses``), the token weights
-(``trainer.normalization``) nor the checkpoint files (``trainer.checkpoints``). The verl FSDP
+(``trainer.samples``), its options (``trainer.options``) and the losses they name
+(``trainer.losses``), the token weights (``trainer.normalization``), the step's plan
+(``trainer.step_plan``) nor the checkpoint files (``trainer.checkpoints``). The verl FSDP
 backend (``trainer.verl_backend``) implements the same :class:`~trainer.items.Trainer` API.
 
 The loss is one of verl's policy losses (``core_algos``; PPO clip by default), with
@@ -27,7 +28,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,98 +37,51 @@ from transformers import AutoModelForCausalLM
 from trainer.buckets import WeightBucket, pack_buckets
 from trainer.checkpoints import CheckpointError, CheckpointStore, export_hf_model
 from trainer.device_memory import release_cached
-from trainer.items import (
-    StepOutput,
-    TrainItem,
-    check_items,
-    has_signal,
-    reward_stats,
-    truncate_items,
-)
+from trainer.items import StepOutput, TrainItem, check_items
 from trainer.losses import (
-    OFF_POLICY_MODES,
-    LossMode,
-    OffPolicy,
     actor_config,
-    check_option,
     entropy_from_logits,
     get_policy_loss_fn,
     importance_weights,
     logprobs_from_logits,
 )
 from trainer.normalization import Normalization, check_normalization
-from trainer.samples import Overflow
+from trainer.options import OffPolicy, TrainerOptions, keyword_options
 from trainer.sharded import ShardedStore
-from trainer.step_plan import Row, weighted_rows
+from trainer.step_plan import LossTotals, RankResult, Row, finish, plan_step, weighted_rows
 
 __all__ = ["LossTotals", "PolicyTrainer", "StepOutput", "TrainItem"]
-
-
-@dataclass(slots=True)
-class LossTotals:
-    """Sums over the micro-batches of one :meth:`PolicyTrainer.backward` (token sums, not means)."""
-
-    loss: float = 0.0
-    tokens: int = 0
-    clipfrac_sum: float = 0.0
-    kl_sum: float = 0.0
-    entropy_sum: float = 0.0
-    is_weight_sum: float = 0.0
-    is_capped_sum: float = 0.0
 
 
 class PolicyTrainer:
     """The trainable model and its optimizer; :meth:`step` takes one policy-gradient step."""
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        grad_clip: float | None = 1.0,
-        clip_ratio: float = 0.2,
-        clip_ratio_high: float | None = None,
-        temperature: float = 1.0,
-        max_tokens_per_microbatch: int = 4096,
-        loss: LossMode = "ppo",
-        off_policy: OffPolicy = "bypass",
-        is_cap: float = 2.0,
-        normalization: Normalization = "rollout",
-        max_sample_tokens: int | None = None,
-        overflow: Overflow = "cut",
-    ) -> None:
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if max_tokens_per_microbatch < 1:
-            raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
-        check_option(off_policy, OFF_POLICY_MODES, "off_policy")
-        if is_cap < 1.0:
-            raise ValueError(f"is_cap must be >= 1, got {is_cap}")
+    @keyword_options(TrainerOptions)
+    def __init__(self, model_dir: str | Path, options: TrainerOptions) -> None:
+        """``PolicyTrainer(model_dir, **options)``: the keywords of :class:`TrainerOptions`."""
+        self.options = options
         self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
+        self.device = torch.device(options.device)
         # Any: transformers' annotations of nn.Module methods (``to``, ``eval``) do not type-check.
         self.model = cast(Any, AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32))
         self.model.to(self.device)
         # No dropout: on-policy data must give a PPO ratio of exactly 1.
         self.model.eval()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.grad_clip = grad_clip
-        #: The sampling temperature the engine used; logits are divided by it so that the
-        #: trainer's log-probs are of the same distribution as the recorded ones.
-        self.temperature = temperature
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.off_policy = off_policy
-        self.is_cap = is_cap
-        self.normalization = check_normalization(normalization)
-        self.max_sample_tokens = max_sample_tokens
-        self.overflow = overflow
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=options.lr, weight_decay=options.weight_decay
+        )
+        #: Tokens per micro-batch: ``options``' until changed (it may be, between steps).
+        self.max_tokens_per_microbatch = options.max_tokens_per_microbatch
         self.global_step = 0
         self._offloaded = False
-        high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-        self._config = actor_config(loss, clip_ratio_low=clip_ratio, clip_ratio_high=high)
+        low, high = options.clip_ratios
+        self._config = actor_config(options.loss, clip_ratio_low=low, clip_ratio_high=high)
         self._policy_loss = get_policy_loss_fn(self._config.policy_loss.loss_mode)
+
+    @property
+    def off_policy(self) -> OffPolicy:
+        """The off-policy correction the loss applies (``options.off_policy``)."""
+        return self.options.off_policy
 
     # --- the step ------------------------------------------------------------------------------
 
@@ -136,38 +89,22 @@ class PolicyTrainer:
         """Compute the loss over ``items``, backpropagate, clip and take one optimizer step."""
         start = time.perf_counter()
         self.onload()
-        items = truncate_items(items, self.max_sample_tokens, self.overflow)
-        totals = self.backward(items)
+        # The verl backend's plan (``trainer.step_plan``) with one mini-batch: checked and
+        # truncated items, their weighted rows, whether any has a gradient, the item counts.
+        plan = plan_step(items, self.options)
+        totals = self._backward_rows(plan.minibatches[0])
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip is not None else math.inf
+        max_norm = self.options.grad_clip if self.options.grad_clip is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
         # An all-zero-advantage batch has a zero gradient; stepping Adam on it would still move
         # the weights along stale momentum, so it is not stepped. Neither is a non-finite one.
-        updated = has_signal(items) and math.isfinite(grad_norm)
+        updated = plan.trains[0] and math.isfinite(grad_norm)
         if updated:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        n = max(totals.tokens, 1)
-        reward_mean, reward_std = reward_stats(items)
-        return StepOutput(
-            step=self.global_step,
-            updated=updated,
-            loss=totals.loss,
-            grad_norm=grad_norm,
-            pg_clipfrac=totals.clipfrac_sum / n,
-            ppo_kl=totals.kl_sum / n,
-            entropy=totals.entropy_sum / n,
-            tokens=totals.tokens,
-            samples=sum(len(it.samples) for it in items),
-            rollouts=len(items),
-            duration_s=time.perf_counter() - start,
-            is_weight_mean=totals.is_weight_sum / n if totals.tokens else 1.0,
-            is_capped_frac=totals.is_capped_sum / n,
-            truncated_samples=sum(1 for it in items for s in it.samples if s.truncation is not None),
-            reward_mean=reward_mean,
-            reward_std=reward_std,
-        )
+        result = RankResult(stats=totals, grad_norms=(grad_norm,), updated=updated, step=self.global_step)
+        return finish(plan, [result], time.perf_counter() - start)
 
     def backward(
         self, items: Sequence[TrainItem], *, normalization: Normalization | None = None
@@ -178,14 +115,18 @@ class PolicyTrainer:
         inspect gradients. ``normalization`` overrides the trainer's mode for this call.
         """
         check_items(items)
+        return self._backward_rows(
+            weighted_rows(items, check_normalization(normalization or self.options.normalization))
+        )
+
+    def _backward_rows(self, rows: Sequence[Row]) -> LossTotals:
         self.optimizer.zero_grad(set_to_none=True)
-        rows = weighted_rows(items, check_normalization(normalization or self.normalization))
         totals = LossTotals()
         for batch in self._microbatches(rows):
             self._accumulate(batch, totals)
         return totals
 
-    def _microbatches(self, rows: list[Row]) -> list[list[Row]]:
+    def _microbatches(self, rows: Sequence[Row]) -> list[list[Row]]:
         """Pack rows into right-padded micro-batches of at most ``max_tokens_per_microbatch``
         padded tokens (a longer sample gets a batch of its own). Longest first, so each batch's
         rows have similar lengths and little padding."""
@@ -226,7 +167,7 @@ class PolicyTrainer:
         # of the predictions is trained iff token t+1 was sampled (loss_mask[t+1] == 1).
         mask = loss_mask[:, 1:].to(dev)
         # Only the trained positions go through the vocabulary-wide log-softmax: (n_tokens, vocab).
-        picked = logits[:, :-1, :][mask].float() / self.temperature
+        picked = logits[:, :-1, :][mask].float() / self.options.temperature
         labels = input_ids[:, 1:][mask]
         # (1, n, vocab): verl's CPU path loops over the first dim, so one row means one logsumexp.
         flat = logprobs_from_logits(picked.unsqueeze(0), labels.unsqueeze(0)).squeeze(0)
@@ -234,9 +175,9 @@ class PolicyTrainer:
         # masked_scatter fills the True positions in the same row-major order as ``[mask]``.
         log_prob = torch.zeros(b, length - 1, device=dev).masked_scatter(mask, flat)
         sampler_lp = sampler[:, 1:].to(dev)
-        if self.off_policy == "decoupled":
+        if self.options.off_policy == "decoupled":
             old_log_prob = log_prob.detach()
-            is_weight, capped = importance_weights(old_log_prob, sampler_lp, self.is_cap)
+            is_weight, capped = importance_weights(old_log_prob, sampler_lp, self.options.is_cap)
         else:
             old_log_prob, is_weight, capped = sampler_lp, torch.ones_like(sampler_lp), torch.zeros_like(mask)
         per_token_w = weight[:, None] * is_weight * mask
@@ -258,7 +199,7 @@ class PolicyTrainer:
         totals.loss += float(loss.detach())
         totals.tokens += n_tokens
         totals.clipfrac_sum += float(metrics["actor/pg_clipfrac"]) * n_tokens
-        totals.kl_sum += float(metrics["actor/ppo_kl"]) * n_tokens
+        totals.ppo_kl_sum += float(metrics["actor/ppo_kl"]) * n_tokens
         totals.entropy_sum += entropy
         totals.is_weight_sum += float(is_weight[mask].sum())
         totals.is_capped_sum += float(capped[mask].sum())

@@ -15,27 +15,11 @@ import logging
 import os
 import traceback
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.rank_rpc import (
-    BucketReady,
-    Command,
-    Continue,
-    Failed,
-    HostWeightGroup,
-    Load,
-    Offload,
-    Ok,
-    Onload,
-    PushWeights,
-    RunStep,
-    Save,
-    Shutdown,
-    StateDict,
-)
+from trainer import rank_rpc as rpc
 
 log = logging.getLogger(__name__)
 
@@ -64,61 +48,52 @@ def serve(
             model_dir, rank=rank, world_size=world_size, init_method=init_method, **options
         )
     except BaseException as exc:
-        conn.send(Failed(type(exc).__name__, str(exc), traceback.format_exc()))
+        conn.send(rpc.Failed(type(exc).__name__, str(exc), traceback.format_exc()))
         return
-    conn.send(Ok())
+    conn.send(rpc.Ok())
     try:
         while True:
             try:
-                command: Command = conn.recv()
+                command: rpc.Command = conn.recv()
             except EOFError:
                 return  # the driver went away
-            if isinstance(command, Shutdown):
-                conn.send(Ok())
+            if isinstance(command, rpc.Shutdown):
+                conn.send(rpc.Ok())
                 return
             try:
-                conn.send(Ok(_run(trainer, command, conn)))
+                conn.send(rpc.Ok(_run(trainer, command, conn)))
             except Exception as exc:
-                conn.send(Failed(type(exc).__name__, str(exc), traceback.format_exc()))
+                conn.send(rpc.Failed(type(exc).__name__, str(exc), traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _run(trainer: Any, command: Command, conn: Connection) -> Any:
-    if isinstance(command, RunStep):
+def _run(trainer: Any, command: rpc.Command, conn: Connection) -> Any:
+    if isinstance(command, rpc.RunStep):
         return trainer.run_step(command.work)
-    if isinstance(command, Save):
+    if isinstance(command, rpc.Save):
         trainer.global_step = command.step
         return trainer.save(command.store, command.version)
-    if isinstance(command, Load):
+    if isinstance(command, rpc.Load):
         version = trainer.load(command.store, command.version)
         return version, trainer.global_step
-    if isinstance(command, Offload):
+    if isinstance(command, rpc.Offload):
         return trainer.offload()
-    if isinstance(command, Onload):
+    if isinstance(command, rpc.Onload):
         return trainer.onload()
-    if isinstance(command, PushWeights):
-        dtype = getattr(torch, command.dtype) if command.dtype else None
-        directory = Path(command.directory) if command.directory else None
+    if isinstance(command, rpc.PushWeights):
         count = 0
-        buckets = trainer.weight_buckets(
-            command.bucket_bytes,
-            dtype=dtype,
-            directory=directory,
-            merged=command.merged,
-            via_group=command.via_group,
-        )
-        for bucket in buckets:
-            conn.send(BucketReady(bucket))
+        for bucket in trainer.push(command):
+            conn.send(rpc.BucketReady(bucket))
             reply = conn.recv()
-            if not isinstance(reply, Continue):
+            if not isinstance(reply, rpc.Continue):
                 raise RuntimeError(f"expected Continue during a weight push, got {type(reply).__name__}")
             count += 1
         return count
-    if isinstance(command, HostWeightGroup):
+    if isinstance(command, rpc.HostWeightGroup):
         return trainer.host_weight_group(command.spec)
-    if isinstance(command, StateDict):
+    if isinstance(command, rpc.StateDict):
         state = trainer.state_dict_for_engine()
         return state if trainer.rank == 0 else None
     raise TypeError(f"unknown trainer rank command {type(command).__name__}")

@@ -35,15 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoints import (
-    EXPORT_BUCKET_BYTES,
-    CheckpointError,
-    CheckpointStore,
-    buckets_to_hf,
-    export_hf_model,
-)
+from trainer.checkpoints import CheckpointError, CheckpointStore
 from trainer.items import StepOutput, TrainItem
-from trainer.normalization import check_normalization
+from trainer.options import VerlOptions
+from trainer.push_api import PushApi
 from trainer.rank_rpc import (
     BucketReady,
     Command,
@@ -290,7 +285,7 @@ class RankGroup:
         raise TrainerRankFailed(f"trainer rank {rank} answered {type(reply).__name__}, not a reply")
 
 
-class RankedTrainer:
+class RankedTrainer(PushApi):
     """The verl trainer over ``ranks`` worker processes, with the ``Trainer`` API.
 
     ``options`` are ``VerlFSDPTrainer``'s keyword arguments (each rank builds one with them).
@@ -311,13 +306,8 @@ class RankedTrainer:
         self.model_dir = Path(model_dir)
         self.ranks = ranks
         self.global_step = 0
-        self._mini_batches = int(options.get("mini_batches", 1))
-        self._normalization = check_normalization(options.get("normalization", "rollout"))
-        self._decoupled = options.get("off_policy", "decoupled") == "decoupled"
-        self._max_sample_tokens = options.get("max_sample_tokens")
-        self._overflow = options.get("overflow", "cut")
-        if self._mini_batches < 1:
-            raise ValueError(f"mini_batches must be >= 1, got {self._mini_batches}")
+        #: What every rank builds its trainer with (checked here before any rank starts).
+        self.options = VerlOptions(**options)
         self.group = RankGroup(
             model_dir, ranks, options, threads=threads, gpus=gpus, reply_timeout_s=reply_timeout_s
         )
@@ -350,14 +340,7 @@ class RankedTrainer:
 
     def step(self, items: Sequence[TrainItem]) -> StepOutput:
         start = time.perf_counter()
-        plan = plan_step(
-            items,
-            mini_batches=self._mini_batches,
-            normalization=self._normalization,
-            decoupled=self._decoupled,
-            max_sample_tokens=self._max_sample_tokens,
-            overflow=self._overflow,
-        )
+        plan = plan_step(items, self.options, self.options.mini_batches)
         commands = [RunStep(shard(plan, rank, self.ranks)) for rank in range(self.ranks)]
         results: list[RankResult] = self.group.call(commands)
         output = finish(plan, results, time.perf_counter() - start)
@@ -383,26 +366,15 @@ class RankedTrainer:
         self.group.broadcast(Onload())
         self._offloaded = False
 
-    def weight_buckets(
-        self,
-        bucket_bytes: int,
-        dtype: torch.dtype | None = None,
-        directory: Path | None = None,
-        *,
-        merged: bool = False,
-        via_group: bool = False,
-    ) -> Iterator[WeightBucket]:
-        """The engine's weights (with LoRA: the adapters, unless ``merged``) in buckets, written
-        by the ranks and handed on by rank 0 (``VerlFSDPTrainer.weight_buckets``); ``via_group``:
-        broadcast over the weight group (:meth:`host_weight_group`), each bucket waited for at
-        most the group's timeout plus ``GROUP_PUSH_MARGIN_S`` (then ``TrainerRankFailed``)."""
-        name = str(dtype).removeprefix("torch.") if dtype is not None else None
-        where = str(directory) if directory else None
-        command = PushWeights(bucket_bytes, name, where, merged=merged, via_group=via_group)
+    def push(self, request: PushWeights) -> Iterator[WeightBucket]:
+        """``weight_buckets`` (:class:`~trainer.push_api.PushApi`): the buckets written by the
+        ranks and handed on by rank 0 (``VerlFSDPTrainer.push``); over the weight group
+        (:meth:`host_weight_group`) each bucket is waited for at most the group's timeout plus
+        ``GROUP_PUSH_MARGIN_S`` (then ``TrainerRankFailed``)."""
         timeout_s = None
-        if via_group and self._group_timeout_s is not None:
+        if request.via_group and self._group_timeout_s is not None:
             timeout_s = self._group_timeout_s + GROUP_PUSH_MARGIN_S
-        yield from self.group.push(command, timeout_s=timeout_s)
+        yield from self.group.push(request, timeout_s=timeout_s)
 
     def host_weight_group(self, spec: GroupSpec) -> None:
         """Rank 0 hosts the weight group ``spec`` and joins it; returns once every member has
@@ -415,7 +387,3 @@ class RankedTrainer:
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = self.group.broadcast(StateDict())[0]
         return state
-
-    def export_hf(self, directory: Path) -> Path:
-        buckets = self.weight_buckets(EXPORT_BUCKET_BYTES, merged=True)
-        return export_hf_model(buckets_to_hf(buckets), self.model_dir, directory)

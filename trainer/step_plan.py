@@ -3,9 +3,10 @@
 Owns :class:`StepPlan` (items -> mini-batches of weighted rows, and which of them train),
 :func:`plan_step`, :func:`shard` (one rank's share of each mini-batch, :class:`RankStep`) and
 :func:`finish` (the ranks' :class:`RankResult` -> one :class:`~trainer.items.StepOutput`), and
-:func:`weighted_rows`, by which the torch backend weighs its rows too. It is light (no verl, no
-model): the driver plans in the appliance's process, each rank runs its share
-(``trainer.verl_backend.VerlFSDPTrainer.run_step``), and a world-size-1 trainer does all three.
+:func:`weighted_rows`, and :class:`LossTotals`, the sums a step's micro-batches add up. It is
+light (no verl, no model): the driver plans in the appliance's process, each rank runs its share
+(``trainer.verl_backend.VerlFSDPTrainer.run_step``), and a world-size-1 trainer does all three;
+so does the torch backend (``trainer.policy``), with one mini-batch on one process.
 
 Why the plan is made once. Every decision that makes ranks call collectives (whether a
 mini-batch trains or only runs forward, whether proximal log-probs are precomputed) must be the
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from trainer.items import StepOutput, TrainItem, check_items, has_signal, reward_stats, trainable_tokens
 from trainer.items import truncate_items as _truncate_items
 from trainer.normalization import Normalization, sample_weights
-from trainer.samples import Overflow, Sample
+from trainer.options import TrainerOptions
+from trainer.samples import Sample
 
 #: One row of a batch: a sample (with at least one trainable token), its rollout's advantage,
 #: its per-token normalization weight.
@@ -60,9 +62,10 @@ class RankStep:
 
 
 @dataclass(slots=True)
-class RankStats:
-    """Token sums over one rank's micro-batches (means are taken by :func:`finish`). ``loss`` is
-    the rank's share as verl computes it: scaled by the world size."""
+class LossTotals:
+    """Token sums (not means) over the micro-batches a process ran in one step: the torch
+    backend's whole step, or one verl rank's share (means are taken by :func:`finish`). A verl
+    rank's ``loss`` is its share as verl computes it: scaled by the world size."""
 
     loss: float = 0.0
     tokens: int = 0
@@ -78,7 +81,7 @@ class RankStats:
 class RankResult:
     """What one rank did in a step."""
 
-    stats: RankStats
+    stats: LossTotals
     #: Per mini-batch that had rows: the total gradient norm (0.0 for a forward-only one); the
     #: norm is over all ranks' shards, so every rank reports the same.
     grad_norms: tuple[float, ...]
@@ -98,27 +101,20 @@ def weighted_rows(items: Sequence[TrainItem], normalization: Normalization) -> l
     ]
 
 
-def plan_step(
-    items: Sequence[TrainItem],
-    *,
-    mini_batches: int,
-    normalization: Normalization,
-    decoupled: bool,
-    max_sample_tokens: int | None,
-    overflow: Overflow,
-) -> StepPlan:
-    """Check and truncate ``items``, deal them into ``mini_batches`` chunks (``items[i::m]``), and
-    weigh each chunk's samples (``sample_weights`` over the chunk)."""
+def plan_step(items: Sequence[TrainItem], options: TrainerOptions, mini_batches: int = 1) -> StepPlan:
+    """Check and truncate ``items`` (``options.max_sample_tokens``), deal them into
+    ``mini_batches`` chunks (``items[i::m]``), and weigh each chunk's samples
+    (``sample_weights`` over the chunk, ``options.normalization``)."""
     check_items(items)
-    items = _truncate_items(items, max_sample_tokens, overflow)
+    items = _truncate_items(items, options.max_sample_tokens, options.overflow)
     chunks = [list(items[i::mini_batches]) for i in range(mini_batches)]
     chunks = [chunk for chunk in chunks if chunk]
-    minibatches = [tuple(weighted_rows(chunk, normalization)) for chunk in chunks]
+    minibatches = [tuple(weighted_rows(chunk, options.normalization)) for chunk in chunks]
     reward_mean, reward_std = reward_stats(items)
     return StepPlan(
         minibatches=tuple(minibatches),
         trains=tuple(has_signal(chunk) for chunk in chunks),
-        precompute_old=decoupled and len(chunks) > 1,
+        precompute_old=options.off_policy == "decoupled" and len(chunks) > 1,
         samples=sum(len(it.samples) for it in items),
         rollouts=len(items),
         truncated_samples=sum(1 for it in items for s in it.samples if s.truncation is not None),
@@ -172,7 +168,7 @@ def finish(plan: StepPlan, results: Sequence[RankResult], duration_s: float) -> 
     if not results:
         raise ValueError("a step needs the result of at least one rank")
     world = len(results)
-    total = RankStats()
+    total = LossTotals()
     for result in results:
         s = result.stats
         total.loss += s.loss / world

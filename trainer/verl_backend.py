@@ -4,9 +4,10 @@ Owns :class:`VerlFSDPTrainer`: verl's ``FSDPEngineWithLMHead`` (FSDP2) for the p
 reference model when there is a KL term), one step = one or more ``train_batch`` calls with
 verl's ``ppo_loss``, offload/onload, checkpoints, the weights for the engine and the HF export.
 It does not own building the engine and reading its tensors whole (``trainer.verl_engine``), the
-batch layout or the loss function (``trainer.verl_batch``), the loss options
-(``trainer.losses``), the process-wide setup (``trainer.verl_runtime``), nor anything the
-plain-torch backend (``trainer.policy``) owns for itself.
+batch layout or the loss function (``trainer.verl_batch``), its options (``trainer.options``)
+and the losses they name (``trainer.losses``), the process-wide setup
+(``trainer.verl_runtime``), nor anything the plain-torch backend (``trainer.policy``) owns for
+itself.
 
 One code path for CPU and GPU: on CPU the engine runs on gloo (a CPU platform registered with
 verl, fp32); on CUDA on NCCL with FSDP2 mixed precision (bf16 compute, fp32 master weights and
@@ -48,20 +49,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.checkpoints import (
-    EXPORT_BUCKET_BYTES,
-    CheckpointError,
-    CheckpointStore,
-    buckets_to_hf,
-    export_hf_model,
-)
+from trainer.checkpoints import CheckpointError, CheckpointStore
 from trainer.device_memory import release_cached
 from trainer.items import StepOutput, TrainItem
-from trainer.losses import OFF_POLICY_MODES, LossMode, OffPolicy, actor_config, check_option
-from trainer.normalization import Normalization, check_normalization
-from trainer.samples import Overflow
+from trainer.losses import actor_config
+from trainer.options import OffPolicy, VerlOptions, keyword_options
+from trainer.push_api import PushApi
+from trainer.rank_rpc import PushWeights
 from trainer.sharded import ShardedStore
-from trainer.step_plan import RankResult, RankStats, RankStep, Row, StepPlan, finish, plan_step, shard
+from trainer.step_plan import LossTotals, RankResult, RankStep, Row, StepPlan, finish, plan_step, shard
 from trainer.verl_batch import build_batch, response_values, step_loss
 from trainer.verl_engine import adapter_tensors, build_engine, full_tensors, unique_state
 from trainer.verl_lora import merge_lora_stream
@@ -74,84 +70,53 @@ if TYPE_CHECKING:
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-class VerlFSDPTrainer:
+class VerlFSDPTrainer(PushApi):
     """The policy on verl's FSDP engine; same API as :class:`trainer.policy.PolicyTrainer`."""
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        grad_clip: float | None = 1.0,
-        clip_ratio: float = 0.2,
-        clip_ratio_high: float | None = None,
-        temperature: float = 1.0,
-        max_tokens_per_microbatch: int = 4096,
-        loss: LossMode = "ppo",
-        off_policy: OffPolicy = "decoupled",
-        is_cap: float = 2.0,
-        normalization: Normalization = "rollout",
-        kl_coef: float = 0.0,
-        kl_type: str = "low_var_kl",
-        lora_rank: int = 0,
-        lora_alpha: int | None = None,
-        mini_batches: int = 1,
-        param_dtype: str | None = None,
-        gradient_checkpointing: bool = False,
-        remove_padding: bool = True,
-        max_sample_tokens: int | None = None,
-        overflow: Overflow = "cut",
-        rank: int = 0,
-        world_size: int = 1,
-        init_method: str | None = None,
-    ) -> None:
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        check_option(off_policy, OFF_POLICY_MODES, "off_policy")
-        if is_cap < 1.0 or mini_batches < 1 or kl_coef < 0 or lora_rank < 0:
-            raise ValueError("need is_cap >= 1, mini_batches >= 1, kl_coef >= 0 and lora_rank >= 0")
+    @keyword_options(VerlOptions)
+    def __init__(self, model_dir: str | Path, options: VerlOptions) -> None:
+        """``VerlFSDPTrainer(model_dir, **options)``: the keywords of :class:`VerlOptions`."""
+        self.options = options
         self.model_dir = Path(model_dir)
-        self.device = ensure_runtime(device, rank=rank, world_size=world_size, init_method=init_method)
+        rank, world_size = options.rank, options.world_size
+        self.device = ensure_runtime(
+            options.device, rank=rank, world_size=world_size, init_method=options.init_method
+        )
         self.rank, self.world_size = rank, world_size
-        self.temperature = temperature
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.off_policy = off_policy
-        self.is_cap = is_cap
-        self.normalization = check_normalization(normalization)
-        self.kl_coef, self.kl_type = kl_coef, kl_type
-        self.lora_rank = lora_rank
+        #: Tokens per micro-batch: ``options``' until changed (it may be, between steps).
+        self.max_tokens_per_microbatch = options.max_tokens_per_microbatch
+        lora_rank = self.lora_rank = options.lora_rank
         #: Rank 0's membership of the weight group (``host_weight_group``), if any.
         self._weight_group: WeightGroup | None = None
-        self.lora_alpha = lora_alpha if lora_alpha is not None else 2 * lora_rank
-        self.mini_batches = mini_batches
-        self.gradient_checkpointing = gradient_checkpointing
-        self.remove_padding = remove_padding
-        self.max_sample_tokens, self.overflow = max_sample_tokens, overflow
+        self.lora_alpha = options.lora_alpha if options.lora_alpha is not None else 2 * lora_rank
         self.global_step = 0
         self._offloaded = False
-        high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-        self._actor_cfg = actor_config(loss, clip_ratio_low=clip_ratio, clip_ratio_high=high)
+        low, high = options.clip_ratios
+        self._actor_cfg = actor_config(options.loss, clip_ratio_low=low, clip_ratio_high=high)
         engine_kw: dict[str, Any] = {
-            "lr": lr,
-            "weight_decay": weight_decay,
+            "lr": options.lr,
+            "weight_decay": options.weight_decay,
             # verl always clips; an infinite norm makes the clip a no-op that still reports it.
-            "grad_clip": math.inf if grad_clip is None else grad_clip,
+            "grad_clip": math.inf if options.grad_clip is None else options.grad_clip,
             "lora_rank": lora_rank,
             "lora_alpha": self.lora_alpha,
-            "param_dtype": param_dtype or ("bf16" if self.device.type == "cuda" else "fp32"),
-            "gradient_checkpointing": gradient_checkpointing,
-            "remove_padding": remove_padding,
-            "max_token_len": max_tokens_per_microbatch,
+            "param_dtype": options.param_dtype or ("bf16" if self.device.type == "cuda" else "fp32"),
+            "gradient_checkpointing": self.options.gradient_checkpointing,
+            "remove_padding": self.options.remove_padding,
+            "max_token_len": self.max_tokens_per_microbatch,
         }
         self.engine: Any = build_engine(self.model_dir, param_offload=False, **engine_kw)
         self._tied = bool(getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False))
         # The reference: LoRA's base model (adapters off) or a frozen copy that lives in host
         # memory between uses (verl's param_offload loads it around each forward).
         self._ref_engine: Any = None
-        if kl_coef > 0 and lora_rank == 0:
+        if self.options.kl_coef > 0 and lora_rank == 0:
             self._ref_engine = build_engine(self.model_dir, param_offload=True, **engine_kw)
+
+    @property
+    def off_policy(self) -> OffPolicy:
+        """The off-policy correction the loss applies (``options.off_policy``)."""
+        return self.options.off_policy
 
     # --- the step ------------------------------------------------------------------------------
 
@@ -167,19 +132,12 @@ class VerlFSDPTrainer:
 
     def plan(self, items: Sequence[TrainItem]) -> StepPlan:
         """The step over ``items`` as every rank must run it (``trainer.step_plan``)."""
-        return plan_step(
-            items,
-            mini_batches=self.mini_batches,
-            normalization=self.normalization,
-            decoupled=self.off_policy == "decoupled",
-            max_sample_tokens=self.max_sample_tokens,
-            overflow=self.overflow,
-        )
+        return plan_step(items, self.options, self.options.mini_batches)
 
     def run_step(self, work: RankStep) -> RankResult:
         """This rank's share of a step; every rank of the world runs its own at the same time."""
         self.onload()
-        stats = RankStats()
+        stats = LossTotals()
         grad_norms: list[float] = []
         updated = False
         batches = [
@@ -212,10 +170,10 @@ class VerlFSDPTrainer:
         """A mini-batch's rows as verl's batch (the last ``inert`` rows are padding)."""
         return build_batch(
             rows,
-            temperature=self.temperature,
+            temperature=self.options.temperature,
             max_token_len=self.max_tokens_per_microbatch,
             inert=inert,
-            remove_padding=self.remove_padding,
+            remove_padding=self.options.remove_padding,
         )
 
     def _prepare(self, batch: TensorDict, *, precompute_old: bool) -> None:
@@ -224,7 +182,7 @@ class VerlFSDPTrainer:
 
         if precompute_old:
             batch["old_log_probs"] = self._log_probs(self.engine, batch)
-        if self.kl_coef > 0:
+        if self.options.kl_coef > 0:
             if self._ref_engine is not None:
                 batch["ref_log_prob"] = self._log_probs(self._ref_engine, batch)
             else:
@@ -240,16 +198,16 @@ class VerlFSDPTrainer:
             out = engine.infer_batch(batch, loss_function=None)
         return response_values(out["model_output"]["log_probs"], batch)
 
-    def _loss_function(self, stats: RankStats) -> Any:
+    def _loss_function(self, stats: LossTotals) -> Any:
         return functools.partial(
             step_loss,
             self._actor_cfg,
             stats,
             dp_size=self.world_size,
-            off_policy=self.off_policy,
-            is_cap=self.is_cap,
-            kl_coef=self.kl_coef,
-            kl_type=self.kl_type,
+            off_policy=self.options.off_policy,
+            is_cap=self.options.is_cap,
+            kl_coef=self.options.kl_coef,
+            kl_type=self.options.kl_type,
         )
 
     def _no_dropout(self) -> None:
@@ -257,7 +215,7 @@ class VerlFSDPTrainer:
         # so dropout stays off (eval mode changes nothing else for these models). Except with
         # gradient checkpointing, which transformers only applies in train mode: the models
         # this appliance trains (Qwen2, SmolLM2) have no dropout anyway.
-        if not self.gradient_checkpointing:
+        if not self.options.gradient_checkpointing:
             self.engine.module.eval()
 
     # --- collocation -----------------------------------------------------------------------------
@@ -315,29 +273,18 @@ class VerlFSDPTrainer:
     def _adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return adapter_tensors(self.engine.module, self.world_size)
 
-    def weight_buckets(
-        self,
-        bucket_bytes: int,
-        dtype: torch.dtype | None = None,
-        directory: Path | None = None,
-        *,
-        merged: bool = False,
-        via_group: bool = False,
-    ) -> Iterator[WeightBucket]:
-        """What the engine needs of this version, packed into buckets of about ``bucket_bytes``
-        (``trainer.buckets``), never the whole model at once: with LoRA the adapters
-        alone (buckets marked with their ``LoraAdapter``; the engine keeps its base weights),
-        unless ``merged``; otherwise (or ``merged``) the weights as :meth:`state_dict_for_engine`
-        names them, a tied LM head left out. A collective at world size > 1: every rank iterates
-        it; only rank 0 yields buckets. Whole weights are written by each rank from its own
-        shards (``trainer.shard_buckets``); adapters, and merged weights, are gathered for rank 0.
-        ``via_group``: whole weights broadcast over the weight group rank 0 hosts
-        (:meth:`host_weight_group`, ``trainer.weight_group``) from a buffer on the training
-        device, gathered for rank 0; adapters (small) still go through a file."""
+    def push(self, request: PushWeights) -> Iterator[WeightBucket]:
+        """``weight_buckets`` on this rank (:class:`~trainer.push_api.PushApi`). A collective at
+        world size > 1: every rank iterates it; only rank 0 yields buckets. Whole weights are
+        written by each rank from its own shards (``trainer.shard_buckets``); adapters, and
+        merged weights, are gathered for rank 0; over the weight group (``via_group``) from a
+        buffer on the training device, gathered for rank 0."""
         from trainer.buckets import LoraAdapter, pack_buckets
 
-        adapters = self.lora_rank > 0 and not merged
-        if via_group and not adapters:
+        bucket_bytes, directory = request.bucket_bytes, Path(request.directory) if request.directory else None
+        dtype = getattr(torch, request.dtype) if request.dtype else None
+        adapters = self.lora_rank > 0 and not request.merged
+        if request.via_group and not adapters:
             yield from self._group_buckets(bucket_bytes, dtype)
             return
         if self.world_size > 1 and self.lora_rank == 0:
@@ -457,10 +404,3 @@ class VerlFSDPTrainer:
         self.engine.lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
         self.global_step = int(payload["step"])
         return version
-
-    def export_hf(self, directory: Path) -> Path:
-        """Write the current (merged) weights and ``model_dir``'s tokenizer files as an HF dir,
-        from the push's buckets (one safetensors shard each; never the whole model in memory)."""
-        return export_hf_model(
-            buckets_to_hf(self.weight_buckets(EXPORT_BUCKET_BYTES, merged=True)), self.model_dir, directory
-        )

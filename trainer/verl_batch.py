@@ -2,7 +2,7 @@
 
 Owns :func:`build_batch` (samples -> verl's no-padding ``TensorDict``), :func:`response_values`
 (the inverse for per-token engine outputs) and :func:`step_loss`, which adds up a rank's
-:class:`~trainer.step_plan.RankStats`.
+:class:`~trainer.step_plan.LossTotals`.
 It does not own the engine or the step (``trainer.verl_backend``), the loss options
 (``trainer.losses``) nor the weights (``trainer.normalization``).
 
@@ -32,12 +32,10 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from trainer.losses import OffPolicy, importance_weights, kl_penalty
+from trainer.losses import importance_weights, kl_penalty
+from trainer.options import OffPolicy
 from trainer.samples import Sample
-from trainer.step_plan import RankStats, Row
-
-#: The sums ``step_loss`` accumulates (one rank's share of a step).
-LossStats = RankStats
+from trainer.step_plan import LossTotals, Row
 
 
 def split_point(sample: Sample) -> int:
@@ -132,7 +130,7 @@ def response_values(output: torch.Tensor, batch: TensorDict) -> torch.Tensor:
 
 def step_loss(
     actor_cfg: Any,
-    stats: LossStats,
+    stats: LossTotals,
     *,
     off_policy: OffPolicy,
     is_cap: float,

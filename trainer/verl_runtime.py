@@ -45,6 +45,17 @@ _device_type: str | None = None
 _DEVICE_CAPTURING_MODULES = ("verl.workers.engine.fsdp.transformer_impl",)
 
 
+#: ``torch.cuda``'s caching-allocator queries: on the host there is no such allocator, so each
+#: answers 0 bytes (``_no_bytes``).
+_NO_ALLOCATOR_BYTES = frozenset(
+    {"memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"}
+)
+
+
+def _no_bytes(device: Any = None) -> int:
+    return 0
+
+
 class _CpuDeviceModule(types.ModuleType):
     """What verl calls ``get_torch_device()`` on CPU: ``torch.cpu`` plus no-op memory calls."""
 
@@ -52,27 +63,13 @@ class _CpuDeviceModule(types.ModuleType):
         super().__init__("appliance_cpu_device")
 
     def __getattr__(self, name: str) -> Any:
+        if name in _NO_ALLOCATOR_BYTES:
+            return _no_bytes
         return getattr(torch.cpu, name)
 
     @staticmethod
     def empty_cache() -> None:
         """Host memory has no caching allocator to empty."""
-
-    @staticmethod
-    def memory_allocated(device: Any = None) -> int:
-        return 0
-
-    @staticmethod
-    def memory_reserved(device: Any = None) -> int:
-        return 0
-
-    @staticmethod
-    def max_memory_allocated(device: Any = None) -> int:
-        return 0
-
-    @staticmethod
-    def max_memory_reserved(device: Any = None) -> int:
-        return 0
 
     @staticmethod
     def mem_get_info(device: Any = None) -> tuple[int, int]:

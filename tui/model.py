@@ -16,26 +16,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from store import events
 from store.codec import StoredEvent
-from store.events import (
-    AdmissionsPaused,
-    ApplianceStarted,
-    ApplianceStopped,
-    CallRewardReported,
-    CheckpointSaved,
-    ControlRequested,
-    Event,
-    LLMCallCompleted,
-    ModelExported,
-    PhaseChanged,
-    PolicyVersionPublished,
-    RewardReported,
-    RolloutCreated,
-    RolloutFinished,
-    SwitchPhaseCompleted,
-    TrainStepCompleted,
-    ValidationCompleted,
-)
 from store.outcomes import failures_text, reason_of, state_of
 from store.projections import RolloutView, RunState, one_line
 
@@ -172,7 +154,7 @@ class DashboardModel:
     #: metric key -> [(step, value)], in step order.
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     log: deque[LogLine] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
-    controls: list[ControlRequested] = field(default_factory=list)
+    controls: list[events.ControlRequested] = field(default_factory=list)
     #: ts of the first and the last event applied.
     first_ts: float = 0.0
     last_ts: float = 0.0
@@ -202,7 +184,7 @@ class DashboardModel:
             n += 1
         return n
 
-    def apply(self, event: Event, position: int = 0) -> None:
+    def apply(self, event: events.Event, position: int = 0) -> None:
         self.state.apply(event, position)
         self.revision += 1
         ts = event.ts
@@ -210,7 +192,7 @@ class DashboardModel:
             self.first_ts = ts
         self.last_ts = max(self.last_ts, ts)
         match event:
-            case ApplianceStarted():
+            case events.ApplianceStarted():
                 self.model, self.engine, self.config, self.stopped = (
                     event.model,
                     event.engine,
@@ -220,32 +202,32 @@ class DashboardModel:
                 if self._started_ts:  # the previous start recorded no stop: it ran until its last event
                     self._ran_s += max(0.0, self._previous_ts - self._started_ts)
                 self._started_ts, self._stop_source = ts, ""
-            case ApplianceStopped():
+            case events.ApplianceStopped():
                 self.stopped = event.reason
                 self._open("idle", ts)
                 if self._started_ts:
                     self._ran_s += max(0.0, ts - self._started_ts)
                     self._started_ts = 0.0
-            case PhaseChanged():
+            case events.PhaseChanged():
                 self._open("switch" if event.phase == "train" else event.phase, ts)
-            case SwitchPhaseCompleted():
+            case events.SwitchPhaseCompleted():
                 self._switch_phase(event)
-            case LLMCallCompleted():
+            case events.LLMCallCompleted():
                 self._recent_calls.append((ts, len(event.response_ids)))
                 while self._recent_calls and self._recent_calls[0][0] < ts - RATE_WINDOW_S:
                     self._recent_calls.popleft()
-            case RolloutCreated():
+            case events.RolloutCreated():
                 self._created_ts[event.rollout] = ts
-            case RolloutFinished():
+            case events.RolloutFinished():
                 start = self._created_ts.get(event.rollout)
                 self._durations[event.rollout] = event.duration_s or (ts - start if start else 0.0)
-            case TrainStepCompleted():
+            case events.TrainStepCompleted():
                 for _, key in CURVES:
                     if key in event.metrics:
                         self.curves.setdefault(key, []).append((event.step, float(event.metrics[key])))
-            case ValidationCompleted():
+            case events.ValidationCompleted():
                 self.curves.setdefault(VALIDATION, []).append((event.step, event.reward_mean))
-            case ControlRequested():
+            case events.ControlRequested():
                 self.controls.append(event)
                 if event.action == "stop":
                     self._stop_source = event.source
@@ -264,7 +246,7 @@ class DashboardModel:
             current.end = ts
         self.timeline.append(PhaseSpan(phase, ts))
 
-    def _switch_phase(self, event: SwitchPhaseCompleted) -> None:
+    def _switch_phase(self, event: events.SwitchPhaseCompleted) -> None:
         start = event.ts - event.duration_s
         if event.phase == "train":
             current = self.timeline[-1] if self.timeline else None
@@ -390,47 +372,47 @@ class DashboardModel:
         return out
 
 
-def describe(event: Event) -> str:
+def describe(event: events.Event) -> str:
     """One line of text for the event log."""
     match event:
-        case ApplianceStarted():
+        case events.ApplianceStarted():
             return f"started {event.model} on {event.engine} at v{event.resumed_from_version}"
-        case ApplianceStopped():
+        case events.ApplianceStopped():
             return f"stopped: {event.reason}"
-        case PhaseChanged():
+        case events.PhaseChanged():
             return f"phase {event.phase} (v{event.policy_version})"
-        case RolloutCreated():
+        case events.RolloutCreated():
             return f"{event.purpose} rollout task {event.task_id} group {event.group} v{event.policy_version}"
-        case LLMCallCompleted():
+        case events.LLMCallCompleted():
             return (
                 f"call {event.surface} {len(event.prompt_ids)}+{len(event.response_ids)} tok "
                 f"{event.finish_reason} v{event.policy_version} {event.total_s * 1000:.0f} ms"
             )
-        case RewardReported():
+        case events.RewardReported():
             return f"reward {event.reward:+.3f} ({event.source})"
-        case CallRewardReported():
+        case events.CallRewardReported():
             return f"call reward {event.reward:+.3f} {event.name} ({event.source})"
-        case RolloutFinished():
+        case events.RolloutFinished():
             return event.status + (f": {event.error}" if event.error else "")
-        case SwitchPhaseCompleted():
+        case events.SwitchPhaseCompleted():
             return f"step {event.step} {event.phase} {event.duration_s * 1000:.0f} ms"
-        case TrainStepCompleted():
+        case events.TrainStepCompleted():
             loss = event.metrics.get("loss")
             return (
                 f"step {event.step}: {len(event.rollouts)} rollouts, {event.samples} samples, "
                 f"{event.tokens} tokens" + (f", loss {loss:+.4f}" if loss is not None else "")
             )
-        case PolicyVersionPublished():
+        case events.PolicyVersionPublished():
             return f"policy v{event.policy_version} at step {event.step}"
-        case ValidationCompleted():
+        case events.ValidationCompleted():
             return f"validation step {event.step}: reward {event.reward_mean:.3f} ± {event.reward_std:.3f}"
-        case CheckpointSaved():
+        case events.CheckpointSaved():
             return f"checkpoint {event.path} ({event.reason})"
-        case ModelExported():
+        case events.ModelExported():
             return f"exported {event.path}"
-        case ControlRequested():
+        case events.ControlRequested():
             return f"control {event.action} by {event.source}"
-        case AdmissionsPaused():
+        case events.AdmissionsPaused():
             return (
                 f"admissions paused {event.backoff_s:g} s (trip {event.trips}): {event.failures} "
                 f"failed in a row; last: {one_line(event.cause)}"

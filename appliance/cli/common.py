@@ -1,7 +1,7 @@
 """What the subcommands of ``lightning-appliance`` share.
 
-Owns the flags more than one subcommand takes (``--config``, the harness flags of ``up`` and
-``eval``, the placement flags of ``up`` and ``plan``) and how they become a config
+Owns the flags more than one subcommand takes (``--config``, the model and engine flags and the
+harness flags of ``up`` and ``eval``, the placement flags of ``up`` and ``plan``) and how they become a config
 (``config_from_flags``: each flag is the config field of its name), the ``(env APPLIANCE_<NAME>)``
 note on a flag's help, the event loop a command runs on (uvloop when available), the hard exit
 of a stop that cannot wait, and how a step's reward and loss are printed (progress lines and
@@ -26,6 +26,16 @@ from contracts.errors import ConfigError
 def config_flag(parser: argparse.ArgumentParser) -> None:
     """``--config``, the TOML file ``up``, ``eval`` and ``doctor`` read."""
     parser.add_argument("--config", type=Path, help="TOML file with config keys (see appliance/config/)")
+
+
+def engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the model served and the engine that generates with it (``up``, ``eval``)."""
+    parser.add_argument("--model", help="'tiny', 'smollm2-135m', or a local Hugging Face model directory")
+    parser.add_argument(
+        "--engine",
+        help="generation engine: auto (default: vllm on GPUs where its venv exists, else torch), torch (in "
+        "process) or vllm (own process and venv)",
+    )
 
 
 def harness_flags(parser: argparse.ArgumentParser) -> None:

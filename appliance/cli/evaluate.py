@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from appliance.cli.common import config_flag, config_from_flags, harness_flags, run_async
+from appliance.cli.common import config_flag, config_from_flags, engine_flags, harness_flags, run_async
 from appliance.config import ApplianceConfig
 from appliance.operations import preflight
 
@@ -29,12 +29,7 @@ def add_parser(sub: Any) -> None:
     )
     config_flag(evaluate)
     evaluate.add_argument("--data-dir", type=Path, help="run directory (default ./appliance-data)")
-    evaluate.add_argument("--model", help="'tiny', 'smollm2-135m', or a local Hugging Face model directory")
-    evaluate.add_argument(
-        "--engine",
-        help="generation engine: auto (default: vllm on GPUs where its venv exists, else torch), "
-        "torch or vllm",
-    )
+    engine_flags(evaluate)
     evaluate.add_argument("--device", help="cpu, cuda or auto")
     evaluate.add_argument("--port", type=int, help="proxy port (0: any free port)")
     harness_flags(evaluate)

@@ -20,6 +20,7 @@ from typing import Any
 from appliance.cli.common import (
     config_flag,
     config_from_flags,
+    engine_flags,
     hard_exit,
     harness_flags,
     loss_text,
@@ -42,12 +43,7 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--headless", action="store_true", help="print progress lines instead of the dashboard")
     up.add_argument("--host", help="address the proxy binds to (default 127.0.0.1)")
     up.add_argument("--port", type=int, help="proxy port (0: any free port)")
-    up.add_argument("--model", help="'tiny', 'smollm2-135m', or a local Hugging Face model directory")
-    up.add_argument(
-        "--engine",
-        help="generation engine: auto (default: vllm on GPUs where its venv exists, else torch), torch (in "
-        "process) or vllm (own process and venv)",
-    )
+    engine_flags(up)
     harness_flags(up)
     up.add_argument("--group-size", type=int, help="rollouts per task group")
     up.add_argument("--batch-groups", type=int, help="task groups per training step")

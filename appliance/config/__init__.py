@@ -41,7 +41,7 @@ from appliance.config.run import (
     resolve_engine,
     section_of,
 )
-from appliance.config.scheduler import SchedulerConfig
+from appliance.config.scheduler import ScheduleKnobs, SchedulerConfig
 from appliance.config.tracking import LOGGERS, TrackingConfig
 from appliance.config.trainer import (
     PARAM_DTYPES,
@@ -67,6 +67,7 @@ __all__ = [
     "EngineConfig",
     "HarnessConfig",
     "ProxyConfig",
+    "ScheduleKnobs",
     "SchedulerConfig",
     "TrackingConfig",
     "TrainerConfig",

@@ -1,6 +1,8 @@
 """The ``[scheduler]`` section: batches, the mode and its staleness bound, validation rounds,
 the deadlines of a switch and the circuit breaker (``SchedulePolicy.from_config`` and the
-scheduler's runner read it). It does not own the decisions (``appliance.scheduler``)."""
+scheduler's runner read it). Owns the knobs' one declaration (``ScheduleKnobs``), which the
+section and the decisions' ``SchedulePolicy`` share. It does not own the decisions
+(``appliance.scheduler``)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ from contracts.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerConfig:
-    """When the machine generates and when it trains: batches, the mode and its staleness bound,
-    validation rounds, the deadlines of a switch and the circuit breaker
-    (``SchedulePolicy.from_config`` and the scheduler's runner read this section)."""
+class ScheduleKnobs:
+    """The scheduler's knobs, each declared here once, with what it means and its default as a
+    run's config has it. Two classes are made of them: ``SchedulerConfig`` (the section, every
+    value checked as a user's) and ``appliance.scheduler.decide.SchedulePolicy`` (the same knobs
+    as the decisions read them, made concrete for a placement). Nothing is checked here."""
 
     #: Rollouts per task group (GRPO compares the rollouts of one group).
     group_size: int = 4
@@ -66,6 +69,14 @@ class SchedulerConfig:
     #: which the run stops with the last failure's reason and a non-zero exit (0: never stop).
     #: The count starts again at each start, so the same data directory resumes.
     breaker_max_trips: int = 5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig(ScheduleKnobs):
+    """When the machine generates and when it trains: batches, the mode and its staleness bound,
+    validation rounds, the deadlines of a switch and the circuit breaker
+    (``SchedulePolicy.from_config`` and the scheduler's runner read this section). Its fields,
+    in their order (the order ``ApplianceConfig.to_json`` records), are ``ScheduleKnobs``'."""
 
     def __post_init__(self) -> None:
         at_least("group_size", self.group_size, 1)

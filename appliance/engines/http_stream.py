@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, cast
 
 import orjson
@@ -226,20 +226,12 @@ class StreamPool:
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode()
         conn: _Connection | None = None
-        done = False
         try:
             conn, status, response = await self._send(head, body)
             if status != 200:
                 raise_for_status(status, (await _read_all(response)).decode(errors="replace"), path)
-            lines = SSELines(path)
-            while data := await response.read():
-                events, done = lines.feed(data)
-                if events:
-                    yield events
-                if done:
-                    break
-            if not done:
-                raise EngineUnavailable(f"the vLLM server ended the stream of {path} without [DONE]; retry")
+            async for events in sse_batches(response.read, path):
+                yield events
             if await _ended(response):
                 self._release(conn)
                 conn = None
@@ -330,24 +322,25 @@ async def _read_all(body: _Body) -> bytes:
     return b"".join(parts)
 
 
-class SSELines:
-    """The ``data:`` events of a server-sent-event body fed as it arrives: each ``feed`` gives the
-    events of the lines it completes (a partial last line waits for the next bytes) and whether
-    ``[DONE]`` came."""
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-        self._pending = b""
-
-    def feed(self, data: bytes) -> tuple[list[Any], bool]:
-        if self._pending:
-            data = self._pending + data
+async def sse_batches(read: Callable[[], Awaitable[bytes]], path: str) -> AsyncGenerator[list[Any], None]:
+    """The ``data:`` events of a server-sent-event body that ``read`` returns as it arrives (b"":
+    its end), until ``[DONE]``, in batches: the events of the lines one read completes (a
+    partial last line waits for the next bytes). ``EngineUnavailable`` if the body ends first."""
+    pending = b""
+    while data := await read():
+        if pending:
+            data = pending + data
         end = data.rfind(b"\n")
         if end < 0:
-            self._pending = data
-            return [], False
-        self._pending = data[end + 1 :]
-        return sse_events(data[:end], self._path)
+            pending = data
+            continue
+        pending = data[end + 1 :]
+        events, done = sse_events(data[:end], path)
+        if events:
+            yield events
+        if done:
+            return
+    raise EngineUnavailable(f"the vLLM server ended the stream of {path} without [DONE]; retry")
 
 
 def sse_events(text: bytes, path: str) -> tuple[list[Any], bool]:

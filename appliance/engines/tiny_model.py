@@ -3,10 +3,11 @@
 Owns the recipe for the test model every engine, proxy and trainer test runs against: a
 byte-level BPE tokenizer trained by ``tokenizers`` on a small built-in corpus (chat sentences,
 arithmetic, hermes JSON tool calls, so digits and JSON punctuation are common tokens) and a
-two-layer Qwen2 causal LM with random weights. Both are saved with ``save_pretrained`` so that
-``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained(directory)`` load them like any hub
-model. It does not own the chat template text (``appliance.chat.template``) and knows nothing
-about engines.
+two-layer Qwen2 causal LM with random weights (:func:`qwen2_config` and :func:`random_qwen2`,
+with which ``scripts/gpu_check.py`` also builds a larger model over the same tokenizer). Both
+are saved with ``save_pretrained`` so that ``AutoTokenizer`` /
+``AutoModelForCausalLM.from_pretrained(directory)`` load them like any hub model. It does not
+own the chat template text (``appliance.chat.template``) and knows nothing about engines.
 
 Invariant: the same seed gives byte-identical weights and an identical vocabulary, and a
 directory is either absent or a finished build (it is written next door and renamed in place).
@@ -155,10 +156,34 @@ def _train_tokenizer() -> Any:
     )
 
 
+def qwen2_config(*, vocab_size: int, eos_token_id: int | None, pad_token_id: int | None, **sizes: Any) -> Any:
+    """A ``Qwen2Config`` over the tiny tokenizer: its ``vocab_size`` tokens, its end and pad tokens,
+    no BOS, the input and output embeddings tied; ``sizes`` are the config's other fields
+    (``hidden_size``, ``num_hidden_layers``, ``initializer_range``, ...)."""
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        **sizes,
+    )
+
+
+def random_qwen2(config: Any, seed: int) -> Any:
+    """``Qwen2ForCausalLM(config)`` with random weights drawn from a private RNG stream seeded
+    with ``seed``: building it neither depends on nor disturbs global state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return cast(Any, Qwen2ForCausalLM)(config)
+
+
 def _build_model(tokenizer: Any, seed: int) -> Any:
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    config = Qwen2Config(
+    config = qwen2_config(
         vocab_size=len(tokenizer),
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -166,20 +191,13 @@ def _build_model(tokenizer: Any, seed: int) -> Any:
         num_attention_heads=1,
         num_key_value_heads=1,
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
         # At the usual 0.02 a random tied model only echoes its last input token (the residual
         # stream still looks like that token's embedding, which is also its output row). At 0.2
         # the layers dominate: greedy output depends on the whole context, and the next-token
         # entropy is ~5.7 nats (uniform is ~6.9), so sampling still varies.
         initializer_range=0.2,
-        eos_token_id=eos_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
     )
-    # A private RNG stream: building the model neither depends on nor disturbs global state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cast(Any, Qwen2ForCausalLM)(config)
+    model = random_qwen2(config, seed)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None

@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 
 from appliance.engines.base import GenerateRequest
-from appliance.engines.http_stream import SSELines, raise_for_status
+from appliance.engines.http_stream import raise_for_status, sse_batches
 from appliance.engines.sampling import TopLogprobs
 from contracts.errors import EngineUnavailable
 
@@ -65,15 +65,9 @@ class ServerClient:
             ) as response:
                 if response.status != 200:
                     raise_for_status(response.status, await response.text(), path)
-                content = response.content
-                lines = SSELines(path)
                 try:
-                    while data := await content.readany():
-                        events, done = lines.feed(data)
-                        if events:
-                            yield events
-                        if done:
-                            return
+                    async for events in sse_batches(response.content.readany, path):
+                        yield events
                 except BaseException:
                     # Cancelled or failed mid-stream: drop the connection, which makes vLLM
                     # abort the request (a connection released for keep-alive would not).
@@ -81,7 +75,6 @@ class ServerClient:
                     raise
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"the vLLM server broke off {path}: {exc!r}; retry shortly") from exc
-        raise EngineUnavailable(f"the vLLM server ended the stream of {path} without [DONE]; retry")
 
 
 _JSON = {"Content-Type": "application/json"}

@@ -53,16 +53,18 @@ def is_anthropic(request: web.Request) -> bool:
     return request.path.endswith("/v1/messages") or anthropic_client(request)
 
 
-def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
-    """Content as a list of blocks (a string is one text block)."""
+def _blocks(content: Any, where: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """Content as a list of blocks (a string is one text block), each with where it stands
+    (``where[i]``, what its errors name)."""
     if isinstance(content, str):
-        return [{"type": "text", "text": content}]
+        return [(f"{where}[0]", {"type": "text", "text": content})]
     if not isinstance(content, list):
         raise BadRequest(f"{where} must be a string or an array of content blocks", param=where)
-    for i, block in enumerate(content):
+    located = [(f"{where}[{i}]", block) for i, block in enumerate(content)]
+    for at, block in located:
         if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
-            raise BadRequest(f"{where}[{i}] must be a content block with a 'type'", param=f"{where}[{i}]")
-    return content
+            raise BadRequest(f"{at} must be a content block with a 'type'", param=at)
+    return located
 
 
 def _unsupported(block: Mapping[str, Any], where: str, allowed: str) -> BadRequest:
@@ -81,10 +83,10 @@ def _string(block: Mapping[str, Any], name: str, where: str) -> str:
 def _plain_text(content: Any, where: str) -> str:
     """Text-only content (system, tool results): text blocks joined with newlines."""
     texts: list[str] = []
-    for i, block in enumerate(_blocks(content, where)):
+    for at, block in _blocks(content, where):
         if block["type"] != "text":
-            raise _unsupported(block, f"{where}[{i}]", "text")
-        texts.append(_string(block, "text", f"{where}[{i}]"))
+            raise _unsupported(block, at, "text")
+        texts.append(_string(block, "text", at))
     return "\n".join(texts)
 
 
@@ -92,8 +94,7 @@ def _user(content: Any, where: str) -> list[Message]:
     """One ``tool`` message per ``tool_result`` block, then the turn's text as a user message."""
     results: list[Message] = []
     texts: list[str] = []
-    for i, block in enumerate(_blocks(content, where)):
-        at = f"{where}[{i}]"
+    for at, block in _blocks(content, where):
         if block["type"] == "text":
             texts.append(_string(block, "text", at))
         elif block["type"] == "tool_result":
@@ -112,8 +113,7 @@ def _assistant(content: Any, where: str) -> Message:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[ToolCall] = []
-    for i, block in enumerate(_blocks(content, where)):
-        at = f"{where}[{i}]"
+    for at, block in _blocks(content, where):
         if block["type"] == "text":
             texts.append(_string(block, "text", at))
         elif block["type"] in ("thinking", "redacted_thinking"):

@@ -18,32 +18,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from store.events import (
-    ApplianceStarted,
-    ApplianceStopped,
-    EvaluationCompleted,
-    Event,
-    PhaseChanged,
-    PolicyVersionPublished,
-    RolloutFinished,
-    SwitchPhaseCompleted,
-    TrainStepCompleted,
-    ValidationCompleted,
-)
+from store import events
 
 #: The event types the fold reads (everything else, the calls above all, is skipped unread).
 TYPES: tuple[str, ...] = tuple(
     cls.type
     for cls in (
-        ApplianceStarted,
-        ApplianceStopped,
-        EvaluationCompleted,
-        PhaseChanged,
-        PolicyVersionPublished,
-        RolloutFinished,
-        SwitchPhaseCompleted,
-        TrainStepCompleted,
-        ValidationCompleted,
+        events.ApplianceStarted,
+        events.ApplianceStopped,
+        events.EvaluationCompleted,
+        events.PhaseChanged,
+        events.PolicyVersionPublished,
+        events.RolloutFinished,
+        events.SwitchPhaseCompleted,
+        events.TrainStepCompleted,
+        events.ValidationCompleted,
     )
 )
 
@@ -88,7 +77,7 @@ class StepRows:
 
     #: The policy version published last.
     version: int = 0
-    _step: tuple[TrainStepCompleted, int] | None = None
+    _step: tuple[events.TrainStepCompleted, int] | None = None
     #: The wall clock of the current cycle (from the previous step's close, or the start).
     _cycle_start: float | None = None
     _last_ts: float = 0.0
@@ -97,39 +86,41 @@ class StepRows:
     #: The cycle's step stopped generation (a ``PhaseChanged`` "train": not split placement).
     _stops_generation: bool = False
 
-    def apply(self, event: Event, position: int) -> list[Row]:
+    def apply(self, event: events.Event, position: int) -> list[Row]:
         rows: list[Row] = []
         match event:
-            case ApplianceStarted():
+            case events.ApplianceStarted():
                 rows += self._close(position, None)  # a crash: the downtime is no cycle
                 self.version = event.resumed_from_version
                 self._new_cycle(event.ts)
-            case ApplianceStopped():
+            case events.ApplianceStopped():
                 rows += self._close(position, event.ts)
                 self._cycle_start = None
-            case PhaseChanged(phase="train"):
+            case events.PhaseChanged(phase="train"):
                 self._stops_generation = True
-            case PhaseChanged(phase="generate"):
+            case events.PhaseChanged(phase="generate"):
                 rows += self._close(position, event.ts)
-            case SwitchPhaseCompleted():
+            case events.SwitchPhaseCompleted():
                 self._phases[event.phase] = self._phases.get(event.phase, 0.0) + event.duration_s
-            case TrainStepCompleted():
+            case events.TrainStepCompleted():
                 rows += self._close(position, None)
                 self._step = (event, position)
-            case PolicyVersionPublished():
+            case events.PolicyVersionPublished():
                 self.version = event.policy_version
-            case RolloutFinished():
+            case events.RolloutFinished():
                 self._finished += 1
-            case ValidationCompleted():
+            case events.ValidationCompleted():
                 rows.append(self._round("validation", event, position))
-            case EvaluationCompleted():
+            case events.EvaluationCompleted():
                 rows.append(self._round("evaluation", event, position))
             case _:
                 pass
         self._last_ts = max(self._last_ts, event.ts)
         return rows
 
-    def _round(self, purpose: str, event: ValidationCompleted | EvaluationCompleted, position: int) -> Row:
+    def _round(
+        self, purpose: str, event: events.ValidationCompleted | events.EvaluationCompleted, position: int
+    ) -> Row:
         values = {
             f"reward/{purpose}_mean": event.reward_mean,
             f"reward/{purpose}_std": event.reward_std,

@@ -52,8 +52,10 @@ next batch (on-policy up to the tokens sampled across a switch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal
+
+from appliance.config import ScheduleKnobs
 
 if TYPE_CHECKING:
     from appliance.config import SchedulerConfig
@@ -61,30 +63,25 @@ if TYPE_CHECKING:
 Mode = Literal["sync", "async", "split"]
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulePolicy:
-    #: Rollout groups per training step.
-    batch_groups: int
-    #: Rollouts per group (one task, compared with each other).
-    group_size: int
-    #: Stop once the run reaches this step (None: run until told to stop).
-    max_steps: int | None = None
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulePolicy(ScheduleKnobs):
+    """The ``[scheduler]`` section's knobs (``ScheduleKnobs``, declared once there) as the
+    decisions read them. ``from_config`` makes them concrete for a run: ``mode`` "split" with
+    split placement, ``eta`` 0 unless async (``eta`` is the staleness bound in policy versions,
+    ``max_inflight_rollouts`` the in-flight limit of async and split modes, ``min_generate_s``
+    async mode's least generation between switches: split mode has no switch), validation off
+    without held-out tasks and ``validation_tasks`` one rollout per held-out task. A policy
+    built directly (the simulator, tests) has the section's defaults but for the mode's type
+    and the validation rounds and the circuit breaker, off unless it sets them. The knobs only
+    the runner reads (deadlines, the breaker's back-off, sleep level, stale tokens) come along
+    unread."""
+
     mode: Mode = "sync"
-    #: Staleness bound in policy versions (async and split modes; sync is always 0).
-    eta: int = 1
-    #: Most rollouts running at once (async and split modes); None:
-    #: ``batch_groups * group_size * (eta + 1)``.
-    max_inflight_rollouts: int | None = None
-    #: Seconds generation runs at least before a switch to training (async mode), so a switch
-    #: never starves the rollouts that were just admitted. Split mode has no switch: unused.
-    min_generate_s: float = 0.0
-    #: Steps between validation rounds (a round runs at step 0 too); 0: no validation.
+    #: Off unless set (a run's section turns them on): validation every this many steps, the
+    #: breaker's failures in a row and its trips before the run stops.
     validate_every: int = 0
-    #: Rollouts per validation round (one per held-out task).
     validation_tasks: int = 1
-    #: Training rollouts failed in a row after which admissions pause (0: no circuit breaker).
     breaker_failures: int = 0
-    #: Trips of the breaker in a row after which the run stops (0: never).
     breaker_max_trips: int = 0
 
     def __post_init__(self) -> None:
@@ -107,19 +104,14 @@ class SchedulePolicy:
         GPUs never stop for a step; with ``mode = "sync"`` the bound is eta 0, so it stays
         on-policy); sync mode has eta 0; no held-out task turns validation off."""
         mode: Mode = "split" if placement == "split" else "async" if scheduler.mode == "async" else "sync"
-        return cls(
-            batch_groups=scheduler.batch_groups,
-            group_size=scheduler.group_size,
-            max_steps=scheduler.max_steps,
+        knobs = {f.name: getattr(scheduler, f.name) for f in fields(ScheduleKnobs)}
+        knobs.update(
             mode=mode,
             eta=scheduler.eta if scheduler.mode == "async" else 0,
-            max_inflight_rollouts=scheduler.max_inflight_rollouts,
-            min_generate_s=scheduler.min_generate_s,
             validate_every=scheduler.validate_every if held_out else 0,
             validation_tasks=max(1, held_out),
-            breaker_failures=scheduler.breaker_failures,
-            breaker_max_trips=scheduler.breaker_max_trips,
         )
+        return cls(**knobs)
 
     def inflight_limit(self) -> int:
         if self.max_inflight_rollouts is not None:

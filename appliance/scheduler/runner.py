@@ -23,13 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.engines.base import Engine
-from appliance.operations.health import Health
-from appliance.proxy.gate import ServingGate
 from appliance.rollouts.controller import RolloutController
 from appliance.rollouts.validation import round_result
 from appliance.scheduler.decide import (
@@ -38,20 +35,17 @@ from appliance.scheduler.decide import (
     PauseAdmissions,
     RestartEngine,
     SaveCheckpoint,
-    SchedulePolicy,
     StartGroups,
     StartValidation,
     Stop,
     Train,
     decide,
 )
-from appliance.scheduler.live import LiveState
 from appliance.scheduler.observe import observe, open_validation
 from appliance.scheduler.switch import SwitchEffects
-from appliance.training.service import TrainingService
 from harness_adapters.base import Task
-from store.events import AdmissionsPaused, TrainStepCompleted
-from store.projections import RunState, one_line
+from store.events import AdmissionsPaused
+from store.projections import one_line
 
 log = logging.getLogger(__name__)
 
@@ -69,65 +63,20 @@ class Validation:
         return {"temperature": self.temperature, "max_tokens": self.max_tokens}
 
 
+@dataclass(eq=False, kw_only=True)
 class SchedulerRunner(SwitchEffects):
-    def __init__(
-        self,
-        *,
-        policy: SchedulePolicy,
-        live: LiveState,
-        controller: RolloutController,
-        training: TrainingService,
-        gate: ServingGate,
-        engine: Engine,
-        sleep_level: int = 1,
-        drop_stale: bool = True,
-        on_step: Callable[[TrainStepCompleted, RunState], None] | None = None,
-        validation: Validation | None = None,
-        health: Health | None = None,
-        drain_timeout_s: float = 30.0,
-        phase_timeout_s: float = 1800.0,
-        on_notice: Callable[[str], None] | None = None,
-        breaker_backoff_s: float = 10.0,
-        breaker_backoff_max_s: float = 300.0,
-        trainer_shares_gpu: bool = False,
-    ) -> None:
-        self.policy = policy
-        self.live = live
-        self.controller = controller
-        self.training = training
-        self.gate = gate
-        self.engine = engine
-        self.sleep_level = sleep_level
-        self.drop_stale = drop_stale
-        self.on_step = on_step
-        self.validation = validation or Validation(tasks=())
-        self.health = health or Health()
-        self.drain_timeout_s = drain_timeout_s
-        self.phase_timeout_s = phase_timeout_s
-        #: Called with a one-line message a person should see (headless progress output).
-        self.on_notice = on_notice
-        #: The trainer and the engine time-slice the same GPUs (collocated on CUDA): whatever
-        #: brings the trainer's state back to the GPU (a checkpoint between steps) happens while
-        #: the engine sleeps, as a step does.
-        self.trainer_shares_gpu = trainer_shares_gpu
-        self._stop = asyncio.Event()
-        #: The run stopped because it cannot go on (``Stop.failure``: the breaker gave up).
-        self.failed = False
-        self._phase = "generate"
-        #: Split mode: the step running beside the loop (None: none), and the version served
-        #: while it runs (its own is published before its push ends).
-        self._step_task: asyncio.Task[None] | None = None
-        self._served_version: int | None = None
-        self._generating_since = time.monotonic()
-        self._engine_failed = False
-        self._train_failures = 0
-        #: The circuit breaker's back-off: the first, doubled per trip in a row up to the max.
-        self.breaker_backoff_s = breaker_backoff_s
-        self.breaker_backoff_max_s = breaker_backoff_max_s
-        #: ``ts`` of the trip whose back-off ``/healthz`` reports now (None: none).
-        self._breaker_shown: float | None = None
-        #: What the runner is doing and since when (monotonic), for ``activity``.
-        self._activity = ("starting", time.monotonic())
+    """The loop; besides what the switch works on (``SwitchEffects``' fields), the controller
+    it starts rollouts on, the validation rounds and the circuit breaker's back-off."""
+
+    controller: RolloutController
+    validation: Validation = field(default_factory=lambda: Validation(tasks=()))
+    #: The circuit breaker's back-off: the first, doubled per trip in a row up to the max.
+    breaker_backoff_s: float = 10.0
+    breaker_backoff_max_s: float = 300.0
+    #: The run stopped because it cannot go on (``Stop.failure``: the breaker gave up).
+    failed: bool = field(default=False, init=False)
+    #: ``ts`` of the trip whose back-off ``/healthz`` reports now (None: none).
+    _breaker_shown: float | None = field(default=None, init=False)
 
     def request_stop(self) -> None:
         self._stop.set()

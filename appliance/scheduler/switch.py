@@ -34,6 +34,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.engines.base import Engine
@@ -53,31 +54,43 @@ log = logging.getLogger(__name__)
 MAX_TRAIN_FAILURES = 3
 
 
+@dataclass(eq=False, kw_only=True)
 class SwitchEffects:
-    """The switch and its kin, for ``SchedulerRunner``, which sets these attributes (what each
-    means: there) and runs the loop that calls the methods below."""
+    """The switch and its kin, for ``SchedulerRunner``, which adds the loop that calls the
+    methods below. Its fields are what the switch works on and how it is bounded; the
+    underscored ones are the effects' own state (never passed in)."""
 
     policy: SchedulePolicy
     live: LiveState
     training: TrainingService
     gate: ServingGate
     engine: Engine
-    health: Health
-    sleep_level: int
-    drop_stale: bool
-    on_step: Callable[[TrainStepCompleted, RunState], None] | None
-    on_notice: Callable[[str], None] | None
-    drain_timeout_s: float
-    phase_timeout_s: float
-    trainer_shares_gpu: bool
-    _stop: asyncio.Event
-    _phase: str
-    _step_task: asyncio.Task[None] | None
-    _served_version: int | None
-    _generating_since: float
-    _engine_failed: bool
-    _train_failures: int
-    _activity: tuple[str, float]
+    #: Engine sleep level during a collocated step (1 offloads weights, 2 discards them).
+    sleep_level: int = 1
+    #: Sampled tokens older than the staleness bound are dropped from the loss (else reweighted).
+    drop_stale: bool = True
+    drain_timeout_s: float = 30.0
+    phase_timeout_s: float = 1800.0
+    #: The trainer and the engine time-slice the same GPUs (collocated on CUDA): whatever
+    #: brings the trainer's state back to the GPU (a checkpoint between steps) happens while
+    #: the engine sleeps, as a step does.
+    trainer_shares_gpu: bool = False
+    # -- who hears of it: ``/healthz``, each durable step (with the state it leaves), and a
+    # person (one-line notices, the headless progress output) --
+    health: Health = field(default_factory=Health)
+    on_step: Callable[[TrainStepCompleted, RunState], None] | None = None
+    on_notice: Callable[[str], None] | None = None
+    _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _phase: str = field(default="generate", init=False)
+    #: Split mode: the step running beside the loop (None: none), and the version served
+    #: while it runs (its own is published before its push ends).
+    _step_task: asyncio.Task[None] | None = field(default=None, init=False)
+    _served_version: int | None = field(default=None, init=False)
+    _generating_since: float = field(default_factory=time.monotonic, init=False)
+    _engine_failed: bool = field(default=False, init=False)
+    _train_failures: int = field(default=0, init=False)
+    #: What the runner is doing and since when (monotonic), for ``activity``.
+    _activity: tuple[str, float] = field(default_factory=lambda: ("starting", time.monotonic()), init=False)
 
     async def _record(self, *events: Any) -> None:
         await self.live.store.append(list(events))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -177,11 +178,16 @@ async def test_the_breaker_gives_up_after_max_trips_and_a_restart_resumes(
         assert any(isinstance(e, RolloutCreated) for e in run)
         (stopped,) = [e for e in run if isinstance(e, ApplianceStopped)]
         assert stopped.reason == gave_up(2)
-    # The back-off of the first trip is shown; the last trip stops the run instead.
-    assert [line for line in notices if line.startswith("admissions paused")] == [
-        "admissions paused for 0.2 s: 2 training rollouts failed in a row; last: "
-        f"AgentFailed: agent exit code 1: {STDERR}"
-    ]
+    # The back-off of the first trip is shown; the last trip stops the run instead. Rollouts run
+    # concurrently, so a third may fail before the scheduler observes the second: the count in
+    # the notice is what was observed, at least the threshold.
+    (paused,) = [line for line in notices if line.startswith("admissions paused")]
+    shown = re.fullmatch(
+        r"admissions paused for 0\.2 s: (\d+) training rollouts failed in a row; last: (.*)", paused
+    )
+    assert shown is not None, paused
+    assert int(shown.group(1)) >= 2
+    assert shown.group(2) == f"AgentFailed: agent exit code 1: {STDERR}"
 
 
 async def test_up_returns_non_zero_naming_the_last_failure(

@@ -1,15 +1,19 @@
-"""CPU smoke runs of scripts/learn_demo.py and scripts/normalization_study.py with the tiny model.
+"""CPU smoke runs of the learning scripts (learn_demo, normalization_study, async_vs_sync) with
+the tiny model, and the seed-spread arithmetic they share.
 
-One training step each, a handful of held-out tasks: the whole path (task split on disk,
-appliance in process, agents through the proxy, held-out scoring on ``/v1``, JSON and PNG out).
-The real figures come from running the scripts on smollm2-135m (docs/results.md).
+One or two training steps each, a handful of held-out tasks: the whole path (task split on
+disk, appliance in process, agents through the proxy, held-out scoring on ``/v1`` or by the
+appliance's validation rounds, JSON and PNG out). The real figures come from running the
+scripts on smollm2-135m (docs/results.md).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def _scripts_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    monkeypatch.delitem(sys.modules, "learn_demo", raising=False)
+    for name in ("learn_demo", "seed_spread"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
 
 
 def small_run(model: Path, out: Path) -> list[str]:
@@ -27,6 +32,15 @@ def small_run(model: Path, out: Path) -> list[str]:
         "--model", str(model), "--out", str(out), "--steps", "1", "--group-size", "2",
         "--batch-groups", "1", "--held-out", "4", "--threads", "1",
     ]  # fmt: skip
+
+
+def study(name: str, model: Path, out: Path, *more: str) -> dict[str, Any]:
+    """Run the study script ``name`` (module ``main``) on one seed in this process; its JSON."""
+    module = importlib.import_module(name)
+    argv = [*small_run(model, out), "--seeds", "0", "--eval-every", "1", "--no-subprocess", *more]
+    assert module.main(argv) == 0
+    result: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    return result
 
 
 def test_learn_demo_trains_and_scores_held_out_tasks(
@@ -50,12 +64,8 @@ def test_learn_demo_trains_and_scores_held_out_tasks(
 def test_normalization_study_compares_modes_on_the_same_seeds(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import normalization_study
-
-    argv = [*small_run(tiny_model_dir, tmp_path / "out"), "--modes", "rollout,sample", "--no-subprocess"]
-    assert normalization_study.main(argv) == 0
-    result = json.loads((tmp_path / "out" / "normalization_study.json").read_text())
-    rollout, sample = result["rollout"], result["sample"]
+    result = study("normalization_study", tiny_model_dir, tmp_path / "out", "--modes", "rollout,sample")
+    rollout, sample = result["runs"]["rollout"]["0"], result["runs"]["sample"]["0"]
     # Same weights, same task stream, same per-rollout sampling seeds: the first step sees the
     # same episodes in both runs, so only the normalization can make the runs differ.
     assert rollout["baseline"] == {**sample["baseline"], "seconds": rollout["baseline"]["seconds"]}
@@ -63,6 +73,43 @@ def test_normalization_study_compares_modes_on_the_same_seeds(
     assert first_r["train_reward"] == first_s["train_reward"]
     assert first_r["calls_per_rollout"] == first_s["calls_per_rollout"]
     assert first_r["entropy"] == pytest.approx(first_s["entropy"], abs=1e-5)
+    # The default agent makes 1 to 4 fresh-prompt calls, each a sample of its own.
+    assert 1.0 <= first_r["calls_per_rollout"] <= 4.0
+    assert first_r["samples_per_rollout"] == first_r["calls_per_rollout"]
+    assert result["per_step"]["rollout"]["heldout"]["1"]["n"] == 1
+    assert result["summary"]["sample"]["entropy_first"]["mean"] == pytest.approx(first_s["entropy"])
     printed = capsys.readouterr().out
     assert "| rollout |" in printed and "| sample |" in printed
     assert (tmp_path / "out" / "normalization_study.png").is_file()
+    assert "| step |" in (tmp_path / "out" / "normalization_study.md").read_text()
+
+
+def test_async_vs_sync_scores_each_policy_by_validation_rounds(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = study("async_vs_sync", tiny_model_dir, tmp_path / "out", "--steps", "2")
+    sync, run_async = result["runs"]["sync"]["0"], result["runs"]["async"]["0"]
+    for run in (sync, run_async):
+        assert [p["step"] for p in run["points"]] == [0, 1, 2]
+        assert [p["rollouts"] for p in run["points"]] == [0, 2, 4]  # the same samples per step
+        assert all(p["heldout"]["tasks"] == 4 for p in run["points"])
+        assert all(1.0 <= p["heldout"]["calls"] <= 2.0 for p in run["points"])
+        assert [row["step"] for row in run["rows"]] == [1, 2]
+        minutes = [p["minutes"] for p in run["points"]]
+        assert minutes == sorted(minutes) and minutes[0] == 0.0
+    # Sync trains on-policy; async admits the second batch beside the first (eta 1), so its
+    # second step trains rollouts one version old.
+    assert [m["staleness_mean"] for m in sync["metrics"]] == [0.0, 0.0]
+    assert run_async["metrics"][1]["staleness_mean"] > 0.0
+    assert result["summary"]["sync"]["reached"].endswith("/1")
+    assert (tmp_path / "out" / "async_vs_sync.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| async |" in (tmp_path / "out" / "async_vs_sync.md").read_text()
+
+
+def test_spread_over_seeds_is_mean_sample_std_and_range() -> None:
+    from seed_spread import by_step, spread
+
+    s = spread([0.25, 0.5, float("nan"), 0.75])
+    assert (s.mean, s.low, s.high, s.n) == (0.5, 0.25, 0.75, 3)
+    assert s.std == pytest.approx(0.25)  # sample std (n - 1)
+    assert spread([0.4]).std == 0.0 and spread([]).n == 0
+    # Only the steps every seed measured.
+    assert list(by_step([{0: 0.1, 2: 0.3}, {0: 0.2, 1: 0.5, 2: 0.1}])) == [0, 2]

@@ -49,11 +49,19 @@ class CostModel:
     #: ``g`` GPUs take a training step ``g ** train_exponent`` times as fast as one (data
     #: parallel with sharded optimizer state; 1: linear).
     train_exponent: float = 0.9
+    #: Seconds each decoding sequence's every token takes longer per rollout alive (decoding, in
+    #: a tool or in its harness): where the harnesses and the proxy share the engine's processor
+    #: (an engine on CPU), their work slows decoding. 0 where the engine has its accelerator to
+    #: itself. Fitted with the decode curve (``calibrate.fit_decode``).
+    rollout_token_s: float = 0.0
 
-    def decode_rate(self, decoding: int) -> float:
-        """Tokens/s each of ``decoding`` concurrently decoding sequences samples (one GPU)."""
+    def decode_rate(self, decoding: int, alive: int = 0) -> float:
+        """Tokens/s each of ``decoding`` concurrently decoding sequences samples (one GPU), with
+        ``alive`` rollouts running (``rollout_token_s``)."""
         # total(b) = peak * b / (b + b_half), shared equally: total(b) / b = peak / (b + b_half).
-        return self.peak_tokens_per_s / (decoding + self.b_half)
+        if not self.rollout_token_s:
+            return self.peak_tokens_per_s / (decoding + self.b_half)
+        return 1.0 / ((decoding + self.b_half) / self.peak_tokens_per_s + self.rollout_token_s * alive)
 
     def replica_speed(self, gpus: int) -> float:
         """How many times as fast as one GPU's an engine replica on ``gpus`` GPUs is."""

@@ -20,11 +20,28 @@ from bisect import insort
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from appliance.scheduler.decide import Observation, SchedulePolicy, StartGroups, Stop, Train, decide
 from appliance.scheduler.simulate.costs import CostModel, Layout
 from appliance.scheduler.simulate.results import Meter, SimResult, measure
 from appliance.scheduler.simulate.workloads import Call, Workload
+
+
+class RolloutSource(Protocol):
+    """Where a simulation's rollouts come from: a :class:`Workload` draws them, recorded runs
+    (``calibrate.RecordedRollouts``) replay them. A rollout is its calls; the last call's
+    ``tool_s`` is the harness's work after it (scoring, reporting) before the rollout ends, and a
+    call that samples no token is the harness's work alone (starting up, before its first call):
+    ``tool_s`` off the GPU, nothing prefilled or decoded."""
+
+    @property
+    def name(self) -> str: ...
+
+    def draw_group(self, rng: random.Random, size: int) -> list[tuple[Call, ...]]:
+        """The calls of each rollout of the next group admitted."""
+        ...
+
 
 #: Decode completions within this many tokens of the virtual clock finish together (float slack).
 _EPS = 1e-9
@@ -89,7 +106,7 @@ class Simulator:
         self,
         policy: SchedulePolicy,
         cost: CostModel,
-        workload: Workload,
+        workload: Workload | RolloutSource,
         seed: int = 0,
         layout: Layout | None = None,
     ) -> None:
@@ -191,7 +208,7 @@ class Simulator:
             if self.phase == "generate":
                 for replica in self.replicas:
                     if replica.decoding:
-                        rate = self.cost.decode_rate(len(replica.decoding)) * replica.speed
+                        rate = self.cost.decode_rate(len(replica.decoding), len(self.running)) * replica.speed
                         t = self.now + max(0.0, replica.decoding[0][0] - replica.vclock) / rate
                         if t < t_decode:
                             t_decode, first = t, replica
@@ -226,7 +243,7 @@ class Simulator:
                 if b:
                     m.decoding += dt
                     m.decode_seq_s += b * dt
-                    replica.vclock += self.cost.decode_rate(b) * replica.speed * dt
+                    replica.vclock += self.cost.decode_rate(b, len(self.running)) * replica.speed * dt
         elif self.phase == "train":
             m.train += dt
         else:
@@ -238,7 +255,10 @@ class Simulator:
     def _handle(self, kind: str, seq: int, rollout: _Rollout | None) -> None:
         if kind == "tool" and rollout is not None:
             rollout.call += 1
-            self._begin_call(rollout)
+            if rollout.call < len(rollout.calls):
+                self._begin_call(rollout)
+            else:
+                self._end_rollout(rollout)  # the harness's work after its last call is done
         elif kind == "prefill" and rollout is not None:
             replica = rollout.replica
             if replica.prefill_job is None or replica.prefill_job[0] != seq:
@@ -279,6 +299,9 @@ class Simulator:
 
     def _begin_call(self, rollout: _Rollout) -> None:
         call = rollout.calls[rollout.call]
+        if call.gen_tokens == 0:  # no model call: the harness alone works (starts up) tool_s
+            self._schedule(self.now + call.tool_s, "tool", rollout)
+            return
         rollout.context += call.prompt_tokens
         rollout.to_decode = call.gen_tokens
         if self.phase != "generate":
@@ -322,19 +345,22 @@ class Simulator:
             self._credit(rollout, finish - rollout.seg_start)
             rollout.cached, rollout.to_decode = rollout.context, 0.0
             call = rollout.calls[rollout.call]
-            if rollout.call + 1 < len(rollout.calls):
+            if rollout.call + 1 < len(rollout.calls) or call.tool_s > 0:
                 self._schedule(self.now + call.tool_s, "tool", rollout)
             else:
-                del self.running[id(rollout)]
-                rollout.ended_at = self.now
-                rollout.served = self.meter.serving - rollout.serving_at_admission
-                replica.assigned -= 1
-                rollout.group.running -= 1
-                if rollout.group.running == 0:
-                    self.running_groups -= 1
-                    insort(self.ready, rollout.group.index)
-                    self.ready_names = tuple(f"g{i}" for i in self.ready)
-                self.dirty = True
+                self._end_rollout(rollout)
+
+    def _end_rollout(self, rollout: _Rollout) -> None:
+        del self.running[id(rollout)]
+        rollout.ended_at = self.now
+        rollout.served = self.meter.serving - rollout.serving_at_admission
+        rollout.replica.assigned -= 1
+        rollout.group.running -= 1
+        if rollout.group.running == 0:
+            self.running_groups -= 1
+            insort(self.ready, rollout.group.index)
+            self.ready_names = tuple(f"g{i}" for i in self.ready)
+        self.dirty = True
 
     # --- switching, training and pushing ---------------------------------------------------------
 

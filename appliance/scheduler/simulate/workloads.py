@@ -2,7 +2,8 @@
 
 Owns :class:`Call` (one model call of a rollout), :class:`Workload` (how a group's rollouts are
 drawn from a seeded generator) and the two shipped workloads, ``SWE`` (long-tailed, SWE-agent
-like) and ``UNIFORM`` (every rollout the same), by name in ``WORKLOADS``.
+like) and ``UNIFORM`` (every rollout the same: :meth:`Workload.constant`), by name in
+``WORKLOADS``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,37 @@ class Workload:
     tool_max_s: float
     #: A rollout ends once its context would exceed this (the last call is cut to fit).
     max_context_tokens: int
+
+    @classmethod
+    def constant(
+        cls,
+        name: str,
+        *,
+        calls: int,
+        gen_tokens: int,
+        first_prompt_tokens: int,
+        obs_tokens: int,
+        tool_s: float,
+        max_context_tokens: int,
+    ) -> Workload:
+        """Every rollout the same: ``calls`` calls of ``gen_tokens`` each, ``obs_tokens`` of tool
+        output and ``tool_s`` seconds in tools between them (no spread, no task difficulty)."""
+        return cls(
+            name,
+            calls_median=calls,
+            calls_sigma=0.0,
+            max_calls=calls,
+            task_sigma=0.0,
+            gen_median=gen_tokens,
+            gen_sigma=0.0,
+            max_gen_tokens=gen_tokens,
+            first_prompt_tokens=first_prompt_tokens,
+            obs_median=obs_tokens,
+            obs_sigma=0.0,
+            tool_min_s=tool_s,
+            tool_max_s=tool_s,
+            max_context_tokens=max_context_tokens,
+        )
 
     def draw_group(self, rng: random.Random, size: int) -> list[tuple[Call, ...]]:
         """The calls of each rollout of one group (one task)."""
@@ -99,20 +131,13 @@ SWE = Workload(
 )
 
 #: Every rollout the same: 12 calls of 200 tokens, 500 tokens of tool output, 5 s of tool time.
-UNIFORM = Workload(
-    name="uniform",
-    calls_median=12,
-    calls_sigma=0.0,
-    max_calls=12,
-    task_sigma=0.0,
-    gen_median=200,
-    gen_sigma=0.0,
-    max_gen_tokens=200,
+UNIFORM = Workload.constant(
+    "uniform",
+    calls=12,
+    gen_tokens=200,
     first_prompt_tokens=3000,
-    obs_median=500,
-    obs_sigma=0.0,
-    tool_min_s=5.0,
-    tool_max_s=5.0,
+    obs_tokens=500,
+    tool_s=5.0,
     max_context_tokens=32768,
 )
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import datasets  # type: ignore[import-untyped]
+import datasets
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 import pytest
 
