@@ -1,9 +1,10 @@
 """The event store: an append-only, durable log of everything the appliance did.
 
 ``events`` defines what can be logged; ``codec`` how an event becomes a row (``packing`` its
-token ids as binary); ``eventstore`` the SQLite log itself (``schema`` the file's tables and
-migrations, ``writer`` the one thread that commits, ``reading`` rows back into events); and
-``projections`` and ``outcomes`` the state folded from it. Import from here.
+token ids as binary, ``prefix`` the check that a call's ids start with its previous call's);
+``eventstore`` the SQLite log itself (``schema`` the file's tables and migrations, ``writer``
+the one thread that commits, ``reading`` rows back into events); and ``projections`` and
+``outcomes`` the state folded from it. Import from here.
 
 The bottom layer of what records a run: it may import only ``contracts`` (and the standard
 library, aiosqlite, orjson), never ``appliance``, ``tui``, ``trainer`` nor ``harness_adapters``,

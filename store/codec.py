@@ -61,6 +61,7 @@ import orjson
 from contracts.errors import StoreError
 from store.events import EVENT_TYPES, Event, JsonObject, LLMCallCompleted, TokenIds
 from store.packing import LAYOUTS, layout_of, pack, shared_position, unpack
+from store.prefix import starts_with
 
 Upcaster = Callable[[JsonObject], JsonObject]
 
@@ -227,9 +228,10 @@ def encode_shared(event: LLMCallCompleted, position: int, earlier: LLMCallComple
 
 
 def _prefix_length(prompt: TokenIds, earlier_prompt: TokenIds, earlier_response: TokenIds) -> int:
-    """``_common_prefix(prompt, earlier_prompt + earlier_response)`` without building the sum."""
+    """``_common_prefix(prompt, earlier_prompt + earlier_response)`` without building the sum
+    (nor slicing the prompt where it holds the earlier prompt's own id objects: ``starts_with``)."""
     n = len(earlier_prompt)
-    if len(prompt) >= n and prompt[:n] == earlier_prompt:
+    if starts_with(prompt, earlier_prompt):
         m = min(len(earlier_response), len(prompt) - n)
         return n + _common_prefix(prompt[n : n + m], earlier_response[:m])
     return _common_prefix(prompt, earlier_prompt + earlier_response)

@@ -40,7 +40,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not text:
             return []
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        # The batch encoder without character offsets (which nothing here reads): the same ids
+        # as ``encode``, in about four fifths of its time for a turn of a few dozen tokens.
+        (encoding,) = self._backend.encode_batch_fast([text], add_special_tokens=False)
+        ids: list[int] = encoding.ids
         return ids
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:

@@ -72,6 +72,8 @@ MIN_TOP_P = 1e-30
 
 #: Called on the event loop with each newly sampled token and its log-probability.
 TokenCallback = Callable[[int, float], None]
+#: Called on the event loop with newly sampled tokens and their log-probabilities, in order.
+TokensCallback = Callable[[Sequence[int], Sequence[float]], None]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +83,12 @@ class GenerateRequest:
     #: Streaming: if set, every token is handed over as soon as it is sampled, in order, before
     #: ``generate`` returns the whole result. It must not block.
     on_token: TokenCallback | None = None
+    #: With ``on_token``: an engine that receives tokens several at a time (vLLM's stream, whose
+    #: reads bring whatever the server has written) may hand each such group over in one call
+    #: to this instead (the same tokens in the same order, each handed over once, either way), as
+    #: soon as it has them: no token waits for a later one. An engine that does not know it calls
+    #: ``on_token`` for each token.
+    on_tokens: TokensCallback | None = None
     #: Which calls belong together (the proxy sets the rollout id): an engine made of replicas
     #: (``appliance.engines.fleet``) sends every call with the same key to the same replica,
     #: whose prefix cache holds the earlier turns. None: no affinity. One engine ignores it.
@@ -105,6 +113,11 @@ class GenerateRequest:
     #: preemption loses the tokens not handed over yet (fewer than this many), which the call
     #: samples again after the switch.
     token_batch: int = 1
+    #: With ``token_batch`` > 1: how long, in seconds, a token may wait for the rest of its batch
+    #: (a streaming client's: the engine's pace decides how many tokens make a batch, so that a
+    #: slow generation still hands over each token as it comes); 0: no bound (the batch's size
+    #: alone decides).
+    batch_wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

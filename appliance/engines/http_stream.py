@@ -119,13 +119,16 @@ class _Body:
 
     async def read(self) -> bytes:
         """The next bytes of the body (b"" once it has ended)."""
+        conn = self._conn
         while not self.ended:
-            data = self._take()
-            if data:
-                return data
-            if self.ended:
-                break
-            if not await self._conn.more():
+            # Nothing buffered takes nothing (and never ends a body): wait for bytes first.
+            if conn.buffer:
+                data = self._take()
+                if data:
+                    return data
+                if self.ended:
+                    break
+            if not await conn.more():
                 if self._left is None and not self._chunked:
                     self.ended = True
                     break
@@ -347,6 +350,17 @@ def sse_events(text: bytes, path: str) -> tuple[list[Any], bool]:
     """The ``data:`` events among the complete lines ``text`` holds (a server-sent-event
     stream's), and whether ``[DONE]`` ended them (what follows it is left out). The events are
     decoded together, as one JSON array, unless one of them needs more than orjson reads."""
+    if text.startswith(b"data:"):
+        # One event (a paced stream's read brings one token's): no list of lines to build.
+        end = text.find(b"\n")
+        if end < 0 or not text[end + 1 :].strip():
+            payload = text[5:end].strip() if end >= 0 else text[5:].strip()
+            if payload == b"[DONE]":
+                return [], True
+            event = decode(payload)
+            if "error" in event:
+                raise_for_status(int(event["error"].get("code") or 500), payload.decode(), path)
+            return [event], False
     payloads = [line[5:].strip() for line in text.split(b"\n") if line.startswith(b"data:")]
     done = b"[DONE]" in payloads
     if done:

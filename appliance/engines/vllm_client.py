@@ -4,7 +4,9 @@ Owns ``ServerClient`` (JSON calls and server-sent-event streams over aiohttp, ev
 the wire mapped to ``EngineUnavailable`` or ``BadRequest``) and the shape of a token-in/token-out
 completion: the body that asks for one (``completion_body``), the JSON it is sent as
 (``encode_json``) and the reading of the answer, whole (``parse_choice``) or streamed
-(``read_chunks``), into a checked ``ParsedChoice``. It does not own the server's process
+(``read_chunks``), into a checked ``ParsedChoice``, and the pace at which the server streams a
+completion's tokens (``StreamPace``: how many tokens an event may hold when none should wait long
+for it). It does not own the server's process
 (``appliance.engines.vllm_process``) nor when to call what (``appliance.engines.vllm_engine``).
 """
 
@@ -107,7 +109,9 @@ class ParsedChoice:
     prompt_top_logprobs: tuple[TopLogprobs, ...] = ()
 
 
-def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> dict[str, Any]:
+def completion_body(
+    request: GenerateRequest, model: str, vocab_size: int, token_batch: int | None = None
+) -> dict[str, Any]:
     """The ``/v1/completions`` body that samples ``request`` token for token.
 
     Explicit stop ids replace the model's end-of-sequence ids (``ignore_eos``), as in the engine
@@ -121,6 +125,7 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
     ``top_k`` is always sent, 0 when off (vLLM 0.32's "off", which it prefers to the -1 of older
     releases; a top_k of at least the vocabulary's size is off too): left out, vLLM would take
     the one in the model's ``generation_config.json``, which the torch engine never applies.
+    ``token_batch`` (default: the request's) is the ``stream_interval`` asked for.
     """
     params, prompt = request.params, request.prompt_ids
     stop = [t for t in params.stop_token_ids if 0 <= t < vocab_size]
@@ -141,9 +146,10 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
     }
     if request.prompt_logprobs is not None:
         body["prompt_logprobs"] = request.prompt_logprobs
-    if request.token_batch > 1 and body["stream"]:
+    batch = request.token_batch if token_batch is None else token_batch
+    if batch > 1 and body["stream"]:
         # vLLM sends the first token at once, then every ``stream_interval`` tokens and the end.
-        body["stream_interval"] = request.token_batch
+        body["stream_interval"] = batch
     if params.seed is not None:
         body["seed"] = params.seed
     if params.stop_token_ids:
@@ -154,6 +160,38 @@ def completion_body(request: GenerateRequest, model: str, vocab_size: int) -> di
         # end-of-text token is the tokenizer's eos: it is allowed where the grammar accepts.
         body["structured_outputs"] = {"grammar": params.constraint.grammar}
     return body
+
+
+class StreamPace:
+    """How fast the server samples one stream's tokens lately, and so how many tokens a stream
+    may ask to get at once (``stream_interval``) when none should wait longer than a bound.
+
+    vLLM's ``stream_interval`` counts tokens, not time: a batch of 16 tokens is a few
+    milliseconds on a fast GPU but seconds on a slow one. The pace is measured on the streams
+    themselves (from the first token's arrival to the last's, per token), follows a slowdown at
+    once and a speed-up gradually; until a stream has been measured, batches are one token."""
+
+    def __init__(self) -> None:
+        #: Seconds per token of one stream, lately (None: not measured yet).
+        self.token_s: float | None = None
+
+    def batch(self, token_batch: int, wait_s: float) -> int:
+        """The tokens per batch for a request that allows ``token_batch`` and ``wait_s``."""
+        if token_batch <= 1 or wait_s <= 0:
+            return token_batch
+        if self.token_s is None:
+            return 1
+        return max(1, min(token_batch, int(wait_s / max(self.token_s, 1e-9))))
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        """A stream brought ``tokens`` more tokens in ``seconds`` after its first one."""
+        if tokens < 1:
+            return
+        pace = seconds / tokens
+        if self.token_s is None or pace > self.token_s:
+            self.token_s = pace
+        else:
+            self.token_s = 0.8 * self.token_s + 0.2 * pace
 
 
 def parse_choice(response: dict[str, Any]) -> ParsedChoice:
@@ -182,25 +220,30 @@ def read_chunks(
     """Append the tokens of streamed chunks' ``choices[0]`` (ids, log-probs, alternatives) to the
     lists, in order; returns the last chunk's finish reason (None before the last). What
     ``parse_choice`` reads, without the prompt's scores (never streamed) and without a
-    ``ParsedChoice`` per chunk."""
+    ``ParsedChoice`` per chunk: the chunks' tokens are gathered and their ids read at once (a
+    stream of one token per chunk costs a few dictionary look-ups per token)."""
     finish: str | None = None
-    for event in events:
-        try:
+    tokens: list[str] = []
+    values: list[float] = []
+    try:
+        for event in events:
             choice = event["choices"][0]
             block = choice.get("logprobs") or {}
-            ids = token_ids_of(block.get("tokens"))
-            values = list(map(float, block.get("token_logprobs") or ()))
+            some = block.get("tokens") or ()
+            scores = block.get("token_logprobs") or ()
+            if len(some) != len(scores):
+                raise EngineUnavailable(
+                    f"vLLM streamed {len(some)} token ids but {len(scores)} log-probs in a chunk"
+                )
+            tokens += some
+            values += scores
             if entries := block.get("top_logprobs"):
                 tops.extend(_top(entry) for entry in entries)
             finish = choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise EngineUnavailable(f"vLLM answered a completion in an unexpected shape: {exc!r}") from exc
-        if len(ids) != len(values):
-            raise EngineUnavailable(
-                f"vLLM streamed {len(ids)} token ids but {len(values)} log-probs in a chunk"
-            )
-        token_ids += ids
-        logprobs += values
+        token_ids += token_ids_of(tokens)
+        logprobs += map(float, values)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise EngineUnavailable(f"vLLM answered a completion in an unexpected shape: {exc!r}") from exc
     return finish
 
 
@@ -216,9 +259,17 @@ def token_ids_of(tokens: list[str] | None) -> list[int]:
     Read as one string (a long answer's tokens cost a few C calls, not a Python step each): the
     tokens, each after a comma, split at every comma and prefix into one empty piece and then one
     piece per token, and those pieces joined by commas are ASCII digits and commas only, which
-    JSON reads as exactly one id per token."""
+    JSON reads as exactly one id per token. One token (a paced stream's event) is read as it
+    stands, under the same rule (ASCII digits, no leading zero)."""
     if not tokens:
         return []
+    if len(tokens) == 1:  # a paced stream's event: one token
+        token = tokens[0]
+        if type(token) is str and token.startswith(TOKEN_ID_PREFIX):
+            digits = token[len(TOKEN_ID_PREFIX) :]
+            # What JSON reads as an id: ASCII digits, no leading zero.
+            if digits.isascii() and digits.isdigit() and (digits[0] != "0" or len(digits) == 1):
+                return [int(digits)]
     try:
         pieces = ("," + ",".join(tokens)).encode().split(_SEPARATED_PREFIX)
     except TypeError:

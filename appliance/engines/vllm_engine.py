@@ -3,22 +3,23 @@
 Owns the conversation with one vLLM OpenAI-compatible server over HTTP (aiohttp, loopback):
 token-in/token-out completions (``/v1/completions`` with a token-id prompt, per-token log-probs
 whose ``token_id:N`` tokens give the sampled ids, streamed when the caller wants each token, over
-the kept-alive connections of ``appliance.engines.http_stream``, each read's events parsed as one
-batch), weight pushes (the tensors are written as safetensors to ``/dev/shm`` and the server's
-workers reload them in place through ``/collective_rpc`` -> ``appliance_reload_weights``: vLLM's
-``reload_weights(weights_path=...)`` plus a fix for tied LM heads, see
-``appliance.engines.vllm_worker``) or, without any full copy, in buckets (``load_weight_buckets``:
-each bucket's shared-memory file goes to ``appliance_load_bucket``, which loads it into the
-running model) or, for a LoRA run, an adapter alone (written as peft files and loaded through
-``/v1/load_lora_adapter`` under a new name per load; requests name it, and it is loaded again
-after a restart or a base reload), sleep and wake (the dev routes), and supervision: a server that
-dies is restarted and given the current weights again (one that dies asleep at the next wake:
-until then a collocated trainer holds the GPU memory a new server asks for), while calls fail
-fast with the retryable ``EngineUnavailable``. This module owns the engine's life (start,
-close), generation and sleep/wake; its parts are the gate between generations and weight
-changes (``vllm_gate``), pushes through files and the adapter (``vllm_weights``), bucketed pushes
-and the weight group (``vllm_buckets``) and supervision (``vllm_supervise``). Launching and
-stopping the process is ``appliance.engines.vllm_process``, what goes over the wire
+the kept-alive connections of ``appliance.engines.http_stream``, each read's events parsed, and
+handed to the caller, as one batch; a batch bounded in time asks for as many tokens per event as the
+server's measured pace allows), weight pushes (the tensors are written as safetensors to
+``/dev/shm`` and the server's workers reload them in place through ``/collective_rpc`` ->
+``appliance_reload_weights``: vLLM's ``reload_weights(weights_path=...)`` plus a fix for tied LM
+heads, see ``appliance.engines.vllm_worker``) or, without any full copy, in buckets
+(``load_weight_buckets``: each bucket's shared-memory file goes to ``appliance_load_bucket``, which
+loads it into the running model) or, for a LoRA run, an adapter alone (written as peft files and
+loaded through ``/v1/load_lora_adapter`` under a new name per load; requests name it, and it is
+loaded again after a restart or a base reload), sleep and wake (the dev routes), and supervision: a
+server that dies is restarted and given the current weights again (one that dies asleep at the next
+wake: until then a collocated trainer holds the GPU memory a new server asks for), while calls fail
+fast with the retryable ``EngineUnavailable``. This module owns the engine's life (start, close),
+generation and sleep/wake; its parts are the gate between generations and weight changes
+(``vllm_gate``), pushes through files and the adapter (``vllm_weights``), bucketed pushes and the
+weight group (``vllm_buckets``) and supervision (``vllm_supervise``). Launching and stopping the
+process is ``appliance.engines.vllm_process``, what goes over the wire
 ``appliance.engines.vllm_client``; chat templates, tools and HTTP to agents are the proxy's.
 
 What vLLM 0.32 returns, measured on the tiny model (float32, CPU): the completion's ids include
@@ -69,6 +70,7 @@ from appliance.engines.vllm_buckets import VLLMBuckets
 from appliance.engines.vllm_client import (
     ParsedChoice,
     ServerClient,
+    StreamPace,
     checked_choice,
     completion_body,
     encode_json,
@@ -158,6 +160,8 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
         self._server: ServerProcess | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._gate = GenerationGate()
+        #: How fast the server streams one completion's tokens (the size of a bounded batch).
+        self._pace = StreamPace()
         #: The tasks generating now, and those of them that ``close`` cancelled.
         self._inflight: set[asyncio.Task[Any]] = set()
         self._cut: set[asyncio.Task[Any]] = set()
@@ -389,11 +393,14 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
 
     async def _complete(self, request: GenerateRequest) -> ParsedChoice:
         model = self._adapter_name or self._settings.served_model_name
-        body = completion_body(request, model, self._vocab_size)
-        on_token = request.on_token
+        batch = self._pace.batch(request.token_batch, request.batch_wait_s)
+        body = completion_body(request, model, self._vocab_size, batch)
+        on_token, on_tokens = request.on_token, request.on_tokens
         if not body["stream"] or on_token is None:
             choice = parse_choice(await self._client.call("POST", "/v1/completions", body))
-            if on_token is not None:  # a scored prompt: the tokens come all at once
+            if on_tokens is not None:  # a scored prompt: the tokens come all at once
+                on_tokens(choice.token_ids, choice.logprobs)
+            elif on_token is not None:
                 for token, logprob in zip(choice.token_ids, choice.logprobs, strict=True):
                     on_token(token, logprob)
             return choice
@@ -409,12 +416,23 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
             if pool is not None
             else self._client.stream("/v1/completions", body)
         )
+        first_at = 0.0
         async with contextlib.aclosing(stream) as batches:
             async for events in batches:
                 handed = len(token_ids)
                 finish = read_chunks(events, token_ids, logprobs, tops)
-                for i in range(handed, len(token_ids)):
-                    on_token(token_ids[i], logprobs[i])
+                if not handed:
+                    first_at = time.monotonic()
+                if on_tokens is not None:
+                    # What one read brought goes over at once: the caller takes it as it comes.
+                    if len(token_ids) > handed:
+                        on_tokens(token_ids[handed:], logprobs[handed:])
+                else:
+                    for i in range(handed, len(token_ids)):
+                        on_token(token_ids[i], logprobs[i])
+        if first_at:
+            # The server's pace: what a bounded wait for a batch of streamed tokens allows next.
+            self._pace.measured(len(token_ids) - 1, time.monotonic() - first_at)
         return checked_choice(ParsedChoice(tuple(token_ids), tuple(logprobs), tuple(tops), finish))
 
     # -- sleep and wake ---------------------------------------------------------------------

@@ -27,6 +27,8 @@ from appliance.chat.template import TOOL_CALL_OPEN
 from appliance.chat.tokenizer import IncrementalDecoder, Tokenizer
 from appliance.chat.tools import parse_assistant
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from appliance.proxy.deltas import TextDeltas, TokenArrivals
+from appliance.proxy.deltas import cut_at_stop as _cut_at_stop
 from appliance.proxy.gate import ServingGate
 from appliance.rollouts.registry import DEFAULT_ROLLOUT, ActiveRollout
 from contracts.errors import ApplianceError, ContextTooLong, EngineUnavailable
@@ -36,8 +38,17 @@ from store.eventstore import EventStore
 log = logging.getLogger(__name__)
 
 #: Tokens an engine may hand over at once for a call whose client does not stream
-#: (``GenerateRequest.token_batch``): a preempted call loses fewer than this many.
-TOKEN_BATCH = 16
+#: (``GenerateRequest.token_batch``): at most this many, and only as many as it samples in
+#: ``BATCH_WAIT_S``. A preempted call loses the tokens not handed over yet (at most about that
+#: much generation), which it samples again after the switch.
+TOKEN_BATCH = 256
+BATCH_WAIT_S = 0.5
+#: For a client that streams: at most this many tokens at once, and only as many as the engine
+#: samples in ``STREAM_BATCH_WAIT_S`` (the first token always alone), so no token waits longer
+#: for its batch. A fast engine then writes, and the proxy reads and relays, one event per batch
+#: instead of one per token; a slow one still streams token by token.
+STREAM_TOKEN_BATCH = 16
+STREAM_BATCH_WAIT_S = 0.02
 
 
 #: Call ids: a random prefix per process and a counter (no system call per call), 24 hex digits.
@@ -203,36 +214,33 @@ class CallService:
         Closing the stream early (the client went away) cancels the generation, which is
         recorded as cancelled. Use it as ``async with calls.stream(call) as items:``.
         """
-        queue: asyncio.Queue[int | None] = asyncio.Queue()
-        run = asyncio.create_task(self._run(call, queue.put_nowait))
-        run.add_done_callback(lambda _: queue.put_nowait(None))
-        return CallStream(run, self._relay(call, run, queue))
+        arrivals = TokenArrivals()
+        run = asyncio.create_task(self._run(call, arrivals.add))
+        run.add_done_callback(lambda _: arrivals.end())
+        return CallStream(run, self._relay(call, run, arrivals))
 
     async def _relay(
-        self, call: PreparedCall, run: asyncio.Task[CallOutcome], queue: asyncio.Queue[int | None]
+        self, call: PreparedCall, run: asyncio.Task[CallOutcome], arrivals: TokenArrivals
     ) -> AsyncGenerator[str | CallOutcome, None]:
-        decoder = IncrementalDecoder(self.tokenizer)
-        text = ""
-        sent = 0
-        stop_ids = set(call.params.stop_token_ids)
+        # Each delta is the text of every token that came since the last one was taken: one
+        # per token while the client keeps up with the engine, fewer and longer when it does not.
         markers = (*call.stop, *((TOOL_CALL_OPEN,) if call.tools else ()))
-        while (token := await queue.get()) is not None:
-            if token in stop_ids:
-                continue
-            text += decoder.push(token)
-            safe = _stream_safe(text, markers)
-            if len(safe) > sent:
-                yield safe[sent:]
-                sent = len(safe)
+        deltas = TextDeltas(self.tokenizer, call.params.stop_token_ids, markers)
+        while (tokens := await arrivals.take()) is not None:
+            if delta := deltas.push(tokens):
+                yield delta
         outcome = await run
         # What was held back to the end (a trailing partial character, text that only
         # looked like the start of a marker) goes out now, as the final text has it.
         final = outcome.message.content if outcome.message.tool_calls else outcome.text
-        if len(final) > sent and final.startswith(text[:sent]):
+        sent = deltas.sent
+        if len(final) > sent and final.startswith(deltas.text[:sent]):
             yield final[sent:]
         yield outcome
 
-    async def _run(self, call: PreparedCall, on_token: Callable[[int], None] | None) -> CallOutcome:
+    async def _run(
+        self, call: PreparedCall, on_tokens: Callable[[Sequence[int]], None] | None
+    ) -> CallOutcome:
         if call.params.max_tokens == 0:
             return await self._nothing_sampled(call)
         # Every token sampled for this call, with its log-prob and the policy version that
@@ -247,19 +255,28 @@ class CallService:
         queued: float | None = None
         preemptions = 0
 
-        def collect(token: int, logprob: float) -> None:
+        def collect_all(ids: Sequence[int], logprobs: Sequence[float]) -> None:
+            # One call per group of tokens the engine hands over (vLLM: per read of its stream).
             if stopped.is_set():
                 return  # tokens the engine sampled after a stop string matched are dropped
             if not first_token_at:
                 first_token_at.append(time.perf_counter())
-            sampled.append((token, logprob, version))
-            if on_token is not None:
-                on_token(token)
             if decoder is not None and generation is not None:
-                seen[0] += decoder.push(token)
-                if any(s in seen[0] for s in call.stop):
-                    stopped.set()
-                    generation.cancel()
+                for i, token in enumerate(ids):
+                    seen[0] += decoder.push(token)
+                    if any(s in seen[0] for s in call.stop):
+                        ids, logprobs = ids[: i + 1], logprobs[: i + 1]
+                        stopped.set()
+                        generation.cancel()
+                        break
+            # Each token with the version that sampled it (a switch between two groups
+            # changes ``version`` before the next group comes).
+            sampled.extend(zip(ids, logprobs, itertools.repeat(version)))
+            if on_tokens is not None:
+                on_tokens(ids)
+
+        def collect(token: int, logprob: float) -> None:
+            collect_all((token,), (logprob,))
 
         while True:
             if sampled and sampled[-1][0] in call.params.stop_token_ids:
@@ -285,6 +302,7 @@ class CallService:
                 if sampled
                 else call.params,
                 on_token=collect,
+                on_tokens=collect_all,
                 # A rollout's calls go to one engine replica (its prefix cache holds the earlier
                 # turns); the shared rollout-less conversation goes wherever there is room.
                 affinity=None if call.rollout.rollout == DEFAULT_ROLLOUT else call.rollout.rollout,
@@ -294,9 +312,11 @@ class CallService:
                 tokenizer_vocab=self.tokenizer.vocab_size if call.rendered.text is None else 0,
                 # The renderer's JSON of the prompt (not of a continuation's longer one).
                 prompt_json=None if sampled else call.rendered.prompt_json,
-                # A client that streams gets each token as it comes; otherwise the tokens are
-                # only kept for a preemption, and fewer, larger batches cost less to read.
-                token_batch=1 if on_token is not None else TOKEN_BATCH,
+                # A client that streams gets each token within ``STREAM_BATCH_WAIT_S`` of its
+                # sampling; otherwise the tokens are only kept for a preemption, and fewer,
+                # larger batches cost less to read (each read of the stream costs the same).
+                token_batch=STREAM_TOKEN_BATCH if on_tokens is not None else TOKEN_BATCH,
+                batch_wait_s=STREAM_BATCH_WAIT_S if on_tokens is not None else BATCH_WAIT_S,
             )
             generation = asyncio.ensure_future(self.engine.generate(request))
             self.gate.track(generation)
@@ -463,23 +483,3 @@ def sampling_record(params: SamplingParams) -> dict[str, Any]:
     if params.constraint is not None:
         return asdict(params)
     return {name: getattr(params, name) for name in _SAMPLING_FIELDS}
-
-
-def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
-    """The text before the earliest stop string (OpenAI and Anthropic leave the stop string out)."""
-    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[: min(cuts)] if cuts else text
-
-
-def _stream_safe(text: str, markers: tuple[str, ...]) -> str:
-    """The prefix of ``text`` that can be sent now: everything before the first marker (a stop
-    string, or ``<tool_call>`` when tools are declared), and before a partial marker at the end."""
-    if not markers:
-        return text
-    text = _cut_at_stop(text, markers)
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):
-            if marker.startswith(text[-k:]):
-                text = text[:-k]
-                break
-    return text

@@ -5,7 +5,8 @@ Owns how a request is tied to a rollout (the rollout id in the path, its token a
 token), the limit on model calls held at once (``Admission``: beyond ``max_queued_calls`` a call
 is refused at once with a 429 and ``Retry-After``, before its body is read, so nothing is
 recorded for it), how a body is read as JSON, and how JSON answers and server-sent events are
-written. Surfaces import these; nothing here knows any surface's shapes.
+written (a streamed delta's event from a ``JsonSlot``: its JSON written once per stream, only the
+delta's text per event). Surfaces import these; nothing here knows any surface's shapes.
 
 Bodies are read with orjson and answers written with it (a model call's request holds the whole
 conversation, so its parse is a per-call cost that grows with the history). Where orjson's
@@ -278,13 +279,53 @@ def json_answer(data: Any, status: int = 200) -> web.Response:
 
 def sse_events(events: Sequence[tuple[str | None, Any]]) -> bytes:
     """Server-sent events as written, each an ``event:`` name (None: none) and its data
-    (JSON-encoded unless it is already a string)."""
+    (JSON-encoded unless it is already a string, or bytes: JSON already written, ``JsonSlot``)."""
+    if len(events) == 1:  # a streamed delta's one event
+        name, data = events[0]
+        if not name:
+            if type(data) is bytes:
+                return b"data: " + data + b"\n\n"
+            return b"data: " + (data.encode() if isinstance(data, str) else dumps(data)) + b"\n\n"
     out = bytearray()
     for name, data in events:
         if name:
             out += b"event: " + name.encode() + b"\n"
-        out += b"data: " + (data.encode() if isinstance(data, str) else dumps(data)) + b"\n\n"
+        if type(data) is bytes:
+            out += b"data: " + data + b"\n\n"
+        else:
+            out += b"data: " + (data.encode() if isinstance(data, str) else dumps(data)) + b"\n\n"
     return bytes(out)
+
+
+#: What stands for the one string a ``JsonSlot`` fills (control characters: JSON escapes them).
+SLOT = "\x01\x02slot\x03"
+_SLOT_JSON = orjson.dumps(SLOT)
+
+
+class JsonSlot:
+    """The JSON of an object that a stream sends once per delta with only one string changed,
+    written once: ``fill(value)`` is byte for byte what ``dumps`` writes for the object with
+    ``value`` where it holds ``SLOT``, at the cost of writing ``value`` alone (a streamed
+    token's event, without a dictionary built and written per token). None from ``of`` where
+    ``SLOT`` is not there exactly once, or the object is one ``dumps`` writes with Python's json."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, head: bytes, tail: bytes) -> None:
+        self.head = head
+        self.tail = tail
+
+    @classmethod
+    def of(cls, data: Any) -> JsonSlot | None:
+        try:
+            written = orjson.dumps(data)
+        except TypeError:
+            return None
+        parts = written.split(_SLOT_JSON)
+        return cls(parts[0], parts[1]) if len(parts) == 2 else None
+
+    def fill(self, value: str) -> bytes:
+        return self.head + dumps(value) + self.tail
 
 
 #: Every surface is served under the rollout's base URL and under the rollout-less prefix.

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
 from appliance.chat.messages import assistant_to_openai, messages_from_openai, tools_from_openai
 from appliance.proxy.driver import handler
-from appliance.proxy.http import ProxySettings, add_post
+from appliance.proxy.http import SLOT, JsonSlot, ProxySettings, add_post
 from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started, TokenLogprob
 from appliance.proxy.validate import (
     fits_context,
@@ -140,6 +140,8 @@ class ChatChunks(OpenAIStreamEnd):
             "model": request.model,
             "system_fingerprint": None,
         }
+        #: A text delta's event, written once (False: not yet; None: not writable so).
+        self._slot: JsonSlot | Literal[False] | None = False
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> Event:
         out = {
@@ -159,7 +161,13 @@ class ChatChunks(OpenAIStreamEnd):
             delta = self.held.rstrip()
             self.held = self.held[len(delta) :]
         self.sent += delta
-        return [self._chunk({"content": delta})] if delta else []
+        if not delta:
+            return []
+        if self._slot is False:
+            self._slot = JsonSlot.of(self._chunk({"content": SLOT})[1])
+        if self._slot is not None:
+            return [(None, self._slot.fill(delta))]
+        return [self._chunk({"content": delta})]
 
     def closing(self, answer: Answer) -> list[Event]:
         content = answer.message.content

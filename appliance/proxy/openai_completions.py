@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
 from appliance.proxy.driver import handler
-from appliance.proxy.http import ProxySettings, add_post
+from appliance.proxy.http import SLOT, JsonSlot, ProxySettings, add_post
 from appliance.proxy.openai_chat import OpenAIStreamEnd
 from appliance.proxy.pipeline import Answer, CallRequest, Event, Started, TextPrompt, TokenLogprob
 from appliance.proxy.validate import (
@@ -193,6 +193,8 @@ class CompletionChunks(OpenAIStreamEnd):
             "created": int(time.time()),
             "model": request.model,
         }
+        #: A text delta's event, written once (False: not yet; None: not writable so).
+        self._slot: JsonSlot | Literal[False] | None = False
 
     def _chunk(self, text: str, finish: str | None = None) -> Event:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -202,6 +204,10 @@ class CompletionChunks(OpenAIStreamEnd):
         return [self._chunk(self.echo)] if self.echo else []
 
     def text(self, delta: str) -> list[Event]:
+        if self._slot is False:
+            self._slot = JsonSlot.of(self._chunk(SLOT)[1])
+        if self._slot is not None:
+            return [(None, self._slot.fill(delta))]
         return [self._chunk(delta)]
 
     def closing(self, answer: Answer) -> list[Event]:

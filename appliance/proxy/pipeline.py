@@ -126,7 +126,7 @@ class Started:
 
 
 #: One server-sent event: its ``event:`` name (None: none) and its data (JSON-encoded unless a
-#: string such as ``[DONE]``).
+#: string such as ``[DONE]``, or bytes: JSON already written, ``appliance.proxy.http.JsonSlot``).
 Event = tuple[str | None, Any]
 
 

@@ -1,8 +1,13 @@
-"""scripts/bench_proxy.py's rounds: the targets take turns, and a row is the rounds' medians,
-with each round's ratios beside it (the figures themselves come from running the script)."""
+"""scripts/bench_proxy.py: its rounds (the targets take turns, and a row is the rounds' medians,
+with each round's ratios beside it), and a smoke run of ``--replicas 2`` with real processes whose
+rows carry the per-token columns (the figures themselves come from running the script)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -56,3 +61,97 @@ def test_each_round_is_compared_with_the_others_of_its_round(bench: ModuleType) 
     assert "ours/dir 0.40 0.40 (median 0.40)" in line
     assert "ours/agl 10.00 8.00 (median 9.00)" in line
     assert "+p50 ours 1.00 2.00 ms (median 1.50)" in line
+
+
+def test_a_fleet_of_two_upstreams_gives_every_row_its_tokens_per_core(tmp_path: Path) -> None:
+    # Real processes: two fake upstreams, the appliance's proxy over them as an engine fleet,
+    # the load generator; a few calls only (the figures come from running the script).
+    out = tmp_path / "rows.json"
+    argv = ["--replicas", "2", "--clients", "2", "--calls", "16", "--modes", "whole,streamed",
+            "--answer-tokens", "64", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["max_tokens"], r["clients"], r["replicas"]) for r in rows] == [
+        ("whole", 64, 2, 2), ("streamed", 64, 2, 2)
+    ]  # fmt: skip
+    for r in rows:
+        assert not r["failures"], r
+        for key in ("ours_cpu_per_call_us", "upstream_cpu_per_call_us", "ours_tokens_per_s",
+                    "direct_tokens_per_s", "ours_tokens_per_core_s", "upstream_tokens_per_core_s",
+                    "ours_cpu_per_token_us", "upstream_cpu_per_token_us", "ours_over_upstream_per_token",
+                    "upstream_cpu_per_token_under_ours_us"):  # fmt: skip
+            assert r[key] is not None and r[key] > 0, (key, r)
+        # Tokens per core second and CPU per token are one figure, read two ways.
+        assert r["ours_tokens_per_core_s"] == pytest.approx(1e6 / r["ours_cpu_per_token_us"])
+        assert r["agl_calls_per_s"] is None  # no --agl-python: skipped
+    printed = done.stdout
+    for header in ("tok/s ours", "tok/s/core ours", "tok/s/core up", "cpu/tok ours", "cpu/tok up", "ours/up"):
+        assert header in printed
+    # The fleet spread the clients' rollouts over both upstreams.
+    spread = re.search(
+        r"rollouts per replica of the fleet: replica 0: (\d+) \(live\), replica 1: (\d+)", printed
+    )
+    assert spread is not None, printed
+    assert int(spread[1]) >= 1 and int(spread[2]) >= 1
+
+
+def test_answer_lengths_and_clients_are_lists(bench: ModuleType) -> None:
+    assert bench.integers("256,1024") == (256, 1024)
+    assert bench.integers("8") == (8,)
+    for bad in ("", "0", "8,x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.integers(bad)
+    # An answer of N tokens: ANSWER's ids as often as they fit before the end token.
+    answer = bench.Answer([1, 2, 3], 9)
+    assert [answer.length(n) for n in (1, 2, 8, 256)] == [1, 2, 7, 256]
+
+
+def test_a_paced_upstream_streams_at_a_gpu_pace(tmp_path: Path) -> None:
+    # Real processes, a few calls: every stream of 16 tokens at 5 ms per token takes about
+    # 16 x 5 ms (an unpaced one a few), through the proxy and directly alike (timers fire to the
+    # millisecond, some a little early).
+    out = tmp_path / "rows.json"
+    argv = ["--clients", "2", "--calls", "4", "--modes", "streamed", "--answer-tokens", "16",
+            "--pace-ms", "5", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (r,) = json.loads(out.read_text())
+    assert (r["mode"], r["max_tokens"], r["pace_ms"], r["failures"]) == ("streamed", 16, 5.0, {})
+    assert r["direct_p50_ms"] >= 0.8 * 16 * 5 and r["ours_p50_ms"] >= 0.8 * 16 * 5, r
+    assert r["ours_cpu_per_token_us"] > 0 and r["upstream_cpu_per_token_us"] > 0
+    assert "streams paced at 5 ms per token" in done.stdout
+
+
+async def test_a_paced_stream_waits_per_token_of_each_event(bench: ModuleType) -> None:
+    # As vLLM at that decode speed: the first token alone, then stream_interval tokens per
+    # event, each event after the pace times its tokens.
+    import time
+
+    from aiohttp.test_utils import TestClient, TestServer
+    from bench_proxy_upstream import upstream_app
+
+    async with TestClient(TestServer(upstream_app([1, 2, 3], 9, 2048, pace_ms=20))) as client:
+        body = {"prompt": [1], "max_tokens": 9, "stream": True, "stream_interval": 4}
+        start = time.monotonic()
+        arrivals = []
+        async with client.post("/v1/completions", json=body) as response:
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    tokens = json.loads(line[6:])["choices"][0]["logprobs"]["token_logprobs"]
+                    arrivals.append((len(tokens), time.monotonic() - start))
+    # 7 tokens (ANSWER's 3 twice, then the end): 1, 4, then the 2 left, after 20, 100, 140 ms.
+    assert [n for n, _ in arrivals] == [1, 4, 2]
+    assert arrivals[0][1] >= 0.018 and arrivals[1][1] >= 0.09 and arrivals[2][1] >= 0.126

@@ -145,6 +145,32 @@ class EngineContract:
         assert batched.token_ids == one_by_one.token_ids and len(batched.token_ids) == 20
         assert batched.logprobs == pytest.approx(one_by_one.logprobs, abs=self.logprob_atol)
 
+    async def test_tokens_go_once_each_to_one_of_the_two_callbacks(self, engine: Engine) -> None:
+        """An engine may hand groups of tokens to ``on_tokens`` instead of each to ``on_token``
+        (bounded in time or not): between the two, every token comes once, in order."""
+        stop = await unsampled_id(engine, PROMPTS[6], 20)
+        for batch, wait_s in ((1, 0.0), (8, 0.0), (8, 0.02)):
+            seen: list[tuple[int, float]] = []
+
+            def on_tokens(ids: Sequence[int], logprobs: Sequence[float], seen: list[Any] = seen) -> None:
+                assert len(ids) == len(logprobs) > 0
+                seen.extend(zip(ids, logprobs, strict=True))
+
+            def on_token(token: int, logprob: float, seen: list[Any] = seen) -> None:
+                seen.append((token, logprob))
+
+            request = GenerateRequest(
+                prompt_ids=PROMPTS[6],
+                params=greedy(20, [stop]),
+                on_token=on_token,
+                on_tokens=on_tokens,
+                token_batch=batch,
+                batch_wait_s=wait_s,
+            )
+            result = await engine.generate(request)
+            assert [t for t, _ in seen] == list(result.token_ids) and len(seen) == 20
+            assert [lp for _, lp in seen] == list(result.logprobs)
+
     async def test_seeded_sampling_is_reproducible(self, engine: Engine) -> None:
         params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
         alone = await generate(engine, PROMPTS[4], params)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from appliance.engines.http_stream import StreamPool
+from appliance.engines.http_stream import StreamPool, sse_events
 from contracts.errors import BadRequest, EngineUnavailable
 
 pytestmark = pytest.mark.asyncio
@@ -222,3 +222,25 @@ async def test_an_answer_that_breaks_off_after_done_is_whole_and_its_connection_
     assert await collect(pool) == EVENTS
     assert await collect(pool) == EVENTS
     assert server.connections == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b'data: {"a":1}\n', b'data:{"a":1}', b'data: {"a":1}\n\n', b'data: {"a":1}\n\ndata: {"b":2}\n',
+     b'data: {"a":1}\ndata: [DONE]\n', b"data: [DONE]\n", b'data: {"a":NaN}\n',
+     b': comment\ndata: {"a":1}\n'],
+)  # fmt: skip
+async def test_one_event_reads_as_among_others(text: bytes) -> None:
+    """A read of one event (a paced stream's) is parsed without the list of lines; the events,
+    and whether ``[DONE]`` came, are those of the same text read among other events."""
+    alone = sse_events(text, "/v1/completions")
+    among = sse_events(text + b'\ndata: {"z":0}\n', "/v1/completions")
+    if alone[1]:
+        assert among == alone
+    else:
+        assert among == ([*alone[0], {"z": 0}], False)
+
+
+async def test_an_error_event_alone_is_the_error() -> None:
+    with pytest.raises(BadRequest, match="bad"):
+        sse_events(b'data: {"error": {"code": 400, "message": "bad"}}\n', "/v1/completions")

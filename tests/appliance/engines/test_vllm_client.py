@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from appliance.engines.base import GenerateRequest, SamplingParams
 from appliance.engines.vllm_client import (
+    StreamPace,
     completion_body,
     encode_json,
     parse_choice,
@@ -94,3 +95,48 @@ def test_a_sampled_token_not_written_as_its_id_is_refused(token: str) -> None:
 def test_a_sampled_token_that_is_not_a_string_is_refused() -> None:
     with pytest.raises(EngineUnavailable, match="unexpected shape"):
         parse_choice(choice(["token_id:5", 6], [-0.5, -0.5]))  # type: ignore[list-item]
+
+
+def test_chunks_are_read_together_but_each_must_pair_its_ids_with_log_probs() -> None:
+    ids: list[int] = []
+    logprobs: list[float] = []
+    events = [choice([f"token_id:{i}"], [-0.5], None) for i in range(5)] + [choice([], [], "length")]
+    assert read_chunks(events, ids, logprobs, []) == "length"
+    assert (ids, logprobs) == ([0, 1, 2, 3, 4], [-0.5] * 5)
+    # Three ids and three log-probs in all, but not chunk by chunk.
+    uneven = [choice(["token_id:1", "token_id:2"], [-1.0], None), choice(["token_id:3"], [-1.0, -2.0])]
+    with pytest.raises(EngineUnavailable, match="2 token ids but 1 log-probs"):
+        read_chunks(uneven, [], [], [])
+
+
+@pytest.mark.parametrize(("batch", "asked"), [(None, 8), (1, None), (3, 3)])
+def test_the_stream_interval_asked_for_may_be_smaller_than_the_requests_batch(
+    batch: int | None, asked: int | None
+) -> None:
+    request = GenerateRequest(prompt_ids=[1, 2], on_token=lambda t, lp: None, token_batch=8)
+    assert completion_body(request, "policy", VOCAB, batch).get("stream_interval") == asked
+
+
+def test_a_bounded_batch_follows_the_servers_pace() -> None:
+    """Unmeasured, a bounded batch is one token; a fast server allows the whole batch, a slow one
+    one token at a time; a slowdown counts at once, a speed-up gradually."""
+    pace = StreamPace()
+    assert pace.batch(16, 0.02) == 1
+    assert pace.batch(16, 0.0) == 16  # no bound: the count alone
+    assert pace.batch(1, 0.02) == 1
+    pace.measured(255, 0.0)  # a fake server: every token at once
+    assert pace.batch(16, 0.02) == 16
+    pace.measured(100, 1.0)  # 10 ms a token: two of them within 20 ms
+    assert pace.batch(16, 0.02) == 2
+    pace.measured(10, 0.5)  # 50 ms a token
+    assert pace.batch(16, 0.02) == 1
+    for _ in range(30):
+        pace.measured(100, 0.1)  # 1 ms a token again
+    assert pace.batch(16, 0.02) == 16
+    pace.measured(0, 5.0)  # a single-token stream says nothing of the pace
+    assert pace.batch(16, 0.02) == 16
+
+
+def test_one_token_reads_as_in_a_longer_list() -> None:
+    for id_ in (0, 7, 151645, 2**63 - 1):
+        assert token_ids_of([f"token_id:{id_}"]) == [id_] == token_ids_of([f"token_id:{id_}"] * 2)[:1]

@@ -350,3 +350,25 @@ async def test_deprecated_functions_render_exactly_as_tools(app: Appliance, acti
         app, active, {"functions": [ADD_FUNCTION], "tools": [{"type": "function", "function": ADD_FUNCTION}]}
     )
     assert status == 400 and payload["error"]["param"] == "functions", payload
+
+
+@pytest.mark.parametrize("usage", [False, True])
+@pytest.mark.parametrize("surface", ["chat", "completions"])
+def test_a_streamed_delta_event_is_the_chunk_written_whole(surface: str, usage: bool) -> None:
+    """A text delta's event is written from a template (the delta alone is written per event):
+    byte for byte the chunk that the dictionary of the same event would give."""
+    from appliance.proxy.http import sse_events
+    from appliance.proxy.openai_chat import ChatChunks
+    from appliance.proxy.openai_completions import CompletionChunks
+    from appliance.proxy.pipeline import CallRequest
+
+    request = CallRequest(
+        surface=surface, model='m "1"', prompts=(), params=SamplingParams(), body={}, include_usage=usage
+    )
+    for delta in ("Hello", ' "quoted" \\ \n', "é\U0001f600", "\x00\x01"):
+        if surface == "chat":
+            chat = ChatChunks(request, "call-1")
+            assert sse_events(chat.text(delta)) == sse_events([chat._chunk({"content": delta})])
+        else:
+            text = CompletionChunks(request, "call-1", None)
+            assert sse_events(text.text(delta)) == sse_events([text._chunk(delta)])

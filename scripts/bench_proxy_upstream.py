@@ -1,0 +1,171 @@
+"""The fake vLLM-shaped upstream of scripts/bench_proxy.py: its own process, one per replica.
+
+Owns the server and nothing else (what is measured and how is ``bench_proxy``'s). It answers every
+completion at once with fixed token ids: ``ANSWER``'s ids repeated up to the request's
+``max_tokens``, then ``<|im_end|>`` (``answer_ids``), so one server serves every answer length a
+run asks for. ``/v1/completions`` (what the appliance's vLLM engine client calls) is written as
+vLLM 0.32 writes it for the request's asks: a stream sends one token per event, or with a
+request's ``stream_interval`` the first token alone, then that many per event, the rest at the
+end; ``return_tokens_as_token_ids`` writes the log-probs' tokens as ``token_id:N``;
+``return_token_ids`` adds the sampled ids and, in a stream's first event or a whole answer, all
+the prompt's ids. ``/v1/chat/completions`` (what the direct column's clients call) streams one
+event per token. Each answer is built per request, as a server builds it (its cost is the
+upstream's own CPU that the proxy's is compared with). ``--pace-ms X`` (default 0: at once) makes
+a stream as slow as a GPU that samples one token per X ms: it waits X ms per token before each
+event (the first included), so an event of ``stream_interval`` tokens comes after that many
+times X, as vLLM sends it at that decode speed; a whole answer is not delayed.
+
+    python scripts/bench_proxy_upstream.py '{"ids": [...], "end": 151645}' [--max-model-len 2048]
+                                           [--pace-ms 0]
+
+prints ``{"port": N}`` once it listens on 127.0.0.1, then serves until it is terminated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+ANSWER = "The answer is 7."
+
+
+def answer_ids(ids: list[int], end: int, max_tokens: int) -> list[int]:
+    """An answer of at most ``max_tokens`` tokens: ``ids`` (``ANSWER``'s) repeated as often as
+    they fit whole before the last place, then ``end``."""
+    return [*(ids * max(1, (max_tokens - 1) // len(ids))), end][:max_tokens]
+
+
+def upstream_app(ids: list[int], end: int, max_model_len: int, pace_ms: float = 0.0) -> web.Application:
+    """A vLLM-shaped server that answers every completion with ``answer_ids``: at once, or a
+    stream at one token per ``pace_ms``."""
+    text = ANSWER
+    answers: dict[int, list[int]] = {}
+    whole_chats: dict[int, bytes] = {}
+
+    def answer(body: dict[str, Any]) -> list[int]:
+        n = int(body.get("max_tokens") or 16)
+        if n not in answers:
+            answers[n] = answer_ids(ids, end, n)
+        return answers[n]
+
+    def completion(
+        ids: list[int], body: dict[str, Any], stream_chunk: bool = False, first: bool = True
+    ) -> dict[str, Any]:
+        """A completion (or one event of its stream) as vLLM 0.32 writes it for ``body``'s asks:
+        ``return_tokens_as_token_ids`` writes the log-probs' tokens as ``token_id:N``;
+        ``return_token_ids`` adds the sampled ids and, in a stream's first event or a whole
+        answer, the prompt's ids (all of them: a long conversation's are a long array)."""
+        tokens = [f"token_id:{t}" if body.get("return_tokens_as_token_ids") else "7" for t in ids]
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": {"token_logprobs": [-0.5] * len(ids), "tokens": tokens, "top_logprobs": None},
+            "finish_reason": None if stream_chunk else "stop",
+        }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = ids
+            if first:
+                choice["prompt_token_ids"] = body["prompt"]
+        return {"id": "cmpl-1", "object": "text_completion", "model": "policy", "choices": [choice]}
+
+    def chat(ids: list[int]) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "token_ids": ids, "logprobs": None, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 20, "completion_tokens": len(ids), "total_tokens": 20 + len(ids)}
+        return {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": "policy",
+            "choices": [choice],
+            "usage": usage,
+        }
+
+    headers = {"Content-Type": "application/json"}
+
+    pace_s = pace_ms / 1e3
+
+    async def stream(
+        request: web.Request, chunks: list[dict[str, Any]], sizes: list[int] | None = None
+    ) -> web.StreamResponse:
+        """``chunks`` as server-sent events; paced, each after ``pace_ms`` per token it holds
+        (``sizes``: the tokens of each; one each if not given)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, chunk in enumerate(chunks):
+            if pace_s:
+                await asyncio.sleep(pace_s * (sizes[i] if sizes else 1))
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        ids = answer(body)
+        if not body.get("stream"):
+            return web.Response(body=orjson.dumps(completion(ids, body)), headers=headers)
+        every = int(body.get("stream_interval") or 1)
+        groups = [ids[:1], *(ids[i : i + every] for i in range(1, len(ids), every))]
+        chunks = [completion(group, body, stream_chunk=True, first=i == 0) for i, group in enumerate(groups)]
+        chunks[-1]["choices"][0]["finish_reason"] = "stop"
+        return await stream(request, chunks, [len(group) for group in groups])
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        ids = answer(body)
+        if not body.get("stream"):
+            if len(ids) not in whole_chats:
+                whole_chats[len(ids)] = json.dumps(chat(ids)).encode()
+            return web.Response(body=whole_chats[len(ids)], headers=headers)
+        chunks = [
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "choices": [
+                    {"index": 0, "delta": {"content": text if i == 0 else ""}, "finish_reason": None}
+                ],
+            }
+            for i in range(len(ids))
+        ]
+        chunks[-1]["choices"] = [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]
+        return await stream(request, chunks)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "policy", "max_model_len": max_model_len}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def serve(ids: list[int], end: int, max_model_len: int, pace_ms: float = 0.0) -> None:
+    runner = web.AppRunner(upstream_app(ids, end, max_model_len, pace_ms), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
+    await site.start()
+    port = runner.addresses[0][1]
+    print(json.dumps({"port": port}), flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("answer", help='JSON {"ids": ANSWER\'s token ids, "end": the end token id}')
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--pace-ms", type=float, default=0.0, help="a stream's milliseconds per token")
+    args = parser.parse_args()
+    spec = json.loads(args.answer)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(spec["ids"], spec["end"], args.max_model_len, args.pace_ms))
