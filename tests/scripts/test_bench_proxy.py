@@ -63,12 +63,8 @@ def test_each_round_is_compared_with_the_others_of_its_round(bench: ModuleType) 
     assert "+p50 ours 1.00 2.00 ms (median 1.50)" in line
 
 
-def test_a_fleet_of_two_upstreams_gives_every_row_its_tokens_per_core(tmp_path: Path) -> None:
-    # Real processes: two fake upstreams, the appliance's proxy over them as an engine fleet,
-    # the load generator; a few calls only (the figures come from running the script).
-    out = tmp_path / "rows.json"
-    argv = ["--replicas", "2", "--clients", "2", "--calls", "16", "--modes", "whole,streamed",
-            "--answer-tokens", "64", "--json", str(out)]  # fmt: skip
+def run_bench(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``scripts/bench_proxy.py argv`` in its own process, in ``tmp_path``; it must succeed."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), *argv],
         cwd=tmp_path,
@@ -77,6 +73,16 @@ def test_a_fleet_of_two_upstreams_gives_every_row_its_tokens_per_core(tmp_path: 
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_a_fleet_of_two_upstreams_gives_every_row_its_tokens_per_core(tmp_path: Path) -> None:
+    # Real processes: two fake upstreams, the appliance's proxy over them as an engine fleet,
+    # the load generator; a few calls only (the figures come from running the script).
+    out = tmp_path / "rows.json"
+    argv = ["--replicas", "2", "--clients", "2", "--calls", "16", "--modes", "whole,streamed",
+            "--answer-tokens", "64", "--json", str(out)]  # fmt: skip
+    done = run_bench(tmp_path, argv)
     rows = json.loads(out.read_text())
     assert [(r["mode"], r["max_tokens"], r["clients"], r["replicas"]) for r in rows] == [
         ("whole", 64, 2, 2), ("streamed", 64, 2, 2)
@@ -120,14 +126,7 @@ def test_a_paced_upstream_streams_at_a_gpu_pace(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     argv = ["--clients", "2", "--calls", "4", "--modes", "streamed", "--answer-tokens", "16",
             "--pace-ms", "5", "--json", str(out)]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), *argv],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_bench(tmp_path, argv)
     (r,) = json.loads(out.read_text())
     assert (r["mode"], r["max_tokens"], r["pace_ms"], r["failures"]) == ("streamed", 16, 5.0, {})
     assert r["direct_p50_ms"] >= 0.8 * 16 * 5 and r["ours_p50_ms"] >= 0.8 * 16 * 5, r
