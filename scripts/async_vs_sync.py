@@ -6,20 +6,26 @@ conversation``: "What is a + b?", after "wrong" one more try in the same convers
 0, 1, 2: six runs), each in a fresh process, changing only the scheduler's ``mode`` (and
 ``eta`` for async). Every run trains the same samples per step (``--batch-groups`` tasks x
 ``--group-size`` rollouts); runs of one seed share the weights, the task stream and the
-sampling seeds.
+sampling seeds. Async runs the scheduler's in-flight limit, eta + 1 steps' batches at once
+(``--async-inflight`` sets another); both correct stale tokens the same way (``--off-policy``,
+default "decoupled": the truncated importance weight, so the stale tokens of an async step keep
+their gradient).
 
 Held out: the same 64 of the 100 single-digit sums for every seed and mode (``--split-seed``),
 never trained on and nothing tuned on them, played greedily (temperature 0) by the
 appliance's own validation rounds: at step 0 and every ``--eval-every`` steps, each round holds
 the next training step back until it ends, so one round sees one policy version in both modes
 (a held-out score through ``/v1`` beside the run, as ``learn_demo.py`` does, would straddle an
-async step). Everything is read back from the run's event log: per round the held-out reward,
+async step), and it runs alone (``validation_holds_admissions``: no training group is admitted
+until it ends, so a round costs both modes alike; ``--rounds-beside`` admits beside it).
+Everything is read back from the run's event log: per round the held-out reward,
 first-try and solved fractions and calls; per step its metrics (entropy, loss, the staleness
 figures of async steps); the time of each from the log's timestamps.
 
 Time axis: ``minutes`` is wall time from the first admission to the end of the step whose
 policy a round scored, the held-out rounds included: both modes run the same rounds, and
-training rollouts keep generating beside them, so their cost cannot be cleanly subtracted
+async's training rollouts already under way keep generating beside them, so their cost cannot
+be cleanly subtracted
 (the summary gives their total, ``eval minutes``). The summary says, per mode, the final
 held-out reward (mean ± std [min, max] over seeds) and the minutes each run took to first
 reach sync's final held-out reward at its lowest seed (the low end of sync's spread, from
@@ -29,13 +35,17 @@ Writes ``<out>/async_vs_sync.json`` (every run: points, steps, metrics; the spre
 ``<out>/async_vs_sync.png`` (held-out reward against trained rollouts and against wall
 minutes: mean over seeds, min-max shaded, each seed thin) and ``<out>/async_vs_sync.md``.
 
-Wall time, measured with smollm2-135m on 2 shared CPU cores (docs/results.md): 43-113 s per
-training step, 17-240 s per held-out round (the one at step 0 runs beside the first batch),
-about 1 min to load; the default (2 modes x 3 seeds x 10 steps, 6 rounds each) takes about
-1 to 2.5 hours. Run it in the background:
+Wall time, measured with smollm2-135m on 2 quiet CPU cores (docs/results.md, second run):
+15-46 s per training step, 10-29 s per held-out round, 6-7.5 minutes per run and about 1 minute
+to load it; the default (2 modes x 3 seeds x 10 steps, 6 rounds each) takes about 50 minutes,
+and each run keeps its checkpoints (about 2.6 GB of disk). Run it in the background:
 
     nohup nice .venv/bin/python scripts/async_vs_sync.py --out /tmp/async_vs_sync \\
         > /tmp/async_vs_sync.log 2>&1 &
+    # a study cut short (a full disk, a reboot) goes on where it stopped: the runs that finished
+    # are read back from their event logs
+    nohup nice .venv/bin/python scripts/async_vs_sync.py --out /tmp/async_vs_sync2 \\
+        --runs-from /tmp/async_vs_sync > /tmp/async_vs_sync2.log 2>&1 &
     # a CPU smoke run (tiny model, which learns nothing; also tests/scripts/test_demo_scripts.py):
     .venv/bin/python scripts/async_vs_sync.py --model tiny --steps 1 --eval-every 1 --group-size 2 \\
         --batch-groups 1 --held-out 4 --seeds 0
@@ -174,6 +184,9 @@ def run_one(args: argparse.Namespace, out: Path, mode: str, seed: int) -> ModeRu
         max_tokens_per_microbatch=args.microbatch_tokens,
         # One engine batch holds a whole round beside the most training rollouts async runs at once.
         max_batch_size=args.held_out + rollouts_per_step * (args.eta + 1),
+        validation_holds_admissions=not args.rounds_beside,
+        max_inflight_rollouts=args.async_inflight,
+        off_policy=args.off_policy,
     )
     started = time.monotonic()
 
@@ -198,6 +211,19 @@ def run_one(args: argparse.Namespace, out: Path, mode: str, seed: int) -> ModeRu
             f"{mode} seed {seed} held-out after step {point.step}: {point.heldout.reward:.3f} "
             f"({point.minutes:.1f} min, {point.rollouts} rollouts trained)"
         )
+    return run
+
+
+def read_back(args: argparse.Namespace, directory: Path, mode: str, seed: int) -> ModeRun | None:
+    """The run of ``mode`` and ``seed`` an earlier study left in ``directory``, read back from its
+    event log, if it trained ``--steps`` steps and a round scored the last one; None otherwise."""
+    db = directory / f"{mode}-seed{seed}" / "events.sqlite"
+    if not db.is_file():
+        return None
+    run = read_log(db, mode, seed)
+    if not run.points or run.points[-1].step != args.steps:
+        return None
+    run.reason = f"reached step {args.steps} (read back from {db.parent})"
     return run
 
 
@@ -277,10 +303,28 @@ def plot(runs: dict[str, dict[int, ModeRun]], path: Path, title: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = demo.study_parser(__doc__.split("\n\n")[0], modes="sync,async", out=Path("/tmp/async_vs_sync"))
     p.add_argument("--eta", type=int, default=1, help="async staleness bound")
+    demo.runs_from_option(p)
+    p.add_argument(
+        "--async-inflight",
+        type=int,
+        default=None,
+        help="async mode's most training rollouts at once (default: (eta + 1) steps' batches)",
+    )
+    p.add_argument(
+        "--off-policy",
+        default="decoupled",
+        choices=("decoupled", "bypass"),
+        help="the trainer's off-policy correction, both modes",
+    )
+    p.add_argument(
+        "--rounds-beside",
+        action="store_true",
+        help="admit training groups beside a held-out round (default: a round runs alone)",
+    )
     args = p.parse_args(argv)
     if args.eval_every < 1 or args.steps % args.eval_every:
         p.error("--eval-every must divide --steps (the last step's policy is scored)")
-    out, runs = demo.run_study(f"async_vs_sync (eta {args.eta})", args, run_one)
+    out, runs = demo.run_study(f"async_vs_sync (eta {args.eta})", args, run_one, read_back)
     figures = summary(runs)
     demo.write_tables(out / "async_vs_sync.md", table(figures))
     write_json(out / "async_vs_sync.json", demo.args_json(args), runs, summary=figures)

@@ -310,12 +310,31 @@ def study_parser(description: str, *, modes: str, **defaults: Any) -> argparse.A
     return p
 
 
+def runs_from_option(p: argparse.ArgumentParser) -> None:
+    """``--runs-from DIR``, for a study that reads its finished runs back (``run_study``'s
+    ``read_back``)."""
+    p.add_argument(
+        "--runs-from",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="an earlier --out of the same study: its finished runs of a mode and seed are read "
+        "back from their event logs instead of run again (repeatable; a study cut short goes on)",
+    )
+
+
 def run_study(
-    name: str, args: argparse.Namespace, run_one: Callable[[argparse.Namespace, Path, str, int], T]
+    name: str,
+    args: argparse.Namespace,
+    run_one: Callable[[argparse.Namespace, Path, str, int], T],
+    read_back: Callable[[argparse.Namespace, Path, str, int], T | None] | None = None,
 ) -> tuple[Path, dict[str, dict[int, T]]]:
     """Every ``run_one(args, out, mode, seed)`` of a study, in ``fresh_dir(args.out)``; returns
     the directory and mode -> seed -> result. Seed by seed, the modes of a seed next to each
-    other, so a study stopped early still compares."""
+    other, so a study stopped early still compares. With ``read_back``, a run that it finds
+    finished in one of ``args.runs_from`` (``read_back(args, directory, mode, seed)``: None when
+    not there or not finished) is taken from there instead."""
     out = fresh_dir(args.out)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     log_line(
@@ -326,9 +345,30 @@ def run_study(
     runs: dict[str, dict[int, T]] = {mode: {} for mode in modes}
     for seed in args.seeds:
         for mode in modes:
+            earlier = _earlier_run(args, mode, seed, read_back)
+            if earlier is not None:
+                log_line(f"--- {name}: {mode}, seed {seed}: read back from {earlier[0]}")
+                runs[mode][seed] = earlier[1]
+                continue
             log_line(f"--- {name}: {mode}, seed {seed}")
             runs[mode][seed] = in_fresh_process(run_one, args, out, mode, seed, fresh=args.subprocess)
     return out, runs
+
+
+def _earlier_run(
+    args: argparse.Namespace,
+    mode: str,
+    seed: int,
+    read_back: Callable[[argparse.Namespace, Path, str, int], T | None] | None,
+) -> tuple[Path, T] | None:
+    """The first of ``args.runs_from`` that holds a finished run of ``mode`` and ``seed``, and it."""
+    if read_back is None:
+        return None
+    for directory in getattr(args, "runs_from", ()):
+        found = read_back(args, directory, mode, seed)
+        if found is not None:
+            return directory, found
+    return None
 
 
 def write_tables(path: Path, lines: Sequence[str]) -> None:

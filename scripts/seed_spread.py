@@ -47,9 +47,11 @@ def spread(values: Iterable[float]) -> Spread:
 
 
 def json_default(value: object) -> object:
-    """For ``json.dumps(..., default=json_default)``: a ``Spread`` as its fields."""
+    """For ``json.dumps(..., default=json_default)``: a ``Spread`` as its fields, a path as its text."""
     if isinstance(value, Spread):
         return dataclasses.asdict(value)
+    if isinstance(value, Path):
+        return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 

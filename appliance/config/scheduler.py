@@ -50,6 +50,11 @@ class ScheduleKnobs:
     #: length (None: max_tokens).
     validation_temperature: float = 0.0
     validation_max_tokens: int | None = None
+    #: A validation round runs alone: no training group is admitted from its start to its end
+    #: (rollouts under way go on), so its rollouts share the engine with no more than those.
+    #: False admits beside it as the bounds allow (on a GPU that batches them, nearly free; on
+    #: a machine whose engine is bound by its throughput, a round then waits behind them).
+    validation_holds_admissions: bool = False
     #: Seconds the drain before a training step waits for the calls still generating; then
     #: they are preempted (they continue after the step), recorded (``PhaseOverran``), and the
     #: step goes on.

@@ -56,6 +56,13 @@ class TrainerConfig:
     normalization: str = "rollout"
     #: Policy loss: "ppo" (clipped), "gspo" or "cispo".
     loss: str = "ppo"
+    #: Off-policy correction of sampled tokens (``trainer.losses``): "decoupled" (the loss's
+    #: ratio against the weights being trained, each token weighted by the truncated importance
+    #: weight to its sampler, ``min(pi / pi_sampler, is_cap)``; stale tokens of async steps keep
+    #: their gradient) or "bypass" (the ratio against the sampler: tokens far off-policy are
+    #: clipped and lose their gradient).
+    off_policy: str = "decoupled"
+    is_cap: float = 2.0
     #: Tokens per forward/backward micro-batch of the trainer (both backends).
     max_tokens_per_microbatch: int = 4096
     #: Bucket size of the weight push from the trainer into the engine, in MiB.
@@ -108,6 +115,9 @@ class TrainerConfig:
         one_of("advantage", self.advantage, ("grpo", "rloo", "reinforce"))
         one_of("normalization", self.normalization, ("rollout", "sample", "token"))
         one_of("loss", self.loss, ("ppo", "gspo", "cispo"))
+        one_of("off_policy", self.off_policy, ("decoupled", "bypass"))
+        if not 1.0 <= self.is_cap < float("inf"):
+            raise ConfigError(f"is_cap must be 1 or more; got {self.is_cap}")
         for name in ("trainer_ranks", "mini_batches", "max_tokens_per_microbatch", "push_bucket_mb"):
             at_least(name, getattr(self, name), 1)
         at_least("lora_rank", self.lora_rank, 0, "full fine-tuning")
@@ -167,6 +177,8 @@ class TrainerConfig:
             # None (the client's temperature) samples at 1 unless the client asks otherwise.
             "temperature": temperature or 1.0,
             "loss": self.loss,
+            "off_policy": self.off_policy,
+            "is_cap": self.is_cap,
             "normalization": self.normalization,
             "max_tokens_per_microbatch": self.max_tokens_per_microbatch,
         }

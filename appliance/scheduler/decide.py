@@ -30,8 +30,9 @@ Operator control and validation are part of the observation too: while ``paused`
 is admitted, no step trained and no validation round started (rollouts under way finish, calls
 are served); a requested checkpoint is saved at the next decision outside a step; a validation
 round (``validation_tasks`` held-out rollouts) starts at step 0 and every ``validate_every``
-steps, runs beside the admissions, and holds training back until it ends, so every rollout of
-a round is served by one policy version. A round that ended is recorded (``FinishValidation``)
+steps, runs beside the admissions (or alone, with ``validation_holds_admissions``: no group is
+admitted until it ends), and holds training back until it ends, so every rollout of a round is
+served by one policy version. A round that ended is recorded (``FinishValidation``)
 before anything else happens, and a stop waits for a round in flight.
 
 Circuit breaker: after ``breaker_failures`` training rollouts failed in a row (a harness that
@@ -317,5 +318,6 @@ def decide(policy: SchedulePolicy, obs: Observation) -> list[Action]:
             or (policy.mode == "async" and obs.generating_for_s >= policy.min_generate_s)
         ):
             return [Train(obs.ready_groups[: policy.batch_groups])]
-    more = 0 if obs.admissions_paused else admissible_groups(policy, obs)
+    held = obs.admissions_paused or (policy.validation_holds_admissions and (due or obs.validation_open))
+    more = 0 if held else admissible_groups(policy, obs)
     return [*actions, StartGroups(more)] if more > 0 else actions

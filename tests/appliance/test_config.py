@@ -40,6 +40,20 @@ def test_sources_override_in_order(tmp_path: Path) -> None:
     assert config.harness.adapter == {"adapter": "command", "command": "agent {id}"}
 
 
+def test_the_off_policy_correction_and_lone_rounds_from_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        '[trainer]\noff_policy = "bypass"\nis_cap = 1.5\n[scheduler]\nvalidation_holds_admissions = true\n'
+    )
+    config = load_config(path, env={})
+    assert (config.trainer.off_policy, config.trainer.is_cap) == ("bypass", 1.5)
+    options = config.trainer.options(device="cpu", temperature=None)
+    assert (options["off_policy"], options["is_cap"]) == ("bypass", 1.5)
+    policy = SchedulePolicy.from_config(config.scheduler, placement="collocated", held_out=4)
+    assert policy.validation_holds_admissions
+    assert not load_config(env={}).scheduler.validation_holds_admissions  # off unless asked
+
+
 def test_adapter_from_json_environment() -> None:
     config = load_config(env={"APPLIANCE_ADAPTER": '{"adapter": "python", "agent": "m:f"}'})
     assert config.harness.adapter == {"adapter": "python", "agent": "m:f"}
@@ -174,6 +188,8 @@ def test_trainer_settings_layer_like_every_other(tmp_path: Path, monkeypatch: py
         ({"APPLIANCE_TRAINER": "verl", "APPLIANCE_PARAM_DTYPE": "int8"}, "param_dtype must be one of"),
         ({"APPLIANCE_MAX_TOKENS_PER_MICROBATCH": "0"}, "max_tokens_per_microbatch must be at least 1"),
         ({"APPLIANCE_PUSH_BUCKET_MB": "0"}, "push_bucket_mb must be at least 1"),
+        ({"APPLIANCE_OFF_POLICY": "sometimes"}, "off_policy must be one of"),
+        ({"APPLIANCE_IS_CAP": "0.5"}, "is_cap must be 1 or more"),
     ],
 )
 def test_bad_trainer_settings_are_one_readable_error(env: dict[str, str], message: str) -> None:
@@ -198,6 +214,9 @@ def test_trainer_options_are_make_trainers_arguments() -> None:
         "grad_clip": 1.0,
         "temperature": 1.0,  # None (the client's) trains at 1
         "loss": "ppo",
+        # Both backends correct stale tokens the same way unless the config says otherwise.
+        "off_policy": "decoupled",
+        "is_cap": 2.0,
         "normalization": "rollout",
         "max_tokens_per_microbatch": 4096,
     }
@@ -529,6 +548,7 @@ def _old_policy(config: ApplianceConfig, held_out: int) -> SchedulePolicy:
         min_generate_s=s.min_generate_s,
         validate_every=s.validate_every if held_out else 0,
         validation_tasks=max(1, held_out),
+        validation_holds_admissions=s.validation_holds_admissions,
         breaker_failures=s.breaker_failures,
         breaker_max_trips=s.breaker_max_trips,
     )
@@ -542,6 +562,7 @@ def _old_policy(config: ApplianceConfig, held_out: int) -> SchedulePolicy:
         {"APPLIANCE_PLACEMENT": "split", "APPLIANCE_MODE": "sync", "APPLIANCE_MAX_STEPS": "7"},
         {"APPLIANCE_PLACEMENT": "split", "APPLIANCE_MODE": "async", "APPLIANCE_MAX_INFLIGHT_ROLLOUTS": "8"},
         {"APPLIANCE_VALIDATE_EVERY": "0", "APPLIANCE_BREAKER_FAILURES": "0", "APPLIANCE_GROUP_SIZE": "1"},
+        {"APPLIANCE_MODE": "async", "APPLIANCE_VALIDATION_HOLDS_ADMISSIONS": "true"},
     ],
 )
 def test_the_components_settings_built_from_their_sections(env: dict[str, str]) -> None:

@@ -104,6 +104,30 @@ def test_async_vs_sync_scores_each_policy_by_validation_rounds(tiny_model_dir: P
     assert "| async |" in (tmp_path / "out" / "async_vs_sync.md").read_text()
 
 
+def test_async_vs_sync_reads_finished_runs_back(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = study("async_vs_sync", tiny_model_dir, tmp_path / "first", "--modes", "sync")
+    # A run of another length is not finished for this study: it runs again; one of the same
+    # length is read back from its event log, the same as the study first read it.
+    again = study(
+        "async_vs_sync", tiny_model_dir, tmp_path / "again", "--modes", "sync",
+        "--runs-from", str(tmp_path / "first"),
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert f"read back from {tmp_path / 'first'}" in printed
+    assert not (tmp_path / "again" / "sync-seed0").exists()
+    ran, read = first["runs"]["sync"]["0"], again["runs"]["sync"]["0"]
+    assert read["points"] == ran["points"] and read["rows"] == ran["rows"]
+    assert read["reason"].startswith("reached step 1 (read back")
+    longer = study(
+        "async_vs_sync", tiny_model_dir, tmp_path / "longer", "--modes", "sync", "--steps", "2",
+        "--runs-from", str(tmp_path / "first"),
+    )  # fmt: skip
+    assert (tmp_path / "longer" / "sync-seed0").is_dir()
+    assert [p["step"] for p in longer["runs"]["sync"]["0"]["points"]] == [0, 1, 2]
+
+
 def test_spread_over_seeds_is_mean_sample_std_and_range() -> None:
     from seed_spread import by_step, spread
 

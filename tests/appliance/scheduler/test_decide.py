@@ -190,6 +190,11 @@ VALIDATING = SchedulePolicy(batch_groups=2, group_size=4, max_steps=4, mode="syn
                             validation_tasks=3)  # fmt: skip
 VALIDATING_ASYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=4, mode="async", eta=1,
                                   validate_every=2, validation_tasks=3)  # fmt: skip
+ALONE_ASYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=4, mode="async", eta=1,
+                             validate_every=2, validation_tasks=3,
+                             validation_holds_admissions=True)  # fmt: skip
+ALONE_SYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=4, mode="sync", validate_every=2,
+                            validation_tasks=3, validation_holds_admissions=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -228,6 +233,19 @@ VALIDATING_ASYNC = SchedulePolicy(batch_groups=2, group_size=4, max_steps=4, mod
         # ... and in async mode too, while admissions continue within the bound.
         (VALIDATING_ASYNC, obs(ready_groups=("g0", "g1"), admitted_groups=2, validation_open=3,
                                validation_running=2), [StartGroups(2)]),
+        # A round that runs alone: it starts without the groups beside it (sync and async) ...
+        (ALONE_SYNC, obs(), [StartValidation(3)]),
+        (ALONE_ASYNC, obs(), [StartValidation(3)]),
+        (ALONE_ASYNC, obs(step=2, admitted_groups=5, policy_version=2, last_validation_step=0),
+         [StartValidation(3)]),
+        # ... none is admitted while it runs (the rollouts under way go on) ...
+        (ALONE_ASYNC, obs(running_groups=1, admitted_groups=1, validation_open=3, validation_running=2,
+                          running_rollouts=4), []),
+        # ... nor once its rollouts ended and it is not yet recorded ...
+        (ALONE_SYNC, obs(validation_open=3, validation_running=0), [FinishValidation()]),
+        # ... and once recorded, admissions go on within the bounds.
+        (ALONE_ASYNC, obs(last_validation_step=0), [StartGroups(4)]),
+        (ALONE_SYNC, obs(last_validation_step=0), [StartGroups(2)]),
         # Every rollout of the round ended: record it first.
         (VALIDATING, obs(ready_groups=("g0", "g1"), admitted_groups=2, validation_open=3,
                          validation_running=0), [FinishValidation()]),
