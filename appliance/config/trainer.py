@@ -116,10 +116,9 @@ class TrainerConfig:
         one_of("normalization", self.normalization, ("rollout", "sample", "token"))
         one_of("loss", self.loss, ("ppo", "gspo", "cispo"))
         one_of("off_policy", self.off_policy, ("decoupled", "bypass"))
-        if not 1.0 <= self.is_cap < float("inf"):
-            raise ConfigError(f"is_cap must be 1 or more; got {self.is_cap}")
         for name in ("trainer_ranks", "mini_batches", "max_tokens_per_microbatch", "push_bucket_mb"):
             at_least(name, getattr(self, name), 1)
+        at_least("is_cap", self.is_cap, 1)
         at_least("lora_rank", self.lora_rank, 0, "full fine-tuning")
         at_least("lora_alpha", self.lora_alpha, 1)
         if not 0.0 <= self.kl_coef < float("inf"):

@@ -189,7 +189,7 @@ def test_trainer_settings_layer_like_every_other(tmp_path: Path, monkeypatch: py
         ({"APPLIANCE_MAX_TOKENS_PER_MICROBATCH": "0"}, "max_tokens_per_microbatch must be at least 1"),
         ({"APPLIANCE_PUSH_BUCKET_MB": "0"}, "push_bucket_mb must be at least 1"),
         ({"APPLIANCE_OFF_POLICY": "sometimes"}, "off_policy must be one of"),
-        ({"APPLIANCE_IS_CAP": "0.5"}, "is_cap must be 1 or more"),
+        ({"APPLIANCE_IS_CAP": "0.5"}, "is_cap must be at least 1"),
     ],
 )
 def test_bad_trainer_settings_are_one_readable_error(env: dict[str, str], message: str) -> None:
