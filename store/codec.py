@@ -50,9 +50,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -150,7 +151,7 @@ def _dumps(payload: JsonObject) -> str:
     except TypeError:  # big integers, non-string keys, lone surrogates...: the standard library's way
         raw = None
     # orjson writes NaN and infinities as null: with a null written, look for one of those.
-    if raw is None or (b"null" in raw and any(f - f != 0.0 for f in _floats(payload))):
+    if raw is None or (b"null" in raw and _float_beyond(payload, math.inf)):
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
         # SQLite text and the checksum are UTF-8: a lone surrogate must fail here, in this
         # event's encoding, not in its transaction.
@@ -159,18 +160,21 @@ def _dumps(payload: JsonObject) -> str:
     return raw.decode()
 
 
-def _floats(value: JsonObject | list[Any]) -> Iterator[float]:
-    """Every float in ``value``, however deep (walks its containers only: a long text costs
-    nothing). ``f - f`` is 0.0 for a finite float, NaN for NaN and the infinities."""
+def _float_beyond(value: JsonObject | list[Any], bound: float) -> bool:
+    """Whether ``value`` holds, however deep, a float ``f`` outside ``-bound < f < bound`` (NaN
+    included; ``math.inf``: the non-finite ones). Walks the containers only: a long text costs
+    nothing."""
     stack: list[Any] = [value]
     while stack:
         item = stack.pop()
         for child in item.values() if type(item) is dict else item:
             kind = type(child)
             if kind is float:
-                yield child
+                if not -bound < child < bound:
+                    return True
             elif kind is dict or kind is list or kind is tuple:
                 stack.append(child)
+    return False
 
 
 def _loads(data: str) -> Any:
@@ -180,7 +184,7 @@ def _loads(data: str) -> Any:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
         return json.loads(data)
-    if isinstance(value, dict | list) and any(not -INEXACT_FROM < f < INEXACT_FROM for f in _floats(value)):
+    if isinstance(value, dict | list) and _float_beyond(value, INEXACT_FROM):
         return json.loads(data)
     return value
 

@@ -3,6 +3,9 @@
 Owns loading a model directory's ``tokenizer.json`` with the ``tokenizers`` library (no
 transformers import on the request path) and the special ids the chat format needs. Encoding
 never adds special tokens of its own: the chat renderer writes every special token explicitly.
+Decoding a byte-level vocabulary (most models') joins the ids' bytes from a table built once,
+the same text as the library's ``decode`` in a fraction of its time; other vocabularies go to the
+library.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders
 
 from appliance.chat.template import ENDOFTEXT, IM_END
 from contracts.errors import ConfigError
@@ -29,6 +33,7 @@ class Tokenizer:
         self.document_start_id: int = im_end if start is None else start
         #: Asked once: the backend builds its whole vocabulary to count it.
         self._vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._bytes = _byte_table(backend, self._vocab_size)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> Tokenizer:
@@ -47,6 +52,12 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
+        table = self._bytes
+        if table is not None and (not ids or min(ids) >= 0):  # (a negative index would count back)
+            try:
+                return b"".join(map(table.__getitem__, ids)).decode("utf-8", "replace")
+            except (IndexError, TypeError):  # an id the vocabulary does not hold: the backend's way
+                pass
         text: str = self._backend.decode(list(ids), skip_special_tokens=False)
         return text
 
@@ -58,6 +69,58 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+
+#: Stands between tokens while the vocabulary is translated at once: no byte's character.
+_SEPARATOR = "\uffff"
+
+
+def _byte_table(backend: _HFTokenizer, size: int) -> list[bytes] | None:
+    """Each id's bytes, for a byte-level tokenizer (GPT-2's alphabet: Qwen, Llama 3, SmolLM and
+    most others), whose decoding is then the UTF-8 of the ids' bytes joined, bad sequences
+    replaced, as the backend decodes them (``decode`` joins them itself, with no string made per
+    token). None for any other decoder, or a vocabulary with a gap or a token outside the
+    alphabet: the backend decodes."""
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    alphabet = _byte_alphabet()
+    added = {i: token.content for i, token in backend.get_added_tokens_decoder().items()}
+    ids = backend.get_vocab(with_added_tokens=False)
+    tokens = [""] * size
+    for token, i in ids.items():
+        if 0 <= i < size and i not in added:
+            tokens[i] = token
+    # The whole vocabulary translated in one call: each character to its byte (as Latin-1).
+    joined = _SEPARATOR.join(tokens)
+    if not set(joined) <= {*alphabet, _SEPARATOR}:
+        return None
+    pieces = joined.translate({ord(char): byte for byte, char in enumerate(alphabet)}).split(_SEPARATOR)
+    if len(pieces) != size or len(ids) + len(added) < size:  # a gap in the ids
+        return None
+    table = [piece.encode("latin-1") for piece in pieces]
+    for i, content in added.items():
+        if 0 <= i < size:
+            table[i] = content.encode()
+    return table
+
+
+def _byte_alphabet() -> list[str]:
+    """The character standing for each byte 0-255 in a byte-level vocabulary (GPT-2's mapping:
+    printable bytes stand for themselves, the others for the characters from U+0100 on)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    alphabet: list[str] = []
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet.append(chr(byte))
+        else:
+            alphabet.append(chr(256 + shifted))
+            shifted += 1
+    return alphabet
 
 
 class IncrementalDecoder:

@@ -243,9 +243,7 @@ class CallService:
     ) -> CallOutcome:
         if call.params.max_tokens == 0:
             return await self._nothing_sampled(call)
-        # Every token sampled for this call, with its log-prob and the policy version that
-        # sampled it: a call preempted by a switch continues under newer weights.
-        sampled: list[tuple[int, float, int]] = []
+        sampled = _Sampled()
         first_token_at: list[float] = []
         decoder = IncrementalDecoder(self.tokenizer) if call.stop else None
         seen = [""]
@@ -271,7 +269,7 @@ class CallService:
                         break
             # Each token with the version that sampled it (a switch between two groups
             # changes ``version`` before the next group comes).
-            sampled.extend(zip(ids, logprobs, itertools.repeat(version)))
+            sampled.add(ids, logprobs, version)
             if on_tokens is not None:
                 on_tokens(ids)
 
@@ -279,12 +277,12 @@ class CallService:
             collect_all((token,), (logprob,))
 
         while True:
-            if sampled and sampled[-1][0] in call.params.stop_token_ids:
+            if sampled.ids and sampled.ids[-1] in call.params.stop_token_ids:
                 result = GenerateResult(
                     token_ids=(), logprobs=(), finish_reason="stop", policy_version=version
                 )
                 break  # preempted right after the last token: nothing left to generate
-            if len(sampled) >= call.params.max_tokens:
+            if len(sampled.ids) >= call.params.max_tokens:
                 result = GenerateResult(
                     token_ids=(), logprobs=(), finish_reason="length", policy_version=version
                 )
@@ -295,11 +293,11 @@ class CallService:
             request = GenerateRequest(
                 # Engines never change a request's ids: the rendered list goes as it is unless the
                 # call continues after a preemption.
-                prompt_ids=[*call.rendered.prompt_ids, *(t for t, _, _ in sampled)]
-                if sampled
+                prompt_ids=[*call.rendered.prompt_ids, *sampled.ids]
+                if sampled.ids
                 else call.rendered.prompt_ids,
-                params=replace(call.params, max_tokens=call.params.max_tokens - len(sampled))
-                if sampled
+                params=replace(call.params, max_tokens=call.params.max_tokens - len(sampled.ids))
+                if sampled.ids
                 else call.params,
                 on_token=collect,
                 on_tokens=collect_all,
@@ -311,7 +309,7 @@ class CallService:
                 # be the client's ids).
                 tokenizer_vocab=self.tokenizer.vocab_size if call.rendered.text is None else 0,
                 # The renderer's JSON of the prompt (not of a continuation's longer one).
-                prompt_json=None if sampled else call.rendered.prompt_json,
+                prompt_json=None if sampled.ids else call.rendered.prompt_json,
                 # A client that streams gets each token within ``STREAM_BATCH_WAIT_S`` of its
                 # sampling; otherwise the tokens are only kept for a preemption, and fewer,
                 # larger batches cost less to read (each read of the stream costs the same).
@@ -338,7 +336,7 @@ class CallService:
                     break
                 if not generation.done():
                     generation.cancel()
-                await self._record(call, "cancelled", sampled, queued, first_token_at, preemptions)
+                await self._record(call, "cancelled", sampled.columns(), queued, first_token_at, preemptions)
                 raise
             except ApplianceError:
                 raise
@@ -353,7 +351,7 @@ class CallService:
                 self.gate.untrack(generation)
                 self.gate.leave()
         finish = result.finish_reason
-        token_ids, logprobs, _versions = _columns(sampled)
+        token_ids, logprobs, versions = sampled.columns()
         body = token_ids
         if body and body[-1] in call.params.stop_token_ids:
             body = body[:-1]
@@ -364,7 +362,9 @@ class CallService:
             text, tool_schema_names(call.tools), reasoning=call.rollout.transcript.fmt.reasoning
         )
         # Durable before acknowledged: the harness hears nothing final until the call is logged.
-        await self._record(call, finish, sampled, queued, first_token_at, preemptions, text, matched)
+        await self._record(
+            call, finish, (token_ids, logprobs, versions), queued, first_token_at, preemptions, text, matched
+        )
         call.rollout.transcript.remember(
             call.rendered, message, token_ids, text, call.params.stop_token_ids, matched
         )
@@ -426,7 +426,7 @@ class CallService:
         self,
         call: PreparedCall,
         finish: str,
-        sampled: list[tuple[int, float, int]],
+        columns: tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]],
         queued: float | None,
         first_token_at: list[float],
         preemptions: int,
@@ -434,7 +434,7 @@ class CallService:
         stop_sequence: str | None = None,
     ) -> None:
         now = time.perf_counter()
-        token_ids, logprobs, versions = _columns(sampled)
+        token_ids, logprobs, versions = columns  # ``_Sampled.columns``
         event = LLMCallCompleted(
             ts=time.time(),
             rollout=call.rollout.rollout,
@@ -468,14 +468,24 @@ class CallService:
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
-def _columns(
-    sampled: list[tuple[int, float, int]],
-) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
-    """The sampled tokens' ids, log-probs and policy versions, each as one tuple."""
-    if not sampled:
-        return (), (), ()
-    ids, logprobs, versions = zip(*sampled, strict=True)
-    return ids, logprobs, versions
+@dataclass(slots=True)
+class _Sampled:
+    """Every token sampled for a call as three columns: its id, its log-prob and the policy
+    version that sampled it (a call preempted by a switch continues under newer weights). Kept as
+    columns, so a group of tokens is added, and the whole read out, without an object per token."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float], version: int) -> None:
+        count = min(len(ids), len(logprobs))  # an id without its log-prob is not kept
+        self.ids += ids if count == len(ids) else ids[:count]
+        self.logprobs += logprobs if count == len(logprobs) else logprobs[:count]
+        self.versions += itertools.repeat(version, count)
+
+    def columns(self) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
+        return tuple(self.ids), tuple(self.logprobs), tuple(self.versions)
 
 
 def sampling_record(params: SamplingParams) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The proxy's tokenizer: the same ids as the ``tokenizers`` library's own ``encode``."""
+"""The proxy's tokenizer: the same ids as the ``tokenizers`` library's own ``encode``, the same text
+as its ``decode`` (which ours does itself for a byte-level vocabulary)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 
 from appliance.chat.tokenizer import Tokenizer
 
@@ -46,3 +48,55 @@ def test_encode_matches_the_library(tokenizers: tuple[Tokenizer, HFTokenizer], t
 def test_encode_matches_the_library_on_any_text(tokenizers: tuple[Tokenizer, HFTokenizer], text: str) -> None:
     ours, backend = tokenizers
     assert ours.encode(text) == _reference(backend, text)
+
+
+def _decoded(backend: HFTokenizer, ids: list[int]) -> str:
+    text: str = backend.decode(ids, skip_special_tokens=False)
+    return text
+
+
+def test_a_byte_level_vocabulary_is_decoded_from_its_bytes(tokenizers: tuple[Tokenizer, HFTokenizer]) -> None:
+    ours, backend = tokenizers
+    table = ours._bytes
+    assert table is not None and len(table) == ours.vocab_size
+    assert table[ours.im_end_id] == b"<|im_end|>"
+    assert table[backend.token_to_id("<tool_call>")] == b"<tool_call>"
+    # An id past the vocabulary: the library's way (which leaves it out).
+    assert ours.decode([ours.im_end_id, ours.vocab_size + 5]) == _decoded(backend, [ours.im_end_id])
+    with pytest.raises(OverflowError):  # and a negative id: the library's error
+        ours.decode([ours.im_end_id, -1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_decode_matches_the_library(tokenizers: tuple[Tokenizer, HFTokenizer], data: st.DataObject) -> None:
+    ours, backend = tokenizers
+    # Single bytes make broken UTF-8 (ids 3-258 of the tiny vocabulary are its bytes), among
+    # merges and special and added tokens.
+    ids = data.draw(
+        st.lists(
+            st.one_of(st.integers(0, 2), st.integers(3, 258), st.integers(0, ours.vocab_size - 1)),
+            max_size=40,
+        )
+    )
+    assert ours.decode(ids) == _decoded(backend, ids)
+    assert ours.decode(tuple(ids)) == _decoded(backend, ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_of_encode_is_the_text_the_library_gives_back(
+    tokenizers: tuple[Tokenizer, HFTokenizer], text: str
+) -> None:
+    ours, backend = tokenizers
+    ids = _reference(backend, text)
+    assert ours.decode(ids) == _decoded(backend, ids)
+
+
+def test_other_decoders_are_left_to_the_library() -> None:
+    vocab = {"<|im_end|>": 0, "\u2581hello": 1, "\u2581world": 2}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<|im_end|>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    ours = Tokenizer(backend)
+    assert ours._bytes is None
+    assert ours.decode([1, 2]) == _decoded(backend, [1, 2]) == "hello world"
