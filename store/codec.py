@@ -363,7 +363,7 @@ def as_stored(event: Event, row: EncodedEvent) -> Event:
         for name in layout.tuple_fields & fields.keys():
             fields[name] = tuple(fields[name])
         for (name, code), value in zip(layout.packed, layout.packed_values(event), strict=True):
-            fields[name] = tuple(array(code, value)) if code == "f" else tuple(value)
+            fields[name] = tuple(array(code, value).tolist()) if code == "f" else tuple(value)
         return type(event)(ts=row.ts, **fields)
     except (TypeError, ValueError, KeyError) as exc:
         raise StoreError(f"cannot decode {row.type} v{row.version}: {exc}") from exc

@@ -175,7 +175,7 @@ def unpack(
         values.frombytes(blob[offset:end])
         if _SWAP:
             values.byteswap()
-        out[name] = head + tuple(values)
+        out[name] = head + tuple(values.tolist())  # (tolist: faster than walking the array)
         offset = end
     if offset != len(blob):
         raise ValueError(f"{len(blob) - offset} unexpected trailing bytes in blob")
