@@ -85,17 +85,18 @@ def _byte_table(backend: _HFTokenizer, size: int) -> list[bytes] | None:
         return None
     alphabet = _byte_alphabet()
     added = {i: token.content for i, token in backend.get_added_tokens_decoder().items()}
-    ids = backend.get_vocab(with_added_tokens=False)
     tokens = [""] * size
-    for token, i in ids.items():
+    for token, i in backend.get_vocab(with_added_tokens=False).items():
         if 0 <= i < size and i not in added:
             tokens[i] = token
+    if sum(map(bool, tokens)) + sum(0 <= i < size for i in added) < size:  # a gap in the ids
+        return None
     # The whole vocabulary translated in one call: each character to its byte (as Latin-1).
     joined = _SEPARATOR.join(tokens)
     if not set(joined) <= {*alphabet, _SEPARATOR}:
         return None
     pieces = joined.translate({ord(char): byte for byte, char in enumerate(alphabet)}).split(_SEPARATOR)
-    if len(pieces) != size or len(ids) + len(added) < size:  # a gap in the ids
+    if len(pieces) != size:  # a token held the separator
         return None
     table = [piece.encode("latin-1") for piece in pieces]
     for i, content in added.items():
@@ -107,11 +108,11 @@ def _byte_table(backend: _HFTokenizer, size: int) -> list[bytes] | None:
 def _byte_alphabet() -> list[str]:
     """The character standing for each byte 0-255 in a byte-level vocabulary (GPT-2's mapping:
     printable bytes stand for themselves, the others for the characters from U+0100 on)."""
-    printable = [
+    printable = {
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
         *range(ord("®"), ord("ÿ") + 1),
-    ]
+    }
     alphabet: list[str] = []
     shifted = 0
     for byte in range(256):

@@ -426,7 +426,7 @@ class CallService:
         self,
         call: PreparedCall,
         finish: str,
-        columns: tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]],
+        columns: Columns,
         queued: float | None,
         first_token_at: list[float],
         preemptions: int,
@@ -434,7 +434,7 @@ class CallService:
         stop_sequence: str | None = None,
     ) -> None:
         now = time.perf_counter()
-        token_ids, logprobs, versions = columns  # ``_Sampled.columns``
+        token_ids, logprobs, versions = columns
         event = LLMCallCompleted(
             ts=time.time(),
             rollout=call.rollout.rollout,
@@ -468,6 +468,10 @@ class CallService:
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
+#: A call's sampled tokens' ids, log-probs and policy versions (``_Sampled.columns``).
+Columns = tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]
+
+
 @dataclass(slots=True)
 class _Sampled:
     """Every token sampled for a call as three columns: its id, its log-prob and the policy
@@ -484,7 +488,7 @@ class _Sampled:
         self.logprobs += logprobs if count == len(logprobs) else logprobs[:count]
         self.versions += itertools.repeat(version, count)
 
-    def columns(self) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
+    def columns(self) -> Columns:
         return tuple(self.ids), tuple(self.logprobs), tuple(self.versions)
 
 
