@@ -59,6 +59,8 @@ class TorchWeights(ServedState):
         for param in self._model.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._weights_discarded = self._needs_weights = True
+        # A wake gives them fresh storage, not model_dir's values: an adapter needs them read again.
+        self._base_weights = False
         self._free_cached_memory()
 
     def _place_weights(self, device: torch.device) -> None:

@@ -127,6 +127,17 @@ async def test_a_lora_push_carries_the_adapters_alone_and_serves_the_trainers_po
     assert again.token_ids == after.token_ids
     assert again.logprobs == pytest.approx(after.logprobs, abs=1e-5)
 
+    # An adapter served, then level 2 and a wake (fresh, uninitialised storage): the same
+    # adapter pushed again reads the base back (it served NaNs on the wake's storage).
+    await engine.sleep(2)
+    await engine.wake()
+    await engine.load_weight_buckets(stream_buckets(trained.weight_buckets(1 << 20)), 4)
+    for name, tensor in engine._model.state_dict().items():
+        assert torch.equal(tensor, base[name]), name
+    woken = await generate(engine, PROMPTS[3], greedy(12, [NEVER]))
+    assert woken.token_ids == after.token_ids
+    assert woken.logprobs == pytest.approx(after.logprobs, abs=1e-5)
+
 
 #: The adapter of the made-up pushes below.
 RANK_2 = LoraAdapter(2, 4.0)
