@@ -65,6 +65,7 @@ def serve(
             except Exception as exc:
                 conn.send(rpc.Failed(type(exc).__name__, str(exc), traceback.format_exc()))
     finally:
+        trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

@@ -314,11 +314,17 @@ class VerlFSDPTrainer(PushApi):
         replacing an earlier one; other ranks: nothing. Returns whether this rank joined."""
         if self.rank != 0:
             return False
-        if self._weight_group is not None:
-            self._weight_group.close()
-            self._weight_group = None
+        self.close()
         self._weight_group = WeightGroup(spec, self.device)
         return True
+
+    def close(self) -> None:
+        """Leave the weight group this rank hosts, if any (ended now, not left to the process
+        group's destructor at exit). The trainer stays usable: a later ``host_weight_group``
+        forms a new one."""
+        group, self._weight_group = self._weight_group, None
+        if group is not None:
+            group.close()
 
     def _group_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[WeightBucket]:
         tensors = self._engine_tensors()

@@ -25,8 +25,10 @@ leaving rank 0 inside NCCL's init) and then takes part in one small broadcast on
 buckets use (rank 0: the trainer's; a worker: its current CUDA device), which also checks the
 world size. After that a push's ``broadcast`` only enqueues (NCCL: on its stream; gloo: on
 its worker thread) and returns. Read from torch's and NCCL's source; modelled on CPU by a gloo
-group whose first collective waits for every rank (``tests/trainer/test_weight_group.py``);
-not yet run on GPUs.
+group whose first collective waits for every rank (``tests/trainer/test_weight_group.py``); run
+on one H200 by the GPU check's probe (two ranks on one GPU, NCCL taking them for two hosts), not
+yet between two GPUs. Closing (or a worker's leaving or re-joining) ends the process group there
+and then: NCCL's destructor would do so at exit, with a warning on every rank.
 
 Invariants: rank 0 broadcasts exactly ``max(end, 1)`` bytes per bucket (``end``: the last
 entry's end), which is what every worker allocates from the entries; a bucket's buffer is not
@@ -123,8 +125,15 @@ class WeightGroup:
         return self.group.broadcast(data, 0)
 
     def close(self) -> None:
-        self.group = None
+        """End the process group (NCCL: its communicator destroyed) and release the store.
+        Idempotent. An abort, not a shutdown: a shutdown first flushes what is pending, which a
+        group that failed (a member gone mid-broadcast) may never finish, and a group that worked
+        has nothing pending (a push waits for each broadcast). Either way the group's destructor
+        is not left to do it at exit, where NCCL warns on every rank."""
+        group, self.group = self.group, None
         self._store = None
+        if group is not None:
+            group.abort()
 
 
 def group_buckets(

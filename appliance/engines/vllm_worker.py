@@ -114,7 +114,7 @@ class ApplianceWorkerExtension:
 
         dist: Any = torch.distributed  # (its store classes are not in the type stubs' exports)
         worker: Any = self
-        setattr(worker, _GROUP, None)
+        self.appliance_leave_group()
         info = json.loads(spec)
         rank = int(info["rank_offset"]) + int(getattr(worker, "rank", 0))
         timeout = timedelta(seconds=float(info["timeout_s"]))
@@ -129,16 +129,32 @@ class ApplianceWorkerExtension:
         else:
             device = torch.device("cpu")
             group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-        prefixed.set(_JOINED.format(rank=rank), "1")
-        prefixed.wait([_JOINED.format(rank=r) for r in range(size)], timeout)
-        probe = torch.zeros(1, dtype=torch.int64, device=device)
-        group.broadcast(probe, 0).wait(timeout)
-        if int(probe.item()) != size:
-            raise RuntimeError(
-                f"the weight group's rank 0 counts {int(probe.item())} members, this worker {size}"
-            )
+        try:
+            prefixed.set(_JOINED.format(rank=rank), "1")
+            prefixed.wait([_JOINED.format(rank=r) for r in range(size)], timeout)
+            probe = torch.zeros(1, dtype=torch.int64, device=device)
+            group.broadcast(probe, 0).wait(timeout)
+            if int(probe.item()) != size:
+                raise RuntimeError(
+                    f"the weight group's rank 0 counts {int(probe.item())} members, this worker {size}"
+                )
+        except BaseException:
+            group.abort()
+            raise
         setattr(worker, _GROUP, (group, store, device, timeout))
         return rank
+
+    def appliance_leave_group(self) -> bool:
+        """Leave the weight group this worker joined, if any: its process group aborted (as
+        ``trainer.weight_group.WeightGroup.close`` does, and why), not left to the destructor
+        (NCCL's warns at exit). Returns whether there was one."""
+        worker: Any = self
+        joined = getattr(worker, _GROUP, None)
+        setattr(worker, _GROUP, None)
+        if joined is None:
+            return False
+        joined[0].abort()
+        return True
 
     def appliance_receive_bucket(self, bucket: str) -> dict[str, int]:
         """``appliance_load_bucket`` for a bucket whose bytes come by broadcast from the trainer

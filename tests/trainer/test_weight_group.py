@@ -42,6 +42,8 @@ class FirstCollectiveWaits:
         self._gloo = _GLOO(store, rank, size, timeout)
         self._store, self._rank, self._size, self._timeout = store, rank, size, timeout
         self.connected = False
+        #: How the group was ended: "shutdown", "abort", or None while it is live.
+        self.ended: str | None = None
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Any:
         if not self.connected:
@@ -49,6 +51,28 @@ class FirstCollectiveWaits:
             self._store.wait([f"first-collective/{r}" for r in range(self._size)], self._timeout)
             self.connected = True
         return self._gloo.broadcast(tensor, root)
+
+    def shutdown(self) -> None:
+        self.ended = "shutdown"
+        self._gloo.shutdown()
+
+    def abort(self) -> None:
+        self.ended = "abort"
+        self._gloo.abort()
+
+
+class Unconnected:
+    """A process group built as ``ProcessGroupNCCL`` is, without connecting (gloo's own
+    constructor would wait for the missing member itself): what ends it is recorded."""
+
+    def __init__(self) -> None:
+        self.ended: str | None = None
+
+    def shutdown(self) -> None:
+        self.ended = "shutdown"
+
+    def abort(self) -> None:
+        self.ended = "abort"
 
 
 class Worker(ApplianceWorkerExtension):
@@ -145,12 +169,44 @@ def test_the_group_is_connected_when_it_forms(behaviour: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_member_that_never_joins_fails_the_host_within_its_timeout() -> None:
+def test_groups_are_ended_when_closed_or_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing rank 0's side, and a worker leaving or joining a new group, end the earlier
+    process group themselves (NCCL's destructor would, at exit, with a warning on every rank)."""
+    monkeypatch.setattr(_dist, "ProcessGroupGloo", FirstCollectiveWaits)
+    worker = Worker()
+    first = form(worker, "replaced-1")
+    host_side, worker_side = first.group, vars(worker)["_appliance_weight_group"][0]
+    first.close()
+    assert host_side.ended == "abort" and first.group is None
+    first.close()  # idempotent
+    second = form(worker, "replaced-2")
+    assert worker_side.ended == "abort"
+    assert vars(worker)["_appliance_weight_group"][0].ended is None
+    tensors = weights()
+    push(second, worker, tensors, bucket_bytes=1 << 20)
+    assert all(torch.equal(worker.received[name], tensor) for name, tensor in tensors.items())
+    last = vars(worker)["_appliance_weight_group"][0]
+    second.close()
+    assert worker.appliance_leave_group() and last.ended == "abort"
+    assert not worker.appliance_leave_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_never_joins_fails_the_host_within_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[Unconnected] = []
+
+    def recorded(*args: Any) -> Unconnected:
+        made.append(Unconnected())
+        return made[-1]
+
+    monkeypatch.setattr(_dist, "ProcessGroupGloo", recorded)
     spec = GroupSpec("127.0.0.1", free_port(), 2, "gloo", "alone", timeout_s=3.0)
     started = time.monotonic()
     with pytest.raises(RuntimeError):
         WeightGroup(spec)
     assert time.monotonic() - started < 3.0 * 3
+    (group,) = made
+    assert group.ended == "abort"
 
 
 def test_nccl_needs_a_cuda_device() -> None:
