@@ -11,8 +11,8 @@ is ``appliance.placement.plan``.
 
 The figures are estimates meant to refuse what cannot work, not to predict memory to the GiB.
 What a process keeps on a collocated GPU while the other one has it (``GPU_CHECK_FIGURES``:
-an offloaded trainer rank, a sleeping vLLM, vLLM's CUDA graphs) are allowances not yet measured
-on a GPU; the GPU check measures them.
+an offloaded trainer rank, a sleeping vLLM, vLLM's CUDA graphs) are allowances the GPU check
+measures; only the first has been measured on a GPU (docs/benchmarks.md, "GPU check, first run").
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ TRAINER_OVERHEAD = 2 * GIB
 #: What an offloaded trainer rank keeps on its GPU while vLLM generates (collocated): its CUDA
 #: context and NCCL buffers. Every backend's offload ends by emptying torch's cache
 #: (``trainer.device_memory.release_cached``), so no parameter, gradient or optimizer block
-#: stays reserved. An allowance, not yet measured on a GPU: the GPU check
-#: (``scripts/gpu_check.py``) measures it (nvidia-smi's per-process memory of an offloaded rank).
+#: stays reserved. The GPU check (``scripts/gpu_check.py``) measures it (nvidia-smi's memory of
+#: the rank processes): 1,382 MiB on one H200 (torch 2.11, CUDA 13, one rank, 2026-12-04). More
+#: ranks add NCCL's buffers between them: not yet measured.
 TRAINER_OFFLOADED = 3 * GIB // 2
 
 # --- vLLM (CUDA graphs, --enable-sleep-mode --sleep-mode-offload-cudagraph on GPUs;
@@ -95,7 +96,8 @@ CPU_PROCESS = GIB // 2
 DEFAULT_MAX_MODEL_LEN = 4096
 
 #: The allowances for what a process keeps on a collocated GPU between its phases, by name: the
-#: figures the GPU check (``scripts/gpu_check.py``) measures. None is measured on a GPU yet.
+#: figures the GPU check (``scripts/gpu_check.py``) measures. Only TRAINER_OFFLOADED is measured
+#: on a GPU yet (vLLM's two need the check's vLLM mode there).
 GPU_CHECK_FIGURES = {
     "TRAINER_OFFLOADED": TRAINER_OFFLOADED,
     "VLLM_ASLEEP": VLLM_ASLEEP,

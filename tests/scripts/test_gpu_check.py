@@ -78,11 +78,11 @@ def test_torch_only_mode_passes_every_phase_on_cpu(tiny_model_dir: Path, tmp_pat
     # The memory model's allowances are GPU figures: on CPU nothing is measured against them.
     assert phases["figures"]["measured_mib"] is None
     assert set(phases["figures"]["allowance_mib"]) == {"TRAINER_OFFLOADED", "VLLM_ASLEEP", "VLLM_CUDA_GRAPHS"}
-    # The trainer's rank process is counted with the appliance.
-    assert (
-        phases["trainer_build"]["memory_mib"]["appliance/trainer"]
-        > phases["engine_start"]["memory_mib"]["appliance/trainer"]
-    )
+    # The trainer's rank process is counted with the appliance, and apart.
+    built = phases["trainer_build"]["memory_mib"]
+    assert built["appliance/trainer"] > phases["engine_start"]["memory_mib"]["appliance/trainer"]
+    assert "trainer_ranks" not in phases["engine_start"]["memory_mib"]
+    assert 0 < built["trainer_ranks"] < built["appliance/trainer"]
 
     for n in (1, 2):
         step = phases[f"cycle_{n}/step"]
@@ -95,8 +95,26 @@ def test_torch_only_mode_passes_every_phase_on_cpu(tiny_model_dir: Path, tmp_pat
         assert logprobs["max_abs_diff"] <= logprobs["tolerance"] == 1e-3
         assert logprobs["moved"] > logprobs["max_abs_diff"]  # the push landed
         assert logprobs["tokens"] > 0
-    # Level 2 discarded the weights; the push put the same version back.
+    # Level 2 discarded the weights; the push put the same version back, whole.
     assert phases["sleep_2/push"]["version"] == 2
+    assert phases["sleep_2/push"]["adapter_rank"] is None and phases["sleep_2/push"]["mib"] > 0
+    assert phases["sleep_2/logprobs"]["max_abs_diff"] <= 1e-3
+
+
+def test_a_lora_run_pushes_adapters_alone_and_serves_them_after_level_2(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With LoRA every push carries the adapters alone; after sleep level 2 (the weights
+    discarded, a wake's fresh storage) the adapter push must bring the base weights back with it
+    (the torch engine once served NaNs there)."""
+    status, phases, verdict = run_check(
+        ["--torch-only", "--lora-rank", "4", "--model", str(tiny_model_dir), "--work-dir", str(tmp_path)]
+    )
+    assert verdict == {"verdict": "pass", "failed": [], "not_run": []}, phases
+    assert status == 0
+    pushes = [phases[name] for name in ("cycle_1/push", "cycle_2/push", "sleep_2/push")]
+    assert [push["adapter_rank"] for push in pushes] == [4, 4, 4]
+    assert phases["cycle_1/logprobs"]["moved"] > phases["cycle_1/logprobs"]["max_abs_diff"]
     assert phases["sleep_2/logprobs"]["max_abs_diff"] <= 1e-3
 
 
@@ -197,7 +215,11 @@ def test_figures_fail_where_a_measurement_exceeds_the_memory_models_allowance(tm
     check.trainer_ranks = 1
     # An offloaded trainer within its allowance; vLLM asleep above its own.
     check.memories = {
-        "cycle_1/offload": {"appliance/trainer": allowed["TRAINER_OFFLOADED"] - 100.0, "vllm": 0.0},
+        "cycle_1/offload": {
+            "appliance/trainer": allowed["TRAINER_OFFLOADED"] + 900.0,  # with this process's own
+            "trainer_ranks": allowed["TRAINER_OFFLOADED"] - 100.0,
+            "vllm": 0.0,
+        },
         "cycle_1/sleep": {"appliance/trainer": 0.0, "vllm": allowed["VLLM_ASLEEP"] + 500.0},
     }
     cycles = gpu_check.Cycles.__new__(gpu_check.Cycles)
@@ -211,6 +233,22 @@ def test_figures_fail_where_a_measurement_exceeds_the_memory_models_allowance(tm
     assert measured["VLLM_CUDA_GRAPHS"] == round(0.31 * 1024)
     assert fields["check_ok"] is False
     assert [problem.split(":")[0] for problem in fields["problems"]] == ["VLLM_ASLEEP"]
+
+    # With the torch engine (in this process) only the trainer's ranks are measured.
+    cycles.config = build_config(
+        {"device": "cuda", "engine": "torch", "trainer": "verl", "data_dir": tmp_path}
+    )
+    check.memories["cycle_2/offload"] = {
+        "appliance/trainer": 3000.0,
+        "trainer_ranks": allowed["TRAINER_OFFLOADED"] + 1,
+    }
+    fields = asyncio.run(cycles.figures())
+    assert fields["measured_mib"] == {
+        "TRAINER_OFFLOADED": round(allowed["TRAINER_OFFLOADED"] + 1),
+        "VLLM_ASLEEP": None,
+        "VLLM_CUDA_GRAPHS": None,
+    }
+    assert [problem.split(":")[0] for problem in fields["problems"]] == ["TRAINER_OFFLOADED"]
 
 
 def test_the_watchdog_ends_a_stuck_run_at_its_limit() -> None:
