@@ -65,9 +65,11 @@ def serve(
             except Exception as exc:
                 conn.send(rpc.Failed(type(exc).__name__, str(exc), traceback.format_exc()))
     finally:
-        trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        try:
+            trainer.close()  # the weight group it hosts, if any
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 def _run(trainer: Any, command: rpc.Command, conn: Connection) -> Any:
