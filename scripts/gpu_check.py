@@ -313,6 +313,13 @@ class Check:
         totals = {"appliance/trainer": 0.0, "vllm": 0.0}
         if ranks:
             totals["trainer_ranks"] = 0.0
+
+        def count(pid: int, mib: float) -> None:
+            who = owner(pid)
+            totals[who] = totals.get(who, 0.0) + mib
+            if pid in ranks:
+                totals["trainer_ranks"] += mib
+
         if self.device == "cuda":
             apps = nvidia_smi(["--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
             if apps is None:
@@ -320,11 +327,7 @@ class Check:
             for line in apps.splitlines():
                 parts = [p.strip() for p in line.split(",")]
                 if len(parts) == 2 and parts[0].isdigit():
-                    pid = int(parts[0])
-                    who = owner(pid)
-                    totals[who] = totals.get(who, 0.0) + float(parts[1])
-                    if pid in ranks:
-                        totals["trainer_ranks"] += float(parts[1])
+                    count(int(parts[0]), float(parts[1]))
             gpu = nvidia_smi(["--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"])
             out: dict[str, Any] = {"source": "nvidia-smi", **totals}
             if gpu:
@@ -335,10 +338,7 @@ class Check:
                 out["this_process_reserved"] = round(torch.cuda.memory_reserved() / 2**20, 1)
             return out
         for pid in vllm | ours:
-            rss = rss_mib(pid)
-            totals[owner(pid)] += rss
-            if pid in ranks:
-                totals["trainer_ranks"] += rss
+            count(pid, rss_mib(pid))
         return {"source": "rss", **{k: round(v, 1) for k, v in totals.items()}}
 
 
