@@ -105,10 +105,34 @@ class CallStream:
     """
 
     def __init__(
-        self, run: asyncio.Task[CallOutcome], items: AsyncGenerator[str | CallOutcome, None]
+        self,
+        run: asyncio.Task[CallOutcome],
+        items: AsyncGenerator[str | CallOutcome, None],
+        arrivals: TokenArrivals,
+        deltas: TextDeltas,
     ) -> None:
         self._run = run
         self._items = items
+        self._arrivals = arrivals
+        self._deltas = deltas
+
+    def write_through(self, ready: Callable[[], bool], send: Callable[[str], None]) -> None:
+        """While the iterator waits for tokens, decode each group the engine hands over at once
+        and give its text to ``send`` in the engine's callback, if ``ready()`` (the client keeps
+        up): the iterator is not woken for it, one task switch fewer per group. A group that
+        comes while the iterator is busy, or is not ``ready()``, waits for the iterator as before.
+        The text sent either way, then the iterator's, concatenates to what the iterator alone
+        would have yielded."""
+        deltas = self._deltas
+
+        def take(ids: Sequence[int]) -> bool:
+            if not ready():
+                return False
+            if delta := deltas.push(ids):
+                send(delta)
+            return True
+
+        self._arrivals.shortcut(take)
 
     def __aiter__(self) -> CallStream:
         return self
@@ -217,15 +241,15 @@ class CallService:
         arrivals = TokenArrivals()
         run = asyncio.create_task(self._run(call, arrivals.add))
         run.add_done_callback(lambda _: arrivals.end())
-        return CallStream(run, self._relay(call, run, arrivals))
+        markers = (*call.stop, *((TOOL_CALL_OPEN,) if call.tools else ()))
+        deltas = TextDeltas(self.tokenizer, call.params.stop_token_ids, markers)
+        return CallStream(run, self._relay(run, arrivals, deltas), arrivals, deltas)
 
     async def _relay(
-        self, call: PreparedCall, run: asyncio.Task[CallOutcome], arrivals: TokenArrivals
+        self, run: asyncio.Task[CallOutcome], arrivals: TokenArrivals, deltas: TextDeltas
     ) -> AsyncGenerator[str | CallOutcome, None]:
         # Each delta is the text of every token that came since the last one was taken: one
         # per token while the client keeps up with the engine, fewer and longer when it does not.
-        markers = (*call.stop, *((TOOL_CALL_OPEN,) if call.tools else ()))
-        deltas = TextDeltas(self.tokenizer, call.params.stop_token_ids, markers)
         while (tokens := await arrivals.take()) is not None:
             if delta := deltas.push(tokens):
                 yield delta

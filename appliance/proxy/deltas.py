@@ -4,7 +4,9 @@ Owns the buffer between the engine's token callbacks and the task that writes a 
 (``TokenArrivals``: the writer takes every token that came since it last looked, at once, and
 never waits for more than one; so a writer that keeps up sends each group of tokens as the engine
 hands it over, the first token included, and one slower than the engine sends several tokens'
-text as one delta instead of falling behind by one delta per token), the decoding of such groups
+text as one delta instead of falling behind by one delta per token; while the writer waits with
+nothing left to take, a group may be handed straight to a ``Shortcut`` in the engine's callback,
+one task switch fewer per group), the decoding of such groups
 into text deltas that never end inside a character (``TextDeltas``), and what of the text must
 wait (``stream_safe``: what may be the start of a stop string or of a tool-call block). It knows
 nothing of calls, surfaces or HTTP.
@@ -16,25 +18,46 @@ out), cut before the first marker.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from appliance.chat.tokenizer import Tokenizer
+
+#: Takes a group of tokens at once, in the engine's callback, or declines it (False: the group
+#: waits for ``TokenArrivals.take`` as if there were no shortcut).
+Shortcut = Callable[[Sequence[int]], bool]
 
 
 class TokenArrivals:
     """The sampled token ids not yet taken by the stream's writer, and whether sampling ended."""
 
-    __slots__ = ("_ended", "_ids", "_waiter")
+    __slots__ = ("_ended", "_ids", "_shortcut", "_waiter")
 
     def __init__(self) -> None:
         self._ids: list[int] = []
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
+        self._shortcut: Shortcut | None = None
+
+    def shortcut(self, take: Shortcut | None) -> None:
+        """From now on (None: no longer), a group of tokens that comes while the writer waits in
+        ``take`` with nothing left to take is offered to ``take`` first, in the caller of ``add``;
+        the writer keeps waiting unless it declines. Tokens keep their order: a group is only
+        offered when no earlier one waits to be taken."""
+        self._shortcut = take
 
     def add(self, ids: Sequence[int]) -> None:
         """Tokens just sampled, in order."""
+        shortcut = self._shortcut
+        if shortcut is not None and not self._ids and self.waiting and shortcut(ids):
+            return
         self._ids += ids
         self._wake()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the writer waits in ``take`` (nothing was left to take)."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
 
     def end(self) -> None:
         """Sampling is over: ``take`` answers None once every token has been taken."""

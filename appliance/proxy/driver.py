@@ -31,6 +31,7 @@ from appliance.proxy.calls import CallOutcome, CallService, PreparedCall
 from appliance.proxy.http import (
     CALLS,
     SETTINGS,
+    DirectChunks,
     Handler,
     json_answer,
     json_body,
@@ -161,6 +162,11 @@ async def _stream(
     async with calls.stream(call) as items:
         response = await sse_start(request)
         await response.write(sse_events(encoder.opening()))
+        chunks = DirectChunks.of(request, response)
+        if chunks is not None:
+            # While this task waits for tokens, the engine's callback writes each group's text
+            # itself (one task switch fewer per group), as long as the client keeps up.
+            items.write_through(chunks.ready, lambda text: chunks.write(sse_events(encoder.text(text))))
         try:
             async for item in items:
                 if isinstance(item, str):

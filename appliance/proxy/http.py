@@ -6,7 +6,8 @@ token), the limit on model calls held at once (``Admission``: beyond ``max_queue
 is refused at once with a 429 and ``Retry-After``, before its body is read, so nothing is
 recorded for it), how a body is read as JSON, and how JSON answers and server-sent events are
 written (a streamed delta's event from a ``JsonSlot``: its JSON written once per stream, only the
-delta's text per event). Surfaces import these; nothing here knows any surface's shapes.
+delta's text per event; a stream's chunks written straight to its transport from the engine's
+callback, ``DirectChunks``). Surfaces import these; nothing here knows any surface's shapes.
 
 Bodies are read with orjson and answers written with it (a model call's request holds the whole
 conversation, so its parse is a per-call cost that grows with the history). Where orjson's
@@ -17,6 +18,7 @@ or refuses a body (``NaN``, a lone surrogate escape, deep nesting), the body is 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from appliance.operations.health import Health
 from appliance.proxy.calls import CallService
@@ -256,11 +258,54 @@ def _stdlib_body(raw: bytes) -> dict[str, Any]:
 
 
 async def sse_start(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-    )
+    """A server-sent event stream's response, prepared: chunked on HTTP/1.1; on HTTP/1.0, which
+    has no chunks, the body ends with the connection, closed after it even where the client
+    asked to keep it alive (it could not tell where the stream ends otherwise)."""
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    response = web.StreamResponse(headers=headers)
+    if request.version >= HttpVersion11:
+        response.headers["Connection"] = "keep-alive"
+        response.enable_chunked_encoding()
+    else:
+        response.force_close()
     await response.prepare(request)
     return response
+
+
+class DirectChunks:
+    """Chunks of a chunked response written straight to its connection's transport, in the
+    caller's turn of the event loop (``StreamResponse.write`` is a coroutine: a task must await
+    it). For a stream's text written from the engine's callback while the response's task waits.
+
+    Only once the response has sent its headers (a first ``write``); aiohttp writes the
+    response's other chunks, the last one included, in the same framing on the same transport,
+    so the two only must not interleave (the caller's order is the stream's). ``ready`` is False
+    once anything waits in the transport's buffer (the client is behind) or the connection is
+    closing: then writes go through the response, which waits for the client to drain.
+    """
+
+    __slots__ = ("_transport",)
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    @classmethod
+    def of(cls, request: web.Request, response: web.StreamResponse) -> DirectChunks | None:
+        """For ``response`` (prepared, its headers sent), or None where it is not chunked and
+        uncompressed (aiohttp's framing would not be the one written here)."""
+        transport = request.transport
+        if transport is None or not response.prepared or not response.chunked or response.compression:
+            return None
+        return cls(transport)
+
+    def ready(self) -> bool:
+        transport = self._transport
+        return not transport.is_closing() and transport.get_write_buffer_size() == 0
+
+    def write(self, data: bytes) -> None:
+        """``data`` as one chunk (nothing for no data: an empty chunk would end the body)."""
+        if data:
+            self._transport.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
 def dumps(data: Any) -> bytes:

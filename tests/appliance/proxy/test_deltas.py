@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from appliance.app import Appliance
 from appliance.chat.tokenizer import IncrementalDecoder, Tokenizer
 from appliance.engines.base import GenerateRequest, GenerateResult
 from appliance.proxy.deltas import TextDeltas, TokenArrivals, stream_safe
+from appliance.proxy.http import DirectChunks
 from appliance.rollouts.registry import ActiveRollout
 from tests.support import make_config, recorded_calls, register_rollout
 
@@ -83,6 +85,42 @@ async def test_arrivals_hand_over_everything_that_came_and_never_wait_for_more()
     arrivals.end()
     assert await arrivals.take() == [6]
     assert await arrivals.take() is None
+
+
+async def test_a_shortcut_takes_what_comes_while_the_taker_waits_and_only_then() -> None:
+    arrivals = TokenArrivals()
+    taken: list[list[int]] = []
+    accept = True
+
+    def shortcut(ids: Sequence[int]) -> bool:
+        if accept:
+            taken.append(list(ids))
+        return accept
+
+    arrivals.shortcut(shortcut)
+    arrivals.add([1])  # nobody waits: the token waits for the taker
+    assert taken == [] and await arrivals.take() == [1]
+    waiting = asyncio.ensure_future(arrivals.take())
+    await asyncio.sleep(0)
+    arrivals.add([2, 3])
+    arrivals.add([4])
+    await asyncio.sleep(0)
+    assert taken == [[2, 3], [4]] and not waiting.done()  # taken at once; the taker sleeps on
+    accept = False
+    arrivals.add([5])  # declined: the taker gets it
+    assert await waiting == [5]
+    accept = True
+    arrivals.add([6])  # the taker is not waiting: kept in order behind nothing, for the taker
+    waiting = asyncio.ensure_future(arrivals.take())
+    await asyncio.sleep(0)
+    assert await waiting == [6] and taken == [[2, 3], [4]]
+    arrivals.shortcut(None)
+    waiting = asyncio.ensure_future(arrivals.take())
+    await asyncio.sleep(0)
+    arrivals.add([7])
+    arrivals.end()
+    assert await waiting == [7] and await arrivals.take() is None
+    assert taken == [[2, 3], [4]]
 
 
 @pytest.fixture
@@ -153,3 +191,86 @@ async def test_grouped_tokens_stream_as_fewer_deltas_of_the_same_text(app: Appli
         assert len(deltas) == 2
     else:
         assert len(deltas) > len(ids) // 2
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+async def test_tokens_the_engine_hands_over_while_the_stream_waits_are_written_by_its_callback(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """Token by token, with the stream's task waiting for each: the engine's callback writes each
+    token's text to the client itself (``DirectChunks``), and where it may not (``every`` > 1:
+    the client counts as behind for all but every ``every``-th group) the task writes it, in the
+    stream's order. The client reads the same deltas either way, and the recorded text."""
+    tokenizer = app.registry._tokenizer
+    ids = (*tokenizer.encode(TEXT), tokenizer.im_end_id)
+    logprobs = (-0.5,) * len(ids)
+    direct: list[bytes] = []
+    asked = 0
+    write, ready = DirectChunks.write, DirectChunks.ready
+
+    def counted_write(self: DirectChunks, data: bytes) -> None:
+        direct.append(data)
+        write(self, data)
+
+    def sometimes_ready(self: DirectChunks) -> bool:
+        nonlocal asked
+        asked += 1
+        return ready(self) and asked % every == 0
+
+    monkeypatch.setattr(DirectChunks, "write", counted_write)
+    monkeypatch.setattr(DirectChunks, "ready", sometimes_ready)
+
+    async def generate(request: GenerateRequest) -> GenerateResult:
+        assert request.on_token is not None
+        for token, logprob in zip(ids, logprobs, strict=True):
+            request.on_token(token, logprob)
+            await asyncio.sleep(0.002)
+        return GenerateResult(token_ids=ids, logprobs=logprobs, finish_reason="stop", policy_version=0)
+
+    app.engine.generate = generate  # type: ignore[method-assign]
+    active = register_rollout(app)
+    deltas = await stream_chat(app, active)
+    (call,) = await recorded_calls(app)
+    assert "".join(deltas) == call.response_text == TEXT
+    assert deltas == per_token(tokenizer, list(ids[:-1]))  # a delta per token, whoever wrote it
+    texts = iter(deltas)
+    # What the callback wrote is among the client's deltas, in their order.
+    assert all(any(d == json.loads(c[6:])["choices"][0]["delta"]["content"] for d in texts) for c in direct)
+    if every == 1:
+        assert len(direct) >= len(deltas) - 1  # all but a first token taken before the wait
+    else:
+        assert 0 < len(direct) < len(deltas)
+
+
+async def test_an_http_1_0_client_gets_its_stream_unchunked_to_the_close(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP/1.0 has no chunks: the stream is the body up to the connection's close, written by
+    the stream's task alone (no ``DirectChunks`` for it)."""
+    made: list[DirectChunks | None] = []
+    of = DirectChunks.of
+
+    def recorded_of(request: web.Request, response: web.StreamResponse) -> DirectChunks | None:
+        made.append(of(request, response))
+        return made[-1]
+
+    monkeypatch.setattr(DirectChunks, "of", recorded_of)
+    active = register_rollout(app)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Say it."}], "stream": True}
+    async with (
+        asyncio.timeout(30),
+        aiohttp.ClientSession(version=aiohttp.HttpVersion10) as http,
+        http.post(
+            f"{app.proxy_url}/rollouts/{active.rollout}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {active.token}"},
+        ) as response,
+    ):
+        assert response.status == 200 and response.version == aiohttp.HttpVersion10
+        assert "chunked" not in response.headers.get("Transfer-Encoding", "")
+        raw = await response.read()
+    (call,) = await recorded_calls(app)
+    lines = [line for line in raw.split(b"\n") if line.startswith(b"data: {")]
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines)
+    assert text == call.response_text and raw.endswith(b"data: [DONE]\n\n")
+    assert made == [None]
