@@ -155,6 +155,14 @@ async def stream_chat(
     return deltas
 
 
+async def token_by_token(request: GenerateRequest, ids: tuple[int, ...], logprobs: tuple[float, ...]) -> None:
+    """Hand ``ids`` over one at a time, a little apart (an engine at a slow pace)."""
+    assert request.on_token is not None
+    for token, logprob in zip(ids, logprobs, strict=True):
+        request.on_token(token, logprob)
+        await asyncio.sleep(0.002)
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 async def test_grouped_tokens_stream_as_fewer_deltas_of_the_same_text(app: Appliance, grouped: bool) -> None:
     """An engine that hands the first token alone and then the rest at once (vLLM's stream read
@@ -174,9 +182,7 @@ async def test_grouped_tokens_stream_as_fewer_deltas_of_the_same_text(app: Appli
             await asyncio.wait_for(first_delta.wait(), 10)
             request.on_tokens(ids[1:], logprobs[1:])
         else:
-            for token, logprob in zip(ids, logprobs, strict=True):
-                request.on_token(token, logprob)
-                await asyncio.sleep(0.002)
+            await token_by_token(request, ids, logprobs)
         return GenerateResult(token_ids=ids, logprobs=logprobs, finish_reason="stop", policy_version=0)
 
     app.engine.generate = generate  # type: ignore[method-assign]
@@ -221,10 +227,7 @@ async def test_tokens_the_engine_hands_over_while_the_stream_waits_are_written_b
     monkeypatch.setattr(DirectChunks, "ready", sometimes_ready)
 
     async def generate(request: GenerateRequest) -> GenerateResult:
-        assert request.on_token is not None
-        for token, logprob in zip(ids, logprobs, strict=True):
-            request.on_token(token, logprob)
-            await asyncio.sleep(0.002)
+        await token_by_token(request, ids, logprobs)
         return GenerateResult(token_ids=ids, logprobs=logprobs, finish_reason="stop", policy_version=0)
 
     app.engine.generate = generate  # type: ignore[method-assign]
