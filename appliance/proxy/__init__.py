@@ -5,7 +5,8 @@ engine and back: the HTTP plumbing (``http``: auth, admission, JSON bodies, serv
 events), one pure adapter per API surface (``openai_chat``, ``openai_completions``,
 ``openai_responses`` with ``responses_output`` and ``response_store``, ``anthropic_messages``)
 speaking the shapes of ``pipeline``, the one ``driver`` of model calls, the call path itself
-(``calls``: render, generate, parse, record), the serving ``gate`` the scheduler closes while
+(``calls``: render, generate, parse, record; ``sampled``: the sampled tokens as columns, the
+sampling as recorded; ``deltas``: a stream's text), the serving ``gate`` the scheduler closes while
 it trains, refused calls, the admin and control routes, external runners' routes and
 ``/metrics``. It does not own chat rendering (``appliance.chat``), engines, rollouts or the
 event log; it does not decide when to train (``appliance.scheduler`` drives the gate).

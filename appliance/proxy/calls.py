@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from appliance.chat.messages import Message, tool_schema_names
@@ -30,6 +30,7 @@ from appliance.engines.base import Engine, GenerateRequest, GenerateResult, Samp
 from appliance.proxy.deltas import TextDeltas, TokenArrivals
 from appliance.proxy.deltas import cut_at_stop as _cut_at_stop
 from appliance.proxy.gate import ServingGate
+from appliance.proxy.sampled import Columns, Sampled, sampling_record
 from appliance.rollouts.registry import DEFAULT_ROLLOUT, ActiveRollout
 from contracts.errors import ApplianceError, ContextTooLong, EngineUnavailable
 from store.events import LLMCallCompleted
@@ -267,7 +268,7 @@ class CallService:
     ) -> CallOutcome:
         if call.params.max_tokens == 0:
             return await self._nothing_sampled(call)
-        sampled = _Sampled()
+        sampled = Sampled()
         first_token_at: list[float] = []
         decoder = IncrementalDecoder(self.tokenizer) if call.stop else None
         seen = [""]
@@ -487,37 +488,3 @@ class CallService:
         await self.store.append([event])
         if self.on_recorded is not None:
             self.on_recorded(event)
-
-
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
-
-
-#: A call's sampled tokens' ids, log-probs and policy versions (``_Sampled.columns``).
-Columns = tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]
-
-
-@dataclass(slots=True)
-class _Sampled:
-    """Every token sampled for a call as three columns: its id, its log-prob and the policy
-    version that sampled it (a call preempted by a switch continues under newer weights). Kept as
-    columns, so a group of tokens is added, and the whole read out, without an object per token."""
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    def add(self, ids: Sequence[int], logprobs: Sequence[float], version: int) -> None:
-        count = min(len(ids), len(logprobs))  # an id without its log-prob is not kept
-        self.ids += ids if count == len(ids) else ids[:count]
-        self.logprobs += logprobs if count == len(logprobs) else logprobs[:count]
-        self.versions += itertools.repeat(version, count)
-
-    def columns(self) -> Columns:
-        return tuple(self.ids), tuple(self.logprobs), tuple(self.versions)
-
-
-def sampling_record(params: SamplingParams) -> dict[str, Any]:
-    """``asdict(params)``, without its deep copy where nothing is nested (no constraint)."""
-    if params.constraint is not None:
-        return asdict(params)
-    return {name: getattr(params, name) for name in _SAMPLING_FIELDS}

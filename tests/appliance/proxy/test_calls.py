@@ -10,7 +10,8 @@ import pytest
 
 from appliance.engines.base import SamplingParams
 from appliance.engines.constraints import Constraint
-from appliance.proxy.calls import new_call_id, sampling_record
+from appliance.proxy.calls import new_call_id
+from appliance.proxy.sampled import sampling_record
 
 
 @pytest.mark.parametrize(
