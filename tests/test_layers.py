@@ -6,7 +6,8 @@ since each ties the two modules together as much as one at the top does.
 - Layers: each top-level package may import only the packages below it (``ALLOWED``); every
   pair of packages is stated, and a new top-level package fails until it is placed.
 - Circles: no two modules import each other, directly or around a longer loop.
-- Size: no module of the packages is longer than ``MAX_LINES`` lines.
+- Size: no module of the packages, nor any script (or a script's helper module) under
+  ``scripts/``, is longer than ``MAX_LINES`` lines.
 - Inside the appliance: the error hierarchy imports nothing, the store only it, and the proxy's
   surfaces never touch tokens (the driver's and the call service's business).
 """
@@ -164,6 +165,12 @@ def test_the_circle_finder_finds_a_circle(monkeypatch: pytest.MonkeyPatch) -> No
 def test_a_module_is_a_file_a_reader_can_hold(name: str) -> None:
     lines = len(_modules()[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{_modules()[name].relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scripts").glob("*.py")), ids=lambda p: p.name)
+def test_a_script_is_a_file_a_reader_can_hold(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
 
 
 def test_the_errors_import_nothing_of_the_project() -> None:

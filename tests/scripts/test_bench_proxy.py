@@ -40,24 +40,28 @@ def run(rate: float, cpu_us: float, latencies_ms: list[float], **failures: int) 
 
 
 def test_rounds_merge_into_medians_with_every_latency(bench: ModuleType) -> None:
+    import bench_proxy_table
+
     rounds = [run(100, 300, [1, 2], Timeout=1), run(400, 900, [3]), run(200, 500, [4, 5], Timeout=2)]
-    merged = bench.merged(rounds)
+    merged = bench_proxy_table.merged(rounds)
     assert merged["rate"] == 200 and merged["served"] == 5
     assert merged["cpu_per_call"] == pytest.approx(500e-6)
     assert merged["loop_cpu_per_call"] == pytest.approx(250e-6)
     assert merged["latencies"] == pytest.approx([0.001, 0.002, 0.003, 0.004, 0.005])
     assert merged["failures"] == {"Timeout": 3}
-    assert bench.merged(rounds[:1]) is rounds[0]
+    assert bench_proxy_table.merged(rounds[:1]) is rounds[0]
 
 
 def test_each_round_is_compared_with_the_others_of_its_round(bench: ModuleType) -> None:
+    import bench_proxy_table
+
     # The machine slowed down in round 2: every target did, and the round's ratios hold.
     measured = {
         "direct": [run(1000, 50, [1.0]), run(500, 100, [2.0])],
         "appliance": [run(400, 300, [2.0]), run(200, 600, [4.0])],
         "agl": [run(40, 3000, [10.0]), run(25, 6000, [20.0])],
     }
-    line = bench.per_round(measured)
+    line = bench_proxy_table.per_round(measured)
     assert "ours/dir 0.40 0.40 (median 0.40)" in line
     assert "ours/agl 10.00 8.00 (median 9.00)" in line
     assert "+p50 ours 1.00 2.00 ms (median 1.50)" in line
@@ -109,13 +113,15 @@ def test_a_fleet_of_two_upstreams_gives_every_row_its_tokens_per_core(tmp_path: 
 
 
 def test_answer_lengths_and_clients_are_lists(bench: ModuleType) -> None:
+    import bench_proxy_measure
+
     assert bench.integers("256,1024") == (256, 1024)
     assert bench.integers("8") == (8,)
     for bad in ("", "0", "8,x"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.integers(bad)
     # An answer of N tokens: ANSWER's ids as often as they fit before the end token.
-    answer = bench.Answer([1, 2, 3], 9)
+    answer = bench_proxy_measure.Answer([1, 2, 3], 9)
     assert [answer.length(n) for n in (1, 2, 8, 256)] == [1, 2, 7, 256]
 
 

