@@ -6,7 +6,9 @@ conversation (sampled turns spliced token for token into later prompts, see
 completion as text and as its exact ids, so a text prompt that continues it reuses those ids and
 tokenizes only the new text), and the memo of the last ``messages`` array the rollout sent
 (``appliance.chat.messages.MessageMemo``: a request is read for this rollout within
-``reading_conversation(transcript.messages)``, so the messages it repeats are not read again).
+``reading_conversation(transcript.messages)``, so the messages it repeats are not read again),
+and before that the head of its last request body (``BodyHead``: a body that repeats it byte for
+byte is read from where it ends, ``appliance.proxy.bodies.read_conversation``).
 A surface hands over messages or a text/token-id prompt and gets a ``RenderedPrompt``; after
 the call, ``remember`` records what was sampled. Nothing here is durable: it is the
 cheap-to-lose render state of a running rollout.
@@ -26,12 +28,28 @@ from contracts.errors import BadRequest
 
 
 @dataclass(slots=True)
+class BodyHead:
+    """One conversation's last request body up to the end of its ``messages`` array's last element
+    (``raw``; empty: nothing to continue from), and what those bytes hold: the members before the
+    array and the array's elements, as read."""
+
+    raw: bytes = b""
+    before: dict[str, Any] = field(default_factory=dict)
+    messages: list[Any] = field(default_factory=list)
+
+    def forget(self) -> None:
+        self.raw, self.before, self.messages = b"", {}, []
+
+
+@dataclass(slots=True)
 class Transcript:
     tokenizer: Tokenizer
     fmt: ChatFormat = CHATML
     conversation: Conversation = field(init=False)
     #: The last Chat Completions ``messages`` array and its conversion.
     messages: MessageMemo = field(default_factory=MessageMemo)
+    #: The last body's bytes up to its ``messages`` array's end (``appliance.proxy.bodies``).
+    body: BodyHead = field(default_factory=BodyHead)
     #: Completions: the last prompt + completion text, and its exact ids.
     _text: str = ""
     _text_ids: list[int] = field(default_factory=list)

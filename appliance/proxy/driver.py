@@ -27,6 +27,7 @@ from appliance.chat.messages import reading_conversation
 from appliance.chat.template import TOOL_CALL_OPEN
 from appliance.chat.tokenizer import Tokenizer
 from appliance.engines.constraints import Constraint
+from appliance.proxy.bodies import read_conversation
 from appliance.proxy.calls import CallOutcome, CallService, PreparedCall
 from appliance.proxy.http import (
     CALLS,
@@ -34,7 +35,6 @@ from appliance.proxy.http import (
     DirectChunks,
     Handler,
     json_answer,
-    json_body,
     rollout_of,
     sse_events,
     sse_start,
@@ -66,7 +66,9 @@ def handler(surface: Surface) -> Handler:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         rollout = rollout_of(request)  # a wrong key is a 401 whatever the body holds
-        return await serve(request, surface, rollout, await json_body(request))
+        # A conversation's body is read from where its last one ended, where it repeats it.
+        body = read_conversation(await request.read(), rollout.transcript.body)
+        return await serve(request, surface, rollout, body)
 
     return handle
 

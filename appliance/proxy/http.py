@@ -9,11 +9,7 @@ written (a streamed delta's event from a ``JsonSlot``: its JSON written once per
 delta's text per event; a stream's chunks written straight to its transport from the engine's
 callback, ``DirectChunks``). Surfaces import these; nothing here knows any surface's shapes.
 
-Bodies are read with orjson and answers written with it (a model call's request holds the whole
-conversation, so its parse is a per-call cost that grows with the history). Where orjson's
-reading could differ from Python's ``json`` (integers beyond 64 bits, which it reads as floats)
-or refuses a body (``NaN``, a lone surrogate escape, deep nesting), the body is read again with
-``json`` and judged as before, so what is accepted and every error stay the same.
+How a body is read as JSON is ``appliance.proxy.bodies``'s.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -31,10 +26,10 @@ import orjson
 from aiohttp import HttpVersion11, web
 
 from appliance.operations.health import Health
+from appliance.proxy.bodies import parse_body
 from appliance.proxy.calls import CallService
 from appliance.rollouts.registry import DEFAULT_ROLLOUT, ActiveRollout, RolloutRegistry
-from contracts.errors import BadRequest, Overloaded, Unauthorized
-from store.codec import INEXACT_FROM
+from contracts.errors import Overloaded, Unauthorized
 
 if TYPE_CHECKING:
     from appliance.config import ProxyConfig
@@ -182,79 +177,8 @@ def authorised_rollout(request: web.Request) -> ActiveRollout | None:
     return request.get(_ROLLOUT)
 
 
-#: A ``\\uD800``-``\\uDFFF`` escape: JSON allows it, but alone it is no character.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-#: Arrays and objects nested deeper than this are refused: no API body needs it, and walking one
-#: (rendering, recording) would recurse past Python's limit.
-MAX_NESTING = 100
-_TOO_DEEP = f"the request body nests arrays or objects deeper than {MAX_NESTING} levels"
-
-
-def _scan(value: Any, *, floats: bool = True) -> str | None:
-    """What makes a reading of a body unusable: ``"deep"`` (containers nested more than
-    ``MAX_NESTING`` deep), with ``floats`` also ``"float"`` (a float that may be an integer orjson
-    could not hold; orjson's reading only), or None. Walks the containers only (their scalars are
-    looked at, not walked), so a long conversation of string messages costs a few microseconds
-    per hundred messages."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > MAX_NESTING:
-            return "deep"
-        for child in item.values() if type(item) is dict else item:
-            kind = type(child)
-            if kind is dict or kind is list:
-                stack.append((child, depth + 1))
-            elif floats and kind is float and not -INEXACT_FROM < child < INEXACT_FROM:
-                return "float"
-    return None
-
-
 async def json_body(request: web.Request) -> dict[str, Any]:
     return parse_body(await request.read())
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object; ``BadRequest`` saying what is wrong otherwise."""
-    try:
-        fast = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        pass  # Python's json says why (or reads what orjson refuses, such as NaN)
-    else:
-        if isinstance(fast, dict):
-            found = _scan(fast)
-            if found == "deep":
-                raise BadRequest(_TOO_DEEP)
-            if found is None:
-                body: dict[str, Any] = fast
-                return body
-    return _stdlib_body(raw)
-
-
-def _stdlib_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-        if _SURROGATE_ESCAPE.search(raw):
-            # A pair decodes to one character; a lone surrogate would fail later, where the
-            # call is recorded (no UTF-8 for it), so it is refused here.
-            json.dumps(body, ensure_ascii=False).encode()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    except UnicodeEncodeError:
-        raise BadRequest(
-            "the request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)"
-        ) from None
-    except ValueError as exc:  # an integer of more than 4300 digits
-        raise BadRequest(f"the request body holds a number Python cannot read: {exc}") from None
-    except RecursionError:
-        raise BadRequest(_TOO_DEEP) from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if _scan(body, floats=False) == "deep":
-        raise BadRequest(_TOO_DEEP)
-    return body
 
 
 async def sse_start(request: web.Request) -> web.StreamResponse:

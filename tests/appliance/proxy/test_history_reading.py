@@ -79,3 +79,19 @@ async def test_a_refused_message_names_its_position(app: Appliance, active: Acti
     status, body = await _post(app, active, [*history, {"role": "assistant", "content": 5}])
     assert status == 400
     assert body["error"]["param"] == "messages[1].content"
+
+
+async def test_a_conversation_is_read_from_where_its_last_body_ended(
+    app: Appliance, active: ActiveRollout, whole_reads: list[bytes]
+) -> None:
+    history: list[dict[str, Any]] = [{"role": "system", "content": "S"}]
+    for turn in range(4):
+        history.append({"role": "user", "content": f"turn {turn}"})
+        status, answer = await _post(app, active, history)
+        assert status == 200
+        history.append(answer["choices"][0]["message"])
+    assert len(whole_reads) == 1  # the first body; each later one from where the one before ended
+    assert active.transcript.body.messages == history[:-1]
+    calls = (await recorded_calls(app))[-4:]
+    assert [call.request["messages"] for call in calls] == [history[: 2 * n + 2] for n in range(4)]
+    assert all(call.spliced_tokens > 0 for call in calls[1:])

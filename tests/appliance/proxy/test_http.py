@@ -1,57 +1,12 @@
-"""Request bodies as the proxy reads them, and server-sent events as it writes them."""
+"""Server-sent events as the proxy writes them."""
 
 from __future__ import annotations
-
-import json
-from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.proxy.http import MAX_NESTING, SLOT, JsonSlot, dumps, parse_body, sse_events
-from contracts.errors import BadRequest
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"model": "m", "messages": [{"role": "user", "content": "héllo \U0001f600"}], "temperature": 0.7},
-        {"seed": 2**63 - 1, "max_tokens": 2**64 + 1, "n": -(2**70), "x": [1.5, -0.0, 1e300, None, True]},
-        {"digits": "12345678901234567890 in a string reads the same", "big": 10**30},
-        {"messages": [{"role": "user", "content": [{"n": -(2**63) - 1}, {"f": 1.8e19}, {"n": 2**64 - 1}]}]},
-    ],
-)
-def test_a_body_reads_as_pythons_json_reads_it(body: dict[str, Any]) -> None:
-    """Every number stays what Python's json reads: integers beyond 64 bits too (orjson would
-    read them as floats, so such a body is read again the slow way)."""
-    raw = json.dumps(body, ensure_ascii=False).encode()
-    parsed = parse_body(raw)
-    assert parsed == json.loads(raw)
-    assert [type(v) for v in parsed.values()] == [type(v) for v in json.loads(raw).values()]
-
-
-@pytest.mark.parametrize(
-    ("raw", "said"),
-    [
-        (b'{"temperature": NaN}', None),  # read (Python's json reads NaN); the field's check refuses it
-        (b'{"a": "\\ud800"}', "surrogate"),
-        (b"[1]", "JSON object"),
-        (b"{", "not valid JSON"),
-        (b'{"a": ' + b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1) + b"}", "deeper"),
-        (b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "deeper"),
-        # A float orjson may have made of a large integer sends the body to Python's json, which
-        # still judges its depth.
-        (b'{"f": 1e19, "a": ' + b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1) + b"}", "deeper"),
-    ],
-)
-def test_what_orjson_refuses_is_judged_as_before(raw: bytes, said: str | None) -> None:
-    if said is None:
-        assert parse_body(raw)["temperature"] != parse_body(raw)["temperature"]  # NaN
-        return
-    with pytest.raises(BadRequest) as caught:
-        parse_body(raw)
-    assert said in caught.value.message
+from appliance.proxy.http import SLOT, JsonSlot, dumps, sse_events
 
 
 def test_sse_events_are_written_in_one_piece() -> None:
