@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import cache
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -230,8 +230,9 @@ def _remember(raw: bytes, body: dict[str, Any], head: BodyHead) -> None:
             return
 
 
-@cache
+@lru_cache(maxsize=64)
 def _closing(member: str) -> re.Pattern[bytes]:
-    """Where an array closes and the object's member ``member`` follows it."""
+    """Where an array closes and the object's member ``member`` follows it (the patterns of the
+    last 64 members asked for kept compiled: the member is the client's)."""
     space = rb"[ \t\n\r]*"
     return re.compile(rb"\]" + space + rb"," + space + re.escape(orjson.dumps(member)) + space + rb":")
