@@ -29,13 +29,16 @@ from contracts.errors import BadRequest
 
 @dataclass(slots=True)
 class BodyHead:
-    """One conversation's last request body up to the end of its ``messages`` array's last element
+    """One conversation's last request body up to the end of its ``messages`` (or ``input``)
+    array's last element
     (``raw``; empty: nothing to continue from), and what those bytes hold: the members before the
     array and the array's elements, as read."""
 
     raw: bytes = b""
     before: dict[str, Any] = field(default_factory=dict)
     messages: list[Any] = field(default_factory=list)
+    #: The array's member: ``messages`` (Chat Completions, Messages) or ``input`` (Responses).
+    key: str = "messages"
 
     def forget(self) -> None:
         self.raw, self.before, self.messages = b"", {}, []

@@ -7,14 +7,14 @@ a per-call cost that grows with the history). Where orjson's reading could diffe
 surrogate escape, deep nesting), the body is read again with ``json`` and judged as before, so
 what is accepted and every error stay the same (``parse_body``).
 
-A conversation's next request repeats the last one's ``messages`` array and adds to it; most
-clients write the repeated part byte for byte as before. ``read_conversation`` keeps, per
-rollout, the last body's bytes up to the end of its array's last element (the transcript's
-``BodyHead``, with the
-members before the array and the messages they hold): a body that starts with those bytes is in
-the same state of reading there (inside the array, after an element, the object still open), so
-only what follows is read (Python's ``json``, value by value) and the repeated messages are the
-same objects as before (which ``appliance.chat.messages.MessageMemo`` then compares by identity).
+A conversation's next request repeats the last one's ``messages`` array (Responses without
+``previous_response_id``: its ``input``) and adds to it; most clients write the repeated part
+byte for byte as before. ``read_conversation`` keeps, per rollout, the last body's bytes up to the
+end of its array's last element (the transcript's ``BodyHead``, with the members before the array
+and the elements they hold): a body that starts with those bytes is in the same state of reading
+there (inside the array, after an element, the object still open), so only what follows is read
+(Python's ``json``, value by value) and the repeated elements are the same objects as before
+(which ``appliance.chat.messages.MessageMemo`` then compares by identity).
 Any body it cannot read that way (another start, a lone surrogate escape, nesting too deep,
 anything malformed) is read whole by ``parse_body``, which also says what is wrong with it.
 """
@@ -41,8 +41,6 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 MAX_NESTING = 100
 _TOO_DEEP = f"the request body nests arrays or objects deeper than {MAX_NESTING} levels"
 
-#: The array read from where the last body ended.
-CONVERSATION_KEY = "messages"
 _SPACE = re.compile(r"[ \t\n\r]*")
 _SPACE_BYTES = b" \t\n\r"
 _DECODER = json.JSONDecoder()
@@ -114,19 +112,20 @@ def _stdlib_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def read_conversation(raw: bytes, head: BodyHead) -> dict[str, Any]:
-    """``parse_body(raw)``, read from where ``head`` ends when ``raw`` starts with it; ``head``
-    then holds ``raw``'s head. The body returned is the one ``parse_body`` reads (its
-    ``messages`` a list of its own; the repeated elements the same objects as last time). A
-    body shorter than ``SMALL_BODY`` is read whole, ``head`` left as it was."""
+def read_conversation(raw: bytes, head: BodyHead, key: str = "messages") -> dict[str, Any]:
+    """``parse_body(raw)``, read from where ``head`` ends when ``raw`` starts with it (and ``head``
+    is of the array ``key``: Chat Completions' and Messages' ``messages``, Responses' ``input``);
+    ``head`` then holds ``raw``'s head. The body returned is the one ``parse_body`` reads (its
+    array a list of its own; the repeated elements the same objects as last time). A body shorter
+    than ``SMALL_BODY`` is read whole, ``head`` left as it was."""
     if len(raw) < SMALL_BODY:
         return parse_body(raw)
-    if head.raw and raw.startswith(head.raw):
+    if head.raw and head.key == key and raw.startswith(head.raw):
         body = _continued(raw, head)
         if body is not None:
             return body
     body = parse_body(raw)
-    _remember(raw, body, head)
+    _remember(raw, body, head, key)
     return body
 
 
@@ -147,13 +146,14 @@ def _continued(raw: bytes, head: BodyHead) -> dict[str, Any] | None:
     if read is None:
         return None
     added, end, rest = read
-    if CONVERSATION_KEY in rest or _scan({CONVERSATION_KEY: added, **rest}, floats=False) is not None:
+    key = head.key
+    if key in rest or _scan({key: added, **rest}, floats=False) is not None:
         return None
     messages = head.messages + added
     if added:
         cut = end if tail_bytes.isascii() else len(tail[:end].encode())
         head.raw, head.messages = raw[: start + cut], messages
-    return {**head.before, CONVERSATION_KEY: messages[:], **rest}
+    return {**head.before, key: messages[:], **rest}
 
 
 def _read_tail(tail: str) -> tuple[list[Any], int, dict[str, Any]] | None:
@@ -192,20 +192,20 @@ def _skip(text: str, at: int) -> int:
     return found.end() if found is not None else at
 
 
-def _remember(raw: bytes, body: dict[str, Any], head: BodyHead) -> None:
+def _remember(raw: bytes, body: dict[str, Any], head: BodyHead, key: str) -> None:
     """``head`` set to ``raw``'s (``body``, as read): its bytes up to where its array's last
     element ends, found as the place the array closes, followed by the first member after it (or
     the object's end), and checked: those bytes with the array and the object closed read as the
     members up to the array, and what follows them reads as the members after it. Forgotten where
     no such place is found."""
     head.forget()
-    messages = body.get(CONVERSATION_KEY)
+    messages = body.get(key)
     if type(messages) is not list or not messages:
         return
     keys = list(body)
-    index = keys.index(CONVERSATION_KEY)
-    before = {key: body[key] for key in keys[:index]}
-    after = {key: body[key] for key in keys[index + 1 :]}
+    index = keys.index(key)
+    before = {name: body[name] for name in keys[:index]}
+    after = {name: body[name] for name in keys[index + 1 :]}
     if after:
         closings = [found.start() for found in _closing(next(iter(after))).finditer(raw)]
     else:
@@ -224,9 +224,9 @@ def _remember(raw: bytes, body: dict[str, Any], head: BodyHead) -> None:
             and not read[0]
             and read[2] == after
             and list(upto) == keys[: index + 1]
-            and upto == {**before, CONVERSATION_KEY: messages}
+            and upto == {**before, key: messages}
         ):
-            head.raw, head.before, head.messages = raw[:cut], before, list(messages)
+            head.raw, head.before, head.messages, head.key = raw[:cut], before, list(messages), key
             return
 
 

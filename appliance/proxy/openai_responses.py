@@ -34,8 +34,9 @@ from aiohttp import web
 
 from appliance.chat.messages import Message, ToolCall, tool_array, tools_from_openai
 from appliance.proxy import response_store
+from appliance.proxy.bodies import read_conversation
 from appliance.proxy.driver import serve
-from appliance.proxy.http import ProxySettings, add_post, json_body, rollout_of
+from appliance.proxy.http import ProxySettings, add_post, rollout_of
 from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Started
 from appliance.proxy.response_store import RESPONSES, PreviousResponseNotFound, input_items
 from appliance.proxy.responses_output import ResponseEvents, output_items, response_object
@@ -365,7 +366,8 @@ class ResponsesSurface:
 
 async def _create(request: web.Request) -> web.StreamResponse:
     rollout = rollout_of(request)  # a wrong key is a 401 whatever the body holds
-    body = await json_body(request)
+    # A stateless conversation sends its whole input again: read from where the last one ended.
+    body = read_conversation(await request.read(), rollout.transcript.body, "input")
     responses = request.app[RESPONSES]
     earlier: list[dict[str, Any]] = []
     previous = body.get("previous_response_id")

@@ -91,24 +91,27 @@ new_messages = st.lists(
     max_size=3,
 )
 #: What a conversation does from one body to the next: add messages (the usual), send the same
-#: again, edit an earlier one, or take another style.
+#: again, edit an earlier one, take another style, or come through another surface (its array
+#: named otherwise).
 steps = st.lists(
     st.one_of(
         new_messages.map(lambda added: ("add", added)),
         st.just(("same", None)),
         st.tuples(st.just("edit"), json_values),
         st.tuples(st.just("style"), st.integers(0, len(STYLES) - 1)),
+        st.tuples(st.just("key"), st.sampled_from(["messages", "input"])),
     ),
     min_size=1,
     max_size=8,
 )
 
 
-def read(raw: bytes, head: BodyHead | None = None) -> Any:
-    """What the body reads as (``read_conversation`` with ``head``, else ``parse_body``): the
-    object and its keys in order, or the error's message; NaN written out so it compares."""
+def read(raw: bytes, head: BodyHead | None = None, key: str = "messages") -> Any:
+    """What the body reads as (``read_conversation`` with ``head`` for the array ``key``, else
+    ``parse_body``): the object and its keys in order, or the error's message; NaN written out so
+    it compares."""
     try:
-        body = parse_body(raw) if head is None else read_conversation(raw, head)
+        body = parse_body(raw) if head is None else read_conversation(raw, head, key)
     except BadRequest as exc:
         return ("error", exc.message)
     return json.dumps(body, default=str), list(body)
@@ -125,6 +128,7 @@ def test_a_conversations_bodies_read_as_each_reads_whole(
     steps: list[tuple[str, Any]], before: dict[str, Any], after: dict[str, Any], style: int
 ) -> None:
     head = BodyHead()
+    key = "messages"
     messages: list[dict[str, Any]] = [{"role": "system", "content": "s"}]
     for step, value in steps:
         if step == "add":
@@ -133,18 +137,20 @@ def test_a_conversations_bodies_read_as_each_reads_whole(
             messages = [{"role": "user", "content": value}, *messages[1:]]
         elif step == "style":
             style = value
-        body = {**before, "messages": messages, **after}
+        elif step == "key":
+            key = value
+        body = {**before, key: messages, **after}
         raw = json.dumps(body, **STYLES[style]).encode()
-        known = head.messages if head.raw and raw.startswith(head.raw) else []
-        assert read(raw, head) == read(raw)
+        known = head.messages if head.raw and head.key == key and raw.startswith(head.raw) else []
+        assert read(raw, head, key) == read(raw)
         # Where the body repeats the head's bytes, those messages were not read again.
         assert all(a is b for a, b in zip(head.messages, known, strict=False))
         assert not known or head.messages[: len(known)] == known
         if head.raw:  # the head: where the last message ends
             keys = list(body)
-            upto = {key: body[key] for key in keys[: keys.index("messages") + 1]}
-            assert raw.startswith(head.raw)
-            assert json.loads(head.raw + b"]}") == upto == {**upto, "messages": head.messages}
+            upto = {name: body[name] for name in keys[: keys.index(key) + 1]}
+            assert raw.startswith(head.raw) and head.key == key
+            assert json.loads(head.raw + b"]}") == upto == {**upto, key: head.messages}
 
 
 def test_a_growing_conversation_is_read_from_where_its_last_body_ended(whole_reads: list[bytes]) -> None:

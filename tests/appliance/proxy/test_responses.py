@@ -174,6 +174,21 @@ async def test_multi_turn_resending_output_splices_token_exact(app: Appliance, a
     assert two.unmatched_assistant_turns == 0
 
 
+async def test_a_stateless_conversation_is_read_from_where_its_last_input_ended(
+    app: Appliance, active: ActiveRollout, whole_reads: list[bytes]
+) -> None:
+    history: list[Any] = []
+    async with client(app, active) as oai:
+        for turn in range(4):
+            history.append({"role": "user", "content": f"What is {turn} + 2?"})
+            answer = await oai.responses.create(model="m", input=history, max_output_tokens=6, store=False)
+            history += [item.to_dict() for item in answer.output]
+    assert len(whole_reads) == 1  # the first body; each later one from where the one before ended
+    calls = await recorded(app)
+    assert [call.request["input"] for call in calls] == [history[: 2 * n + 1] for n in range(4)]
+    assert all(call.spliced_tokens > 0 and call.unmatched_assistant_turns == 0 for call in calls[1:])
+
+
 async def test_tool_calls_round_trip_token_exact(
     app: Appliance, active: ActiveRollout, tokenizer: Tokenizer
 ) -> None:
