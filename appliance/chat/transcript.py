@@ -30,9 +30,8 @@ from contracts.errors import BadRequest
 @dataclass(slots=True)
 class BodyHead:
     """One conversation's last request body up to the end of its ``messages`` (or ``input``)
-    array's last element
-    (``raw``; empty: nothing to continue from), and what those bytes hold: the members before the
-    array and the array's elements, as read."""
+    array's last element (``raw``; empty: nothing to continue from), and what those bytes hold:
+    the members before the array and the array's elements, as read."""
 
     raw: bytes = b""
     before: dict[str, Any] = field(default_factory=dict)
@@ -51,7 +50,7 @@ class Transcript:
     conversation: Conversation = field(init=False)
     #: The last Chat Completions ``messages`` array and its conversion.
     messages: MessageMemo = field(default_factory=MessageMemo)
-    #: The last body's bytes up to its ``messages`` array's end (``appliance.proxy.bodies``).
+    #: The last body's bytes up to its ``messages`` (``input``) array's end (``appliance.proxy.bodies``).
     body: BodyHead = field(default_factory=BodyHead)
     #: Completions: the last prompt + completion text, and its exact ids.
     _text: str = ""
