@@ -37,6 +37,7 @@ import json
 import sys
 from array import array
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,10 @@ from appliance.chat.turns import CUT_CALL, SampledTurn, TurnMatch, match_turn, r
 
 GENERATION_PROMPT = f"{IM_START}assistant\n"
 _TURN_END = f"{IM_END}\n"
+#: How many of the turns sampled after one prompt a turn sent back changed is compared with (the
+#: newest). More come from a harness that asks the same prompt again and again (retries, n answers
+#: one call at a time); exact splicing remembers every one of them regardless.
+SAMPLED_TURNS_PER_PROMPT = 64
 
 SegmentKey = tuple[Any, ...]
 
@@ -234,9 +239,10 @@ class Conversation:
     tokenizer: Tokenizer
     fmt: ChatFormat = CHATML
     _sampled: dict[tuple[bytes, Any], tuple[int, ...]] = field(default_factory=dict)
-    #: The turns sampled after each prompt digest, newest first, and the keys of every sampled turn
-    #: (what a turn that does not match exactly is compared with).
-    _by_prompt: dict[bytes, list[SampledTurn]] = field(default_factory=dict)
+    #: The turns sampled after each prompt digest, newest first (the last
+    #: ``SAMPLED_TURNS_PER_PROMPT``), and the keys of every sampled turn (what a turn that does not
+    #: match exactly is compared with).
+    _by_prompt: dict[bytes, deque[SampledTurn]] = field(default_factory=dict)
     _sampled_keys: set[Any] = field(default_factory=set)
     #: Sampled turns whose returned message covers less than was sampled: (sampled ids spliced,
     #: ids sampled), reported when the turn is spliced (``turns.returned_part``).
@@ -285,7 +291,10 @@ class Conversation:
             self._sampled[pair] = returned[0]
             self._cut[pair] = (returned[1], len(body))
         self._sampled_keys.add(message.key)
-        self._by_prompt.setdefault(digest, []).insert(0, turn)
+        turns = self._by_prompt.get(digest)
+        if turns is None:
+            turns = self._by_prompt[digest] = deque(maxlen=SAMPLED_TURNS_PER_PROMPT)
+        turns.appendleft(turn)
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> RenderedPrompt:
         try:

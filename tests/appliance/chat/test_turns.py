@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from appliance.chat.messages import Message, ToolCall
-from appliance.chat.render import Conversation
+from appliance.chat.render import SAMPLED_TURNS_PER_PROMPT, Conversation
 from appliance.chat.tokenizer import Tokenizer
+from appliance.chat.turns import TurnMatch
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +46,27 @@ def test_a_turn_sampled_after_another_prompt_says_so(tokenizer: Tokenizer) -> No
         "sampled after a different prompt (an earlier message changed)",
     )
     assert other.turns == conversation.render([Message("user", "b"), reply, Message("user", "d")]).turns
+
+
+def test_a_prompt_sampled_many_times_keeps_its_newest_turns_for_a_changed_match(tokenizer: Tokenizer) -> None:
+    # A harness asking one prompt again and again: a turn sent back changed is compared with the
+    # newest SAMPLED_TURNS_PER_PROMPT answers; every answer still splices when sent back as is.
+    conversation = Conversation(tokenizer)
+    history = [Message("user", "count")]
+    first = conversation.render(history)
+    times = SAMPLED_TURNS_PER_PROMPT + 20
+    for i in range(times):
+        reply = Message("assistant", f"answer {i}")
+        conversation.remember(first.digest, reply, [*tokenizer.encode(reply.content), tokenizer.im_end_id])
+
+    def turn_of(content: str) -> TurnMatch | None:
+        rendered = conversation.render([*history, Message("assistant", content), Message("user", "again")])
+        return rendered.turns[0] if rendered.turns else None
+
+    assert turn_of("answer 0") is None and turn_of(f"answer {times - 1}") is None  # spliced as sampled
+    newest = turn_of(f"answer {times - 1} and more")
+    assert newest is not None and newest.kind == "extended"
+    kept = turn_of(f"answer {times - SAMPLED_TURNS_PER_PROMPT} and more")
+    assert kept is not None and kept.kind == "extended"
+    dropped = turn_of(f"answer {times - SAMPLED_TURNS_PER_PROMPT - 1} and more")
+    assert dropped is not None and dropped.kind == "unmatched"
