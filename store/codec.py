@@ -61,7 +61,7 @@ import orjson
 
 from contracts.errors import StoreError
 from store.events import EVENT_TYPES, Event, JsonObject, LLMCallCompleted, TokenIds
-from store.packing import LAYOUTS, layout_of, pack, shared_position, unpack
+from store.packing import LAYOUTS, Layout, layout_of, pack, shared_position, unpack
 from store.prefix import starts_with
 
 Upcaster = Callable[[JsonObject], JsonObject]
@@ -352,9 +352,16 @@ def as_stored(event: Event, row: EncodedEvent) -> Event:
     the row shares with an earlier call: its packed fields come from ``event`` (log-probabilities
     rounded through float32 as stored), the messages its request shares from ``event``'s request,
     the rest from the row. Costs what is new in the row, not the conversation.
+
+    ``event`` itself where that is what the row reads back as (:func:`_reads_back_as`): its JSON
+    fields hold only what JSON gives back alike (no tuple inside, no NaN, string keys) and its
+    log-probabilities are float32 values already, as an engine's are. A call as the proxy
+    records it is, so it costs a walk over its new values instead of a JSON reading and a copy.
     """
     layout = layout_of(type(event))
     try:
+        if _reads_back_as(event, layout, row):
+            return event
         fields: dict[str, Any] = _loads(row.data)
         ref = fields.pop(REQUEST_REF, None)
         if ref is not None and isinstance(event, LLMCallCompleted):
@@ -367,6 +374,98 @@ def as_stored(event: Event, row: EncodedEvent) -> Event:
         return type(event)(ts=row.ts, **fields)
     except (TypeError, ValueError, KeyError) as exc:
         raise StoreError(f"cannot decode {row.type} v{row.version}: {exc}") from exc
+
+
+def _reads_back_as(event: Event, layout: Layout, row: EncodedEvent) -> bool:
+    """Whether what :func:`as_stored` reads from ``row`` equals ``event``'s own values, of the same
+    types throughout: every JSON field JSON-exact (:func:`_json_exact`; a tuple field a tuple of
+    such values), the messages the row's request shares with an earlier call taken from
+    ``event`` as they are (as :func:`as_stored` takes them), each packed field a tuple and the
+    float32 ones unchanged by float32."""
+    if row.ts != event.ts:
+        return False
+    key, shared = _shared_messages(row.data)
+    tuples = layout.tuple_fields
+    for name, value in zip(layout.json_fields, layout.json_values(event), strict=True):
+        kind = type(value)
+        if kind is str or kind is int or kind is bool or value is None:
+            continue
+        if kind is float:
+            exact = -math.inf < value < math.inf
+        elif name in tuples:
+            exact = kind is tuple and _json_exact(list(value))
+        elif name == "request" and key is not None and kind is dict:
+            messages = value.get(key)
+            exact = (
+                type(messages) is list
+                and len(messages) >= shared
+                and _json_exact({k: v for k, v in value.items() if k != key})
+                and _json_exact(messages[shared:])
+            )
+        else:
+            exact = _json_exact(value)
+        if not exact:
+            return False
+    for (_name, code), value in zip(layout.packed, layout.packed_values(event), strict=True):
+        if type(value) is not tuple:
+            return False
+        if code == "f" and tuple(array(code, value).tolist()) != value:
+            return False
+    return True
+
+
+def _shared_messages(data: str) -> tuple[str | None, int]:
+    """The conversation key of a row's request and how many of its messages the row shares with
+    an earlier call (the leading :data:`REQUEST_REF`); (None, 0) for a row that shares none."""
+    if not data.startswith(_REQUEST_REF_HEAD):
+        return None, 0
+    start = len(_REQUEST_REF_HEAD) - 1
+    _position, key, shared = orjson.loads(data[start : data.index("]", start) + 1])
+    return key, shared
+
+
+def _json_exact(value: Any) -> bool:
+    """Whether ``value`` reads back from the JSON :func:`_dumps` writes as an equal value of the
+    same types throughout: dicts with string keys, lists, and :func:`_atom_exact` values (a tuple
+    would read back as a list; NaN, the infinities and anything else are left to the reading)."""
+    if type(value) is not dict and type(value) is not list:
+        return _atom_exact(value)
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            for key in item:
+                if type(key) is not str:
+                    return False
+            children = item.values()
+        else:  # only dicts and lists are pushed
+            children = item
+        for child in children:
+            kind = type(child)
+            if kind is dict or kind is list:
+                stack.append(child)
+            elif not (
+                kind is str
+                or kind is int
+                or kind is bool
+                or child is None
+                or (kind is float and -math.inf < child < math.inf)
+            ):
+                return False
+    return True
+
+
+def _atom_exact(value: Any) -> bool:
+    """Whether ``value`` is a string, an integer (of any size: the standard library writes and
+    reads those orjson does not), a boolean, None or a finite float."""
+    kind = type(value)
+    return (
+        kind is str
+        or kind is int
+        or kind is bool
+        or value is None
+        or (kind is float and -math.inf < value < math.inf)
+    )
 
 
 def _rebuild_request(ref: list[Any], stored: JsonObject, earlier: JsonObject | None) -> JsonObject:

@@ -4,14 +4,17 @@ the events must be exactly those the log gives back (float32 log-probabilities, 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+from contracts.errors import StoreError
 from store import EventStore, LLMCallCompleted, RewardReported, RolloutFinished, StoredEvent, eventstore
 from store.codec import as_stored, decode, encode, encode_shared, prefix_source
 
@@ -172,3 +175,110 @@ def test_as_stored_is_decode(
     assert as_stored(event, whole) == decode(whole.type, whole.version, whole.ts, whole.data, whole.blob)
     reward = RewardReported(ts=1.0, rollout="a", reward=float(cut), source="agent")
     assert as_stored(reward, encode(reward)) == reward
+
+
+def same(a: Any, b: Any) -> bool:
+    """``a == b`` with the same types throughout (a tuple is not a list, 1 is not 1.0 nor True)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, LLMCallCompleted):
+        return all(same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    if isinstance(a, float) and a != a:
+        return bool(b != b)
+    return bool(a == b)
+
+
+# What a harness's request or an engine's figures may hold: JSON's values, and what JSON would
+# give back otherwise (tuples, non-finite floats, integers past 64 bits, keys that are not strings).
+scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=3)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=2) | st.integers(0, 3), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+float32_exact = st.floats(-50, 0, width=32)
+
+
+@example(
+    extra={"x": [math.nan]}, sampling={}, turns=[], logprobs=[-0.5] * 5, inexact=False, cut=1, shared=True
+)
+@example(
+    extra=[(1, 2)],
+    sampling={"t": 2**70},
+    turns=[{"a": [-math.inf]}],
+    logprobs=[-0.5] * 5,
+    inexact=False,
+    cut=0,
+    shared=False,
+)
+@given(
+    extra=values,
+    sampling=values,
+    turns=st.lists(values, max_size=2),
+    logprobs=st.lists(float32_exact, min_size=5, max_size=5),
+    inexact=st.booleans(),
+    cut=st.integers(0, 3),
+    shared=st.booleans(),
+)
+def test_as_stored_is_decode_value_for_value_and_type_for_type(
+    extra: Any, sampling: Any, turns: list[Any], logprobs: list[float], inexact: bool, cut: int, shared: bool
+) -> None:
+    before = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    earlier = call("a", 1, tuple(range(30)), before)
+    messages = [*before[:cut], {"role": "user", "content": "more", "extra": extra}]
+    event = replace(
+        call("a", 2, earlier.prompt_ids + earlier.response_ids + (7, 8), messages),
+        request={"model": "m", "messages": messages, "extra": extra},
+        sampling=sampling if isinstance(sampling, dict) else {"value": sampling},
+        assistant_turns=tuple(turns),
+        response_logprobs=(-0.1, *logprobs[1:]) if inexact else tuple(logprobs),  # -0.1: not float32's
+    )
+    try:
+        row = encode_shared(event, 7, earlier) if shared else encode(event)
+    except StoreError:
+        return  # not storable (a key JSON cannot tell from another once written)
+    expected = decode(
+        row.type, row.version, row.ts, row.data, row.blob, prefix_source(earlier), earlier.request
+    )
+    got = as_stored(event, row)
+    assert isinstance(got, LLMCallCompleted) and isinstance(expected, LLMCallCompleted)
+    assert got == expected
+    # The shared messages are the event's own (equal to the earlier call's), the rest as read.
+    assert same(without_shared(got, cut), without_shared(expected, cut))
+
+
+def without_shared(event: LLMCallCompleted, shared: int) -> LLMCallCompleted:
+    return replace(event, request={**event.request, "messages": event.request["messages"][shared:]})
+
+
+def test_a_call_as_the_proxy_records_it_is_its_own_stored_event() -> None:
+    # JSON's own values and float32 log-probabilities (an engine's): nothing to read back.
+    earlier = call("a", 1, tuple(range(30)), [{"role": "user", "content": "hello"}])
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "more"},
+    ]
+    event = replace(
+        call("a", 2, (*earlier.prompt_ids, *earlier.response_ids, 7), messages),
+        response_logprobs=(-0.5, -0.25, -1.0, -0.125, -2.0),
+    )
+    for row in (encode(event), encode_shared(event, 7, earlier)):
+        assert as_stored(event, row) is event
+    # A log-probability float32 would change is read as the log has it.
+    rounded = replace(event, response_logprobs=(-0.1, -0.25, -1.0, -0.125, -2.0))
+    got = as_stored(rounded, encode(rounded))
+    assert isinstance(got, LLMCallCompleted) and got is not rounded
+    assert got.response_logprobs[0] == pytest.approx(-0.1) and got.response_logprobs[0] != -0.1
+    # A tuple field given as a list (against its type) is read back as the tuple the log holds.
+    listed = replace(event, assistant_turns=[{"index": 1}])  # type: ignore[arg-type]
+    got = as_stored(listed, encode(listed))
+    assert isinstance(got, LLMCallCompleted) and same(got.assistant_turns, ({"index": 1},))
