@@ -139,9 +139,11 @@ async def compare(
     answer_tokens: tuple[int, ...] = (MAX_TOKENS,),
     replicas: int = 1,
     pace_ms: float = 0.0,
+    warmup_rounds: int = 0,
 ) -> list[dict[str, Any]]:
     """The tables (one per mode and answer length, a row per client count); every row's figures
-    (``pace_ms``: the upstreams stream one token per that many milliseconds)."""
+    (``pace_ms``: the upstreams stream one token per that many milliseconds; ``warmup_rounds``:
+    rounds each target runs first, left out)."""
     from appliance.app import Appliance
     from appliance.config import load_config
     from appliance.engines.tiny_model import build_tiny_model
@@ -186,10 +188,11 @@ async def compare(
             f"(max_tokens={'/'.join(str(n) for n in answer_tokens)}); {calls} calls per cell "
             f"(1 client: {min(calls, 300)})"
             + (f" in each of {rounds} rounds, the targets taking turns" if rounds > 1 else "")
+            + (f", after {warmup_rounds} left out" if warmup_rounds else "")
             + (f"; streams paced at {pace_ms:g} ms per token" if pace_ms > 0 else "")
             + f"; {os.cpu_count()} CPUs"
         )
-        cell = Cell(calls, clients, rounds, upstream_pids, replicas, pace_ms)
+        cell = Cell(calls, clients, rounds, upstream_pids, replicas, pace_ms, warmup_rounds)
         with profiled(profile) as profiler:
             for stream in streamed:
                 for max_tokens in answer_tokens:
@@ -451,6 +454,13 @@ if __name__ == "__main__":
         help="the upstreams stream one token per this many milliseconds, as a GPU decodes (default 0: "
         "at once)",
     )
+    parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="rounds each target runs first, taking turns, whose figures are left out (default 1: "
+        "AGL's gateway serves faster over its first few thousand calls)",
+    )
     parser.add_argument("--json", type=Path, help="write every row's figures to this file")
     args = parser.parse_args()
     try:
@@ -470,7 +480,7 @@ if __name__ == "__main__":
         modes = tuple(mode == "streamed" for mode in args.modes.split(","))
         rows = asyncio.run(
             compare(args.calls, agl, args.profile, clients, modes, max(1, args.rounds), args.answer_tokens,
-                    max(1, args.replicas), max(0.0, args.pace_ms))
+                    max(1, args.replicas), max(0.0, args.pace_ms), max(0, args.warmup_rounds))
         )  # fmt: skip
         if args.json:
             # NaN (a column without a result) as null: strict JSON.

@@ -67,6 +67,36 @@ def test_each_round_is_compared_with_the_others_of_its_round(bench: ModuleType) 
     assert "+p50 ours 1.00 2.00 ms (median 1.50)" in line
 
 
+async def test_warm_up_rounds_take_turns_and_are_left_out(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import bench_proxy_measure
+    import bench_proxy_table
+
+    # Each target's calls/s by its run: AGL serves faster once warm, as its gateway does.
+    rates = {"direct": [1000, 1000, 1000], "appliance": [400, 400, 400], "agl": [20, 40, 40]}
+    order: list[tuple[str, bool]] = []
+
+    async def load(
+        target: Any, concurrency: int, calls: int, stream: bool, profiler: Any = None, **_: Any
+    ) -> Any:
+        name = target.urls[0]
+        order.append((name, profiler is not None))
+        return run(rates[name].pop(0), 100, [1.0])
+
+    monkeypatch.setattr(bench_proxy_table, "run_load", load)
+    targets: dict[str, Any] = {
+        name: bench_proxy_measure.Target((name,), ("k",)) for name in ("direct", "appliance", "agl")
+    }
+    cell = bench_proxy_table.Cell(100, (64,), rounds=2, warmup_rounds=1)
+    profiler = __import__("cProfile").Profile()
+    (row,) = await bench_proxy_table.table(targets, cell, False, profiler=profiler)
+    # One warm-up round, the targets in turn, unprofiled; then the two measured rounds.
+    assert order == [(n, i > 0) for i in range(3) for n in ("direct", "appliance", "agl")]
+    assert row["agl_calls_per_s"] == 40 and row["rounds"] == 2
+    assert "ours/agl 10.00 10.00 (median 10.00)" in capsys.readouterr().out
+
+
 def run_bench(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
     """``scripts/bench_proxy.py argv`` in its own process, in ``tmp_path``; it must succeed."""
     done = subprocess.run(
