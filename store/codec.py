@@ -275,10 +275,19 @@ def shared_ref(type_name: str, data: str, blob: bytes) -> int | None:
     A row refers to at most one earlier call (its rollout's previous one).
     """
     ref = shared_prefix_ref(type_name, blob)
-    if ref is None and data.startswith(_REQUEST_REF_HEAD):
-        start = len(_REQUEST_REF_HEAD)
-        ref = int(data[start : data.index(",", start)])
+    if ref is None and (request_ref := _request_ref(data)) is not None:
+        ref = request_ref[0]
     return ref
+
+
+def _request_ref(data: str) -> tuple[int, str, int] | None:
+    """A row's leading :data:`REQUEST_REF`: the earlier call's position, the conversation key of
+    the request and how many of its messages the row shares; None for a row that shares none."""
+    if not data.startswith(_REQUEST_REF_HEAD):
+        return None
+    start = len(_REQUEST_REF_HEAD) - 1
+    position, key, shared = orjson.loads(data[start : data.index("]", start) + 1])
+    return position, key, shared
 
 
 def shared_prefix_ref(type_name: str, blob: bytes) -> int | None:
@@ -384,17 +393,16 @@ def _reads_back_as(event: Event, layout: Layout, row: EncodedEvent) -> bool:
     float32 ones unchanged by float32."""
     if row.ts != event.ts:
         return False
-    key, shared = _shared_messages(row.data)
+    ref = _request_ref(row.data)
     tuples = layout.tuple_fields
     for name, value in zip(layout.json_fields, layout.json_values(event), strict=True):
         kind = type(value)
         if kind is str or kind is int or kind is bool or value is None:
-            continue
-        if kind is float:
-            exact = -math.inf < value < math.inf
-        elif name in tuples:
+            continue  # the common case, ahead of the walk
+        if name in tuples:
             exact = kind is tuple and _json_exact(list(value))
-        elif name == "request" and key is not None and kind is dict:
+        elif name == "request" and ref is not None and kind is dict:
+            _position, key, shared = ref
             messages = value.get(key)
             exact = (
                 type(messages) is list
@@ -412,16 +420,6 @@ def _reads_back_as(event: Event, layout: Layout, row: EncodedEvent) -> bool:
         if code == "f" and tuple(array(code, value).tolist()) != value:
             return False
     return True
-
-
-def _shared_messages(data: str) -> tuple[str | None, int]:
-    """The conversation key of a row's request and how many of its messages the row shares with
-    an earlier call (the leading :data:`REQUEST_REF`); (None, 0) for a row that shares none."""
-    if not data.startswith(_REQUEST_REF_HEAD):
-        return None, 0
-    start = len(_REQUEST_REF_HEAD) - 1
-    _position, key, shared = orjson.loads(data[start : data.index("]", start) + 1])
-    return key, shared
 
 
 def _json_exact(value: Any) -> bool:
