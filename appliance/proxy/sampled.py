@@ -42,7 +42,11 @@ class Sampled:
 
 
 def sampling_record(params: SamplingParams) -> dict[str, Any]:
-    """``asdict(params)``, without its deep copy where nothing is nested (no constraint)."""
+    """``asdict(params)`` in JSON's own values (the stop ids a list, the constraint a dict), so
+    the call's event holds what the log reads back and is handed to live subscribers as it is
+    (``store.codec.as_stored``), not read back from its row."""
+    record = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    record["stop_token_ids"] = list(params.stop_token_ids)
     if params.constraint is not None:
-        return asdict(params)
-    return {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+        record["constraint"] = asdict(params.constraint)
+    return record

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import asdict
@@ -24,8 +25,13 @@ from appliance.proxy.sampled import sampling_record
         SamplingParams(constraint=Constraint(kind="json_object", grammar="start: x")),
     ],
 )
-def test_the_recorded_sampling_is_asdict(params: SamplingParams) -> None:
-    assert sampling_record(params) == asdict(params)
+def test_the_recorded_sampling_is_asdict_in_jsons_own_values(params: SamplingParams) -> None:
+    record = sampling_record(params)
+    # What the log reads back: equal, and of the same types throughout (repr tells a list from a
+    # tuple), so the event the proxy records is the one its live subscribers get.
+    read_back = json.loads(json.dumps(asdict(params)))
+    assert record == read_back and repr(record) == repr(read_back)
+    assert SamplingParams.from_record(record) == params
 
 
 def test_call_ids_are_distinct_24_hex_digits_and_differ_between_processes() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from appliance.app import Appliance
 from appliance.chat.tools import new_tool_call_id
 from appliance.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from appliance.rollouts.registry import ActiveRollout
+from store.events import Event, LLMCallCompleted
 from tests.support import make_config
 from tests.support import openai_client as client
 from tests.support import recorded_calls as recorded
@@ -372,3 +373,34 @@ def test_a_streamed_delta_event_is_the_chunk_written_whole(surface: str, usage: 
         else:
             text = CompletionChunks(request, "call-1", None)
             assert sse_events(text.text(delta)) == sse_events([text._chunk(delta)])
+
+
+async def test_a_calls_event_reaches_live_subscribers_as_it_was_recorded(
+    app: Appliance, active: ActiveRollout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event a call records holds only what the log reads back (its sampling's stop ids a
+    list), so the store hands live subscribers that very object instead of reading its row."""
+    appended: list[Event] = []
+    append = app.store.append
+
+    async def keep(events: Sequence[Event]) -> list[int]:
+        appended.extend(events)
+        return await append(events)
+
+    monkeypatch.setattr(app.store, "append", keep)
+    after = app.store.last_position
+    async with client(app, active) as oai:
+        await oai.chat.completions.create(model="m", messages=USER, max_tokens=4, seed=3, temperature=0.5)
+    (recorded_event,) = [e for e in appended if isinstance(e, LLMCallCompleted)]
+    assert recorded_event.sampling["stop_token_ids"]  # the tokenizer's end of turn, as a list
+
+    async def first_call() -> Event:
+        async for stored in app.store.subscribe(after=after):
+            if isinstance(stored.event, LLMCallCompleted):
+                return stored.event
+        raise AssertionError("the store closed")
+
+    live = await asyncio.wait_for(first_call(), 10)
+    assert live is recorded_event
+    (from_log,) = await recorded(app)
+    assert from_log == live
