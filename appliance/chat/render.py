@@ -238,12 +238,15 @@ class Conversation:
 
     tokenizer: Tokenizer
     fmt: ChatFormat = CHATML
+    #: The sampled turns remembered (the oldest forgotten beyond it: they no longer splice) and
+    #: the prompts they are remembered after; None: every one, for the rollout's life.
+    max_sampled: int | None = None
     _sampled: dict[tuple[bytes, Any], tuple[int, ...]] = field(default_factory=dict)
     #: The turns sampled after each prompt digest, newest first (the last
-    #: ``SAMPLED_TURNS_PER_PROMPT``), and the keys of every sampled turn (what a turn that does not
-    #: match exactly is compared with).
+    #: ``SAMPLED_TURNS_PER_PROMPT``), and the keys of the sampled turns remembered, each with how
+    #: many of them it is (what a turn that does not match exactly is compared with).
     _by_prompt: dict[bytes, deque[SampledTurn]] = field(default_factory=dict)
-    _sampled_keys: set[Any] = field(default_factory=set)
+    _sampled_keys: dict[Any, int] = field(default_factory=dict)
     #: Sampled turns whose returned message covers less than was sampled: (sampled ids spliced,
     #: ids sampled), reported when the turn is spliced (``turns.returned_part``).
     _cut: dict[tuple[bytes, Any], tuple[int, int]] = field(default_factory=dict)
@@ -283,6 +286,10 @@ class Conversation:
         turn = SampledTurn(message, body, stop, stop_at)
         returned = returned_part(self.tokenizer, message, body)
         pair = (digest, message.key)
+        # Sampled again: remembered anew, as the newest.
+        if self._sampled.pop(pair, None) is None:
+            self._sampled_keys[message.key] = self._sampled_keys.get(message.key, 0) + 1
+        self._cut.pop(pair, None)
         if returned is None:
             self._sampled[pair] = ids
         else:
@@ -290,11 +297,27 @@ class Conversation:
             turn.returned, turn.returned_sampled = returned
             self._sampled[pair] = returned[0]
             self._cut[pair] = (returned[1], len(body))
-        self._sampled_keys.add(message.key)
-        turns = self._by_prompt.get(digest)
+        turns = self._by_prompt.pop(digest, None)
         if turns is None:
-            turns = self._by_prompt[digest] = deque(maxlen=SAMPLED_TURNS_PER_PROMPT)
+            turns = deque(maxlen=SAMPLED_TURNS_PER_PROMPT)
+        self._by_prompt[digest] = turns
         turns.appendleft(turn)
+        if self.max_sampled is not None:
+            self._forget_beyond(self.max_sampled)
+
+    def _forget_beyond(self, most: int) -> None:
+        """Forget the oldest sampled turns past ``most``, and the oldest prompts past it."""
+        while len(self._sampled) > most:
+            pair = next(iter(self._sampled))
+            del self._sampled[pair]
+            self._cut.pop(pair, None)
+            key = pair[1]
+            if self._sampled_keys[key] > 1:
+                self._sampled_keys[key] -= 1
+            else:
+                del self._sampled_keys[key]
+        while len(self._by_prompt) > most:
+            del self._by_prompt[next(iter(self._by_prompt))]
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> RenderedPrompt:
         try:

@@ -47,6 +47,8 @@ class BodyHead:
 class Transcript:
     tokenizer: Tokenizer
     fmt: ChatFormat = CHATML
+    #: The chat turns sampled that are remembered for splicing (``Conversation.max_sampled``).
+    max_sampled: int | None = None
     conversation: Conversation = field(init=False)
     #: The last Chat Completions ``messages`` array and its conversion.
     messages: MessageMemo = field(default_factory=MessageMemo)
@@ -57,7 +59,7 @@ class Transcript:
     _text_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.conversation = Conversation(self.tokenizer, self.fmt)
+        self.conversation = Conversation(self.tokenizer, self.fmt, self.max_sampled)
 
     def render_chat(
         self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()

@@ -55,6 +55,9 @@ class ActiveRollout:
 
 #: Rollout id of calls on the plain ``/v1`` prefix; no ``RolloutCreated`` event names it.
 DEFAULT_ROLLOUT = "default"
+#: Sampled turns the rollout-less conversation remembers for splicing (the oldest forgotten
+#: beyond): it lives as long as the process, whoever calls the plain ``/v1`` routes.
+DEFAULT_SAMPLED_TURNS = 4096
 #: Ended rollouts whose keys are remembered, so a request after the end is a 409, not a 404.
 REMEMBERED_ENDED = 4096
 
@@ -96,7 +99,11 @@ class RolloutRegistry:
             task_id=task_id,
             group=group,
             token="la-" + secrets.token_urlsafe(24),
-            transcript=Transcript(self._tokenizer, self.fmt),
+            transcript=Transcript(
+                self._tokenizer,
+                self.fmt,
+                max_sampled=DEFAULT_SAMPLED_TURNS if rollout == DEFAULT_ROLLOUT else None,
+            ),
             task=task,
         )
         self._active[rollout] = active

@@ -70,3 +70,33 @@ def test_a_prompt_sampled_many_times_keeps_its_newest_turns_for_a_changed_match(
     assert kept is not None and kept.kind == "extended"
     dropped = turn_of(f"answer {times - SAMPLED_TURNS_PER_PROMPT - 1} and more")
     assert dropped is not None and dropped.kind == "unmatched"
+
+
+def test_a_bounded_conversation_forgets_its_oldest_sampled_turns(tokenizer: Tokenizer) -> None:
+    # The rollout-less conversation lives as long as the process: it splices its newest
+    # ``max_sampled`` turns exactly; older ones come back as turns that match nothing sampled.
+    conversation = Conversation(tokenizer, max_sampled=3)
+    asked = [Message("user", f"question {i}") for i in range(5)]
+    answers = [Message("assistant", f"answer {i}") for i in range(5)]
+
+    def sample(i: int) -> None:
+        rendered = conversation.render([asked[i]])
+        ids = [*tokenizer.encode(answers[i].content), tokenizer.im_end_id]
+        conversation.remember(rendered.digest, answers[i], ids)
+
+    # The first sampled again after the third: remembered anew, as the newest, so the fourth and
+    # fifth make the second and third the ones forgotten.
+    for i in (0, 1, 2, 0, 3, 4):
+        sample(i)
+
+    def spliced(i: int) -> bool:
+        rendered = conversation.render([asked[i], answers[i], Message("user", "and then?")])
+        assert rendered.unmatched_assistant_turns == (0 if not rendered.turns else 1)
+        return not rendered.turns and rendered.spliced_tokens > 0
+
+    assert [spliced(i) for i in range(5)] == [True, False, False, True, True]
+    unbounded = Conversation(tokenizer)
+    for question, answer in zip(asked, answers, strict=True):
+        rendered = unbounded.render([question])
+        unbounded.remember(rendered.digest, answer, [*tokenizer.encode(answer.content), tokenizer.im_end_id])
+    assert all(not unbounded.render([asked[i], answers[i], Message("user", "?")]).turns for i in range(5))

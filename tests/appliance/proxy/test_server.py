@@ -14,6 +14,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from appliance.app import Appliance
+from appliance.rollouts import registry
 from store.events import RewardReported
 from tests.support import make_config
 from tests.support import recorded_calls as calls_recorded
@@ -244,3 +245,32 @@ async def test_an_oversized_url_or_header_is_refused_in_json(
     assert "aaaa" not in error["error"]["message"] and "kkkk" not in error["error"]["message"]
     assert "tttt" not in error["error"]["message"]
     assert await calls_recorded(app) == []
+
+
+async def test_the_rollout_less_conversation_splices_only_its_newest_turns(
+    app: Appliance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # /v1 has one conversation for the life of the process: it remembers its newest
+    # DEFAULT_SAMPLED_TURNS answers (two here), so its memory stays bounded however many come.
+    monkeypatch.setattr(registry, "DEFAULT_SAMPLED_TURNS", 2)
+    oai = AsyncOpenAI(base_url=f"{app.proxy_url}/v1", api_key=app.admin_token, max_retries=0)
+    asked = [f"What is {i} + {i}?" for i in range(4)]
+    answers = []
+    for question in asked:
+        answer = await oai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": question}], max_tokens=4
+        )
+        answers.append(answer.choices[0].message.content or "")
+    for i in (0, 3):
+        await oai.chat.completions.create(
+            model="m",
+            messages=[
+                {"role": "user", "content": asked[i]},
+                {"role": "assistant", "content": answers[i]},
+                {"role": "user", "content": "And then?"},
+            ],
+            max_tokens=2,
+        )
+    *_, oldest, newest = await calls_recorded(app)
+    assert (oldest.spliced_tokens, oldest.unmatched_assistant_turns) == (0, 1)
+    assert newest.spliced_tokens > 0 and newest.unmatched_assistant_turns == 0
