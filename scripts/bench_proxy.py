@@ -154,11 +154,12 @@ async def compare(
         model_dir = build_tiny_model(workdir / "tiny")
         answer = tiny_answer(model_dir)
         served = await stack.enter_async_context(upstreams(answer, workdir, replicas, pace_ms=pace_ms))
-        urls = [url for url, _ in served]
-        upstream_pids = tuple(pid for _, pid in served)
+        urls = [upstream.url for upstream in served]
+        upstream_pids = tuple(upstream.pid for upstream in served)
+        engine_urls = [upstream.engine_url for upstream in served]
         overrides = {"data_dir": workdir / "run", "port": 0, "model": str(model_dir), "engine": "vllm",
-                     "vllm_url": urls[0], "max_tokens": max(answer_tokens)}  # fmt: skip
-        stack.enter_context(fleet_of(urls))
+                     "vllm_url": engine_urls[0], "max_tokens": max(answer_tokens)}  # fmt: skip
+        stack.enter_context(fleet_of(engine_urls))
         app = await stack.enter_async_context(Appliance(load_config(overrides=overrides, env={})))
         # Every client on one rollout; with several replicas one rollout per client, which the
         # fleet spreads over them (a rollout's calls stay on its replica).
@@ -230,9 +231,9 @@ async def history(calls: int, profile: Path | None, max_tokens: int = MAX_TOKENS
         model_dir = build_tiny_model(workdir / "tiny")
         answer = tiny_answer(model_dir)
         async with upstreams(answer, workdir, max_model_len=40_000) as served:
-            ((upstream_url, upstream_pid),) = served
+            ((_url, upstream_pid, engine_url),) = served
             overrides = {"data_dir": workdir / "run", "port": 0, "model": str(model_dir), "engine": "vllm",
-                         "vllm_url": upstream_url, "max_tokens": max_tokens}  # fmt: skip
+                         "vllm_url": engine_url, "max_tokens": max_tokens}  # fmt: skip
             async with Appliance(load_config(overrides=overrides, env={})) as app:
                 resident = resident_bytes()
                 with profiled(profile) as profiler:

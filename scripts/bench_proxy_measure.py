@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from unittest import mock
 
 import aiohttp
@@ -226,24 +226,36 @@ async def wait_http(url: str, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.2)
 
 
+class Upstream(NamedTuple):
+    """A running fake upstream: the URL its clients call (the direct column's, AGL's), its
+    process id, and the URL the appliance's engine attaches with: its Unix socket, as the engine
+    reaches a vLLM server it launches."""
+
+    url: str
+    pid: int
+    engine_url: str
+
+
 @contextlib.asynccontextmanager
 async def upstreams(
     answer: Answer, workdir: Path, count: int = 1, max_model_len: int = 2048, pace_ms: float = 0.0
-) -> AsyncIterator[list[tuple[str, int]]]:
+) -> AsyncIterator[list[Upstream]]:
     """``count`` fake upstreams (``bench_proxy_upstream.py``), started together, streaming one
-    token per ``pace_ms`` (0: at once); each one's base URL and process id, once each answers."""
+    token per ``pace_ms`` (0: at once), once each answers."""
     spec = json.dumps({"ids": answer.ids, "end": answer.end})
+    sockets = [workdir / f"upstream-{i}.sock" for i in range(count)]
     cmd = [sys.executable, str(UPSTREAM), spec, "--max-model-len", str(max_model_len),
            "--pace-ms", str(pace_ms)]  # fmt: skip
-    processes = [start_process(cmd, cwd=workdir, pipe=True) for _ in range(count)]
+    processes = [start_process([*cmd, "--uds", str(sock)], cwd=workdir, pipe=True) for sock in sockets]
     try:
         started = []
-        for process in processes:
+        for process, sock in zip(processes, sockets, strict=True):
             assert process.stdout is not None
             line = await asyncio.to_thread(process.stdout.readline)
-            started.append((f"http://127.0.0.1:{json.loads(line)['port']}", process.pid))
-        for url, _ in started:
-            await wait_http(url + "/v1/models")
+            url = f"http://127.0.0.1:{json.loads(line)['port']}"
+            started.append(Upstream(url, process.pid, f"unix:{sock}"))
+        for upstream in started:
+            await wait_http(upstream.url + "/v1/models")
         yield started
     finally:
         for process in processes:

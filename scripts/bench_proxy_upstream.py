@@ -16,9 +16,11 @@ event (the first included), so an event of ``stream_interval`` tokens comes afte
 times X, as vLLM sends it at that decode speed; a whole answer is not delayed.
 
     python scripts/bench_proxy_upstream.py '{"ids": [...], "end": 151645}' [--max-model-len 2048]
-                                           [--pace-ms 0]
+                                           [--pace-ms 0] [--uds PATH]
 
-prints ``{"port": N}`` once it listens on 127.0.0.1, then serves until it is terminated.
+prints ``{"port": N}`` once it listens on 127.0.0.1 (and on the Unix socket ``PATH`` with
+``--uds``, as vLLM does with that flag: what the appliance's engine reaches a server it launches
+through), then serves until it is terminated.
 """
 
 from __future__ import annotations
@@ -145,12 +147,16 @@ def upstream_app(ids: list[int], end: int, max_model_len: int, pace_ms: float = 
     return app
 
 
-async def serve(ids: list[int], end: int, max_model_len: int, pace_ms: float = 0.0) -> None:
+async def serve(
+    ids: list[int], end: int, max_model_len: int, pace_ms: float = 0.0, uds: str | None = None
+) -> None:
     runner = web.AppRunner(upstream_app(ids, end, max_model_len, pace_ms), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
     await site.start()
     port = runner.addresses[0][1]
+    if uds is not None:
+        await web.UnixSite(runner, uds, backlog=4096).start()
     print(json.dumps({"port": port}), flush=True)
     await asyncio.Event().wait()
 
@@ -160,6 +166,7 @@ if __name__ == "__main__":
     parser.add_argument("answer", help='JSON {"ids": ANSWER\'s token ids, "end": the end token id}')
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--pace-ms", type=float, default=0.0, help="a stream's milliseconds per token")
+    parser.add_argument("--uds", help="also listen on this Unix socket")
     args = parser.parse_args()
     spec = json.loads(args.answer)
     try:
@@ -168,4 +175,4 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(spec["ids"], spec["end"], args.max_model_len, args.pace_ms))
+    asyncio.run(serve(spec["ids"], spec["end"], args.max_model_len, args.pace_ms, args.uds))

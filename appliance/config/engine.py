@@ -38,7 +38,7 @@ class EngineConfig:
     #: vLLM engine: the interpreter of vLLM's own virtualenv (``make vllm-cpu`` or ``make vllm-gpu``);
     #: a relative path is looked up from the working directory, then from the project root.
     vllm_python: Path = Path(".venv-vllm/bin/python")
-    #: vLLM engine: port of its server on 127.0.0.1 (0 picks a free one).
+    #: vLLM engine: port of its server on 127.0.0.1 (0: a Unix socket of its own instead).
     vllm_port: int = 0
     #: vLLM engine: longest prompt + completion in tokens (None: the model's own context).
     vllm_max_model_len: int | None = None
@@ -46,8 +46,9 @@ class EngineConfig:
     vllm_cpu_kv_cache_gib: int = 1
     #: vLLM engine: seconds to wait for its server to answer /health after a (re)start.
     vllm_startup_timeout_s: float = 600.0
-    #: vLLM engine: attach to a server already running at this URL (e.g. ``http://127.0.0.1:8000``)
-    #: instead of launching one; None launches and supervises its own.
+    #: vLLM engine: attach to a server already running at this URL (e.g. ``http://127.0.0.1:8000``,
+    #: or ``unix:/path/to/socket`` for one started with ``--uds``) instead of launching one; None
+    #: launches and supervises its own.
     vllm_url: str | None = None
 
     def __post_init__(self) -> None:
@@ -59,7 +60,7 @@ class EngineConfig:
                 f"gpu_memory_utilization must be above 0 and at most 1; got {self.gpu_memory_utilization}"
             )
         if not 0 <= self.vllm_port <= 65535:
-            raise ConfigError(f"vllm_port must be a port number (0: a free one); got {self.vllm_port}")
+            raise ConfigError(f"vllm_port must be a port number (0: a Unix socket); got {self.vllm_port}")
         at_least("vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib, 1)
         seconds("vllm_startup_timeout_s", self.vllm_startup_timeout_s)
         if self.vllm_url and self.engine_replicas > 1:

@@ -1,5 +1,5 @@
-"""Streamed completions from a vLLM server over plain HTTP/1.1 on the loopback, with no client
-library in between.
+"""Streamed completions from a vLLM server over plain HTTP/1.1 on this host (a Unix socket, or
+TCP on the loopback), with no client library in between.
 
 Owns the one request a proxied call makes (``POST /v1/completions`` with ``"stream": true``, its
 answer a chunked server-sent-event stream) and its keep-alive connections: ``StreamPool.stream``
@@ -190,11 +190,13 @@ class _Body:
 
 
 class StreamPool:
-    """Kept-alive connections to one server (``host``, ``port``), for streamed requests."""
+    """Kept-alive connections to one server (``host``, ``port``; through the Unix socket
+    ``unix_path`` when given), for streamed requests."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, unix_path: str | None = None) -> None:
         self.host = host
         self.port = port
+        self.unix_path = unix_path
         self._idle: list[_Connection] = []
         self._closed = False
 
@@ -211,7 +213,10 @@ class StreamPool:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: _Connection(self._lost), self.host, self.port)
+        if self.unix_path is not None:
+            _, conn = await loop.create_unix_connection(lambda: _Connection(self._lost), self.unix_path)
+        else:
+            _, conn = await loop.create_connection(lambda: _Connection(self._lost), self.host, self.port)
         return conn
 
     def _release(self, conn: _Connection) -> None:

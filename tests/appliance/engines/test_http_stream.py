@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,6 +101,25 @@ async def test_a_chunked_stream_cut_anywhere_is_read_whole_and_the_connection_re
     assert server.connections == 1
     assert server.requests[0].startswith(b"POST /v1/completions HTTP/1.1\r\n")
     assert server.requests[0].endswith(b'\r\n\r\n{"stream": true}')
+
+
+async def test_a_server_on_a_unix_socket_streams_over_it_and_keeps_the_connection(tmp_path: Path) -> None:
+    async def reply(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED_HEAD + chunked(sse(EVENTS), 13))
+        await writer.drain()
+
+    server = Server(reply)
+    path = str(tmp_path / "vllm.sock")
+    raw = await asyncio.start_unix_server(server.handle, path)
+    pool = StreamPool("localhost", 80, unix_path=path)
+    try:
+        for _ in range(3):
+            assert await collect(pool) == EVENTS
+        assert server.connections == 1
+        assert server.requests[0].startswith(b"POST /v1/completions HTTP/1.1\r\nHost: localhost:80\r\n")
+    finally:
+        pool.close()
+        raw.close()
 
 
 async def test_a_sized_answer_and_a_closing_one_are_read(

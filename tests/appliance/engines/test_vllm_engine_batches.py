@@ -1,9 +1,11 @@
 """How the vLLM engine hands a stream's tokens to its caller, against a stand-in for vLLM's server
-(no vLLM needed): what one read brings goes over in one ``on_tokens`` call, and a bounded batch
+(no vLLM needed), reached over TCP and over a Unix socket (``unix:`` URLs, as the engine reaches a
+server it launches): what one read brings goes over in one ``on_tokens`` call, and a bounded batch
 asks for a ``stream_interval`` only once the server's pace is known to allow it."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,8 @@ from appliance.engines.vllm_engine import VLLMEngine
 ANSWER = list(range(10, 50))
 
 
-@pytest.fixture
-async def server() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+@pytest.fixture(params=["tcp", "unix"])
+async def server(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
     """A vLLM-shaped server that streams ``ANSWER`` at once, as vLLM 0.32 writes it (the first
     token alone, then ``stream_interval`` tokens per event), and keeps the bodies it was sent."""
     bodies: list[dict[str, Any]] = []
@@ -52,11 +54,16 @@ async def server() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}", bodies
-    await runner.cleanup()
+    with tempfile.TemporaryDirectory() as directory:
+        if request.param == "unix":
+            path = f"{directory}/vllm.sock"
+            await web.UnixSite(runner, path).start()
+            yield f"unix:{path}", bodies
+        else:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            host, port = runner.addresses[0][:2]
+            yield f"http://{host}:{port}", bodies
+        await runner.cleanup()
 
 
 async def test_a_streams_reads_go_over_in_groups_and_its_pace_sizes_the_next_batch(

@@ -57,3 +57,13 @@ def test_the_server_runs_the_module_the_deprecated_entry_point_runs(tmp_path: Pa
     command = server_command(ServerSettings(model_dir=tmp_path, dtype="float32"), 8000)
     assert command[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
     assert option(command, "--model") == str(tmp_path) and option(command, "--dtype") == "float32"
+
+
+def test_a_server_on_a_socket_is_told_its_path_and_no_port(tmp_path: Path) -> None:
+    settings = ServerSettings(model_dir=tmp_path, dtype="float32")
+    on_socket = server_command(settings, 0, tmp_path / "server.sock")
+    assert option(on_socket, "--uds") == str(tmp_path / "server.sock")
+    assert "--port" not in on_socket and "--host" not in on_socket
+    on_port = server_command(settings, 8000)
+    assert (option(on_port, "--host"), option(on_port, "--port")) == ("127.0.0.1", "8000")
+    assert "--uds" not in on_port
