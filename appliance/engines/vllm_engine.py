@@ -230,6 +230,15 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
 
     @property
     def base_url(self) -> str:
+        """Where the server listens, as ``base_url`` takes it to attach: ``unix:/path`` for a
+        Unix socket, else ``http://host:port``."""
+        if self._uds is not None and (self._attached_url is not None or self._server is not None):
+            return UNIX_SCHEME + str(self._uds)
+        return self._http_url
+
+    @property
+    def _http_url(self) -> str:
+        """What this engine's requests are addressed to (on a Unix socket, only their host)."""
         if self._attached_url is not None:
             return self._attached_url
         if self._server is None:
@@ -241,7 +250,7 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
         if self._session is None:
             raise EngineUnavailable("the vLLM engine has not been started")
         client = self._server_client
-        base_url = self.base_url  # a restarted server listens on a new port
+        base_url = self._http_url  # a restarted server listens on a new port
         if client is None or client.base_url != base_url or client.session is not self._session:
             client = self._server_client = ServerClient(self._session, base_url)
         return client
@@ -250,7 +259,7 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
     def _stream_pool(self) -> StreamPool | None:
         """The kept-alive connections streamed completions go over (None: the server is not
         reached over plain HTTP, and aiohttp's client streams them)."""
-        base_url = self.base_url
+        base_url = self._http_url
         key = (base_url, self._server)
         if key == self._pool_key:
             return self._pool

