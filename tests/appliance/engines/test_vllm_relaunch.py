@@ -119,7 +119,10 @@ async def gpu() -> AsyncIterator[tuple[Gpu, str]]:
 async def engine(gpu: tuple[Gpu, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
     state, url = gpu
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
-    engine = VLLMEngine(tmp_path, device="cuda", gpu_memory_utilization=UTILIZATION)
+    # A port (the stand-ins' HTTP side listens on TCP), not a Unix socket of the engine's own.
+    engine = VLLMEngine(
+        tmp_path, device="cuda", gpu_memory_utilization=UTILIZATION, port=int(url.rsplit(":", 1)[1])
+    )
     servers: list[StandIn] = []
 
     def new_server(port: int) -> StandIn:
