@@ -21,6 +21,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, cast
 
 import orjson
@@ -193,7 +194,7 @@ class StreamPool:
     """Kept-alive connections to one server (``host``, ``port``; through the Unix socket
     ``unix_path`` when given), for streamed requests."""
 
-    def __init__(self, host: str, port: int, unix_path: str | None = None) -> None:
+    def __init__(self, host: str, port: int, unix_path: str | Path | None = None) -> None:
         self.host = host
         self.port = port
         self.unix_path = unix_path
@@ -214,7 +215,7 @@ class StreamPool:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         if self.unix_path is not None:
-            _, conn = await loop.create_unix_connection(lambda: _Connection(self._lost), self.unix_path)
+            _, conn = await loop.create_unix_connection(lambda: _Connection(self._lost), str(self.unix_path))
         else:
             _, conn = await loop.create_connection(lambda: _Connection(self._lost), self.host, self.port)
         return conn

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,6 +25,13 @@ from appliance.engines.base import GenerateRequest
 from appliance.engines.http_stream import raise_for_status, sse_batches
 from appliance.engines.sampling import TopLogprobs
 from contracts.errors import EngineUnavailable
+
+
+def server_session(uds: Path | None) -> aiohttp.ClientSession:
+    """The session every JSON call to a server goes through: over its Unix socket ``uds``, or
+    TCP (no limit on connections; 30 s to connect, no bound on an answer)."""
+    connector = aiohttp.TCPConnector(limit=0) if uds is None else aiohttp.UnixConnector(str(uds), limit=0)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=30))
 
 
 class ServerClient:

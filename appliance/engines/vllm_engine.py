@@ -76,40 +76,36 @@ from appliance.engines.vllm_client import (
     encode_json,
     parse_choice,
     read_chunks,
+    server_session,
 )
 from appliance.engines.vllm_gate import GenerationGate
 from appliance.engines.vllm_process import (
     DEFAULT_VLLM_PYTHON,
-    UNIX_BASE_URL,
+    UNIX_SCHEME,
     ServerProcess,
     ServerSettings,
     free_port,
+    private_socket,
+    split_server_url,
 )
 from appliance.engines.vllm_supervise import VLLMSupervisor
 from contracts.errors import ApplianceError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
-#: ``base_url``'s prefix for a server on a Unix socket (vLLM's ``--uds``): ``unix:/path``.
-UNIX_SCHEME = "unix:"
-#: The longest Unix socket path Linux binds (``sun_path`` holds 108 bytes with its NUL).
-_UNIX_PATH_MAX = 107
-
 
 class VLLMEngine(VLLMBuckets, VLLMSupervisor):
     """An ``Engine`` backed by a vLLM server that this object launches, supervises and stops.
 
-    ``python`` is the interpreter of vLLM's own virtualenv (``make vllm-cpu``); ``port`` 0 has
-    the server listen on a Unix socket of its own (in a private temporary directory: a call's
-    request and answer cost the appliance less than over TCP), another port has it listen there;
-    ``base_url`` instead attaches to a server already running on this host (``http://host:port``,
-    or ``unix:/path/to/socket`` for one started with ``--uds``; no launch, no supervision; weights
-    still travel through ``/dev/shm``, and the server needs the worker extension, as
-    ``vllm_process.server_command`` sets it up). ``max_batch_size`` is
-    vLLM's ``--max-num-seqs``; ``dtype`` defaults to the checkpoint's own; ``log_path`` receives
-    the server's output; ``policy_version`` is the version of the weights in ``model_dir``;
-    ``visible_devices`` (e.g. "2,3") is the server's ``CUDA_VISIBLE_DEVICES`` (None: inherited);
-    ``enforce_eager`` turns CUDA graphs off (None: off on CPU only).
+    ``python`` is the interpreter of vLLM's own virtualenv (``make vllm-cpu``); ``port`` 0 has the server
+    listen on a Unix socket of its own (cheaper per call than TCP), another on that port; ``base_url``
+    instead attaches to a server already running on this host (``http://host:port`` or ``unix:/path``; no
+    launch, no supervision; weights still travel through ``/dev/shm``, and the server needs the worker
+    extension, as ``vllm_process.server_command`` sets it up). ``max_batch_size`` is vLLM's
+    ``--max-num-seqs``; ``dtype`` defaults to the checkpoint's own; ``log_path`` receives the server's
+    output; ``policy_version`` is the version of the weights in ``model_dir``; ``visible_devices`` (e.g.
+    "2,3") is the server's ``CUDA_VISIBLE_DEVICES`` (None: inherited); ``enforce_eager`` turns CUDA graphs
+    off (None: off on CPU only).
     ``switch_times`` holds the seconds the last start, push, sleep, wake and restart took.
     """
 
@@ -160,13 +156,8 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
             extra_args=("--logprobs-mode", logprobs_mode),
         )
         self._port = port
-        #: The Unix socket the server listens on (None: TCP); a launched one's directory.
-        self._uds: Path | None = None
-        self._uds_dir: Path | None = None
-        if base_url and base_url.startswith(UNIX_SCHEME):
-            self._uds = Path(base_url[len(UNIX_SCHEME) :])
-            base_url = UNIX_BASE_URL
-        self._attached_url = base_url.rstrip("/") if base_url else None
+        #: The Unix socket the server listens on (None: TCP); a launched server's is the engine's.
+        self._attached_url, self._uds = split_server_url(base_url)
         self._log_path = log_path or Path(tempfile.gettempdir()) / "appliance-vllm.log"
         self._weights_root_arg = weights_root
         self._startup_timeout_s = startup_timeout_s
@@ -230,8 +221,7 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
 
     @property
     def base_url(self) -> str:
-        """Where the server listens, as ``base_url`` takes it to attach: ``unix:/path`` for a
-        Unix socket, else ``http://host:port``."""
+        """Where the server listens, as ``base_url`` takes it: ``unix:/path`` or ``http://host:port``."""
         if self._uds is not None and (self._attached_url is not None or self._server is not None):
             return UNIX_SCHEME + str(self._uds)
         return self._http_url
@@ -268,8 +258,7 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
         url = urlsplit(base_url)
         self._pool_key, self._pool = key, None
         if url.scheme == "http" and url.hostname is not None:
-            unix_path = None if self._uds is None else str(self._uds)
-            self._pool = StreamPool(url.hostname, url.port or 80, unix_path)
+            self._pool = StreamPool(url.hostname, url.port or 80, self._uds)
             self._stream_path = url.path.rstrip("/") + "/v1/completions"
         return self._pool
 
@@ -306,17 +295,8 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
         if self._session is not None:
             return
         if self._attached_url is None and not self._port:
-            self._uds_dir = Path(tempfile.mkdtemp(prefix="appliance-vllm-"))
-            self._uds = self._uds_dir / "server.sock"
-            if len(bytes(self._uds)) > _UNIX_PATH_MAX:  # a long TMPDIR: a free port instead
-                shutil.rmtree(self._uds_dir, ignore_errors=True)
-                self._uds_dir = self._uds = None
-        connector: aiohttp.BaseConnector = aiohttp.TCPConnector(limit=0)
-        if self._uds is not None:
-            connector = aiohttp.UnixConnector(str(self._uds), limit=0)
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=30)
-        )
+            self._uds = private_socket()
+        self._session = server_session(self._uds)
         started = time.monotonic()
         try:
             if self._attached_url is None:
@@ -332,11 +312,8 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
             self._supervisor = asyncio.create_task(self._supervise(), name="vllm-supervisor")
 
     def _new_server(self, port: int) -> ServerProcess:
-        if self._uds is not None:
-            return ServerProcess(self._settings, port=0, log_path=self._log_path, uds=self._uds)
-        return ServerProcess(
-            self._settings, port=port or free_port(self._settings.host), log_path=self._log_path
-        )
+        port = 0 if self._uds else port or free_port(self._settings.host)
+        return ServerProcess(self._settings, port=port, log_path=self._log_path, uds=self._uds)
 
     async def _read_server_info(self) -> None:
         models = await self._client.call("GET", "/v1/models")
@@ -362,8 +339,8 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
             self._pool.close()
         if self._weights_root is not None:
             await asyncio.to_thread(shutil.rmtree, self._weights_root, True)
-        if self._uds_dir is not None:
-            shutil.rmtree(self._uds_dir, ignore_errors=True)
+        if self._attached_url is None and self._uds is not None:
+            shutil.rmtree(self._uds.parent, ignore_errors=True)
 
     def _ensure_open(self) -> None:
         if self._closed:

@@ -93,6 +93,29 @@ class ServerSettings:
 
 #: What requests to a server on a Unix socket are addressed to (their ``Host``).
 UNIX_BASE_URL = "http://localhost"
+#: A server URL's prefix for a Unix socket (vLLM's ``--uds``): ``unix:/path``.
+UNIX_SCHEME = "unix:"
+#: The longest Unix socket path Linux binds (``sun_path`` holds 108 bytes with its NUL).
+_UNIX_PATH_MAX = 107
+
+
+def private_socket() -> Path | None:
+    """A path for a launched server's socket, in a new directory only this user reaches (its
+    owner removes it); None where the path would be too long to bind (a long ``TMPDIR``: the
+    server takes a port)."""
+    directory = Path(tempfile.mkdtemp(prefix="appliance-vllm-"))
+    if len(bytes(directory / "server.sock")) > _UNIX_PATH_MAX:
+        shutil.rmtree(directory, ignore_errors=True)
+        return None
+    return directory / "server.sock"
+
+
+def split_server_url(url: str | None) -> tuple[str | None, Path | None]:
+    """What requests to the server at ``url`` (``http://host:port`` or ``unix:/path``; None: none)
+    are addressed to, and its Unix socket (None: TCP)."""
+    if url and url.startswith(UNIX_SCHEME):
+        return UNIX_BASE_URL, Path(url[len(UNIX_SCHEME) :])
+    return (url.rstrip("/") if url else None), None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
