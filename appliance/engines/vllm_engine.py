@@ -222,9 +222,8 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
     @property
     def base_url(self) -> str:
         """Where the server listens, as ``base_url`` takes it: ``unix:/path`` or ``http://host:port``."""
-        if self._uds is not None and (self._attached_url is not None or self._server is not None):
-            return UNIX_SCHEME + str(self._uds)
-        return self._http_url
+        url = self._http_url
+        return url if self._uds is None else UNIX_SCHEME + str(self._uds)
 
     @property
     def _http_url(self) -> str:

@@ -10,7 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from appliance.engines import vllm_client
 from appliance.engines.factory import vllm_python
+from appliance.engines.vllm_process import split_server_url
 
 # absolute(), not resolve(): the venv's python is a symlink to the base interpreter.
 VLLM_PYTHON = vllm_python(Path(".venv-vllm/bin/python")).absolute()
@@ -29,10 +31,7 @@ def skip_without_vllm() -> None:
 async def server_session(base_url: str) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
     """A session to the server at ``base_url`` (``VLLMEngine.base_url``: ``unix:/path`` or
     ``http://host:port``) and the prefix of the URLs it is asked for."""
-    if base_url.startswith("unix:"):
-        connector = aiohttp.UnixConnector(base_url[len("unix:") :])
-        async with aiohttp.ClientSession(connector=connector) as session:
-            yield session, "http://localhost"
-    else:
-        async with aiohttp.ClientSession() as session:
-            yield session, base_url
+    http_url, uds = split_server_url(base_url)
+    assert http_url is not None
+    async with vllm_client.server_session(uds) as session:
+        yield session, http_url
