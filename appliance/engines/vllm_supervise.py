@@ -91,8 +91,9 @@ class VLLMSupervisor(VLLMWeights):
                         self._relaunch_tried = None
 
     async def _restart(self) -> bool:
-        """One attempt: a new server (fresh port) with the weights. It is launched only while
-        the engine holds its GPU (``_relaunch``), so it stays awake: a wake under way finds it so."""
+        """One attempt: a new server (on the same socket, or a fresh port) with the weights. It is
+        launched only while the engine holds its GPU (``_relaunch``), so it stays awake: a wake
+        under way finds it so."""
         assert self._session is not None
         try:
             self._server = self._new_server(0)
