@@ -24,9 +24,11 @@ makes every answer N tokens long (``ANSWER``'s ids repeated as often as they fit
 ``<|im_end|>``: 256 gives 253), a list (``8,256,1024``) one table per length (default 8: a short
 answer).
 ``--pace-ms X`` (default 0: at once) makes the upstreams stream as fast as a GPU that samples one
-token per X ms: they wait X ms before each event of one token, and for a request that asks a
-``stream_interval`` X ms per token before each event of that many (as vLLM sends them at that
-decode speed); the direct column's streams come at the same pace. Where nothing is paced, every
+token per X ms: each upstream takes a decode step every X ms, at which every running stream gets
+its next token at once (as vLLM's engine steps all its running requests together); an event of one
+token comes a step after the last, and for a request that asks a ``stream_interval`` an event of
+that many that many steps after (as vLLM sends them at that decode speed); the direct column's
+streams come at the same pace. Where nothing is paced, every
 stream's tokens come as fast as the processes go and a proxy can group them; paced, each token
 comes alone, as from a real model, and costs a read, a relay step and a client write.
 ``--replicas N`` starts N upstream processes, as a box of N vLLM replicas: the appliance serves

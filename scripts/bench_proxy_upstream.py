@@ -11,9 +11,11 @@ end; ``return_tokens_as_token_ids`` writes the log-probs' tokens as ``token_id:N
 the prompt's ids. ``/v1/chat/completions`` (what the direct column's clients call) streams one
 event per token. Each answer is built per request, as a server builds it (its cost is the
 upstream's own CPU that the proxy's is compared with). ``--pace-ms X`` (default 0: at once) makes
-a stream as slow as a GPU that samples one token per X ms: it waits X ms per token before each
-event (the first included), so an event of ``stream_interval`` tokens comes after that many
-times X, as vLLM sends it at that decode speed; a whole answer is not delayed.
+a stream as slow as a GPU that samples one token per X ms: the server takes a decode step every X
+ms (``DecodeSteps``), at which every running stream gets its next token, and an event goes out
+once its tokens' steps have passed (the first included), so an event of ``stream_interval`` tokens
+comes that many steps after the last, as vLLM sends it at that decode speed, and the events of all
+streams go out together; a whole answer is not delayed.
 
     python scripts/bench_proxy_upstream.py '{"ids": [...], "end": 151645}' [--max-model-len 2048]
                                            [--pace-ms 0] [--uds PATH]
@@ -40,6 +42,41 @@ def answer_ids(ids: list[int], end: int, max_tokens: int) -> list[int]:
     """An answer of at most ``max_tokens`` tokens: ``ids`` (``ANSWER``'s) repeated as often as
     they fit whole before the last place, then ``end``."""
     return [*(ids * max(1, (max_tokens - 1) // len(ids))), end][:max_tokens]
+
+
+class DecodeSteps:
+    """The decode steps of an engine on a GPU: one every ``pace_s`` seconds, at which every
+    running stream gets its next token at once (vLLM's engine samples one token of each running
+    request per step, and its server writes all their events then), not each stream on a clock
+    of its own. A stream that starts between two steps gets its first token at the next."""
+
+    def __init__(self, pace_s: float) -> None:
+        self.pace_s = pace_s
+        self._step: asyncio.Future[None] | None = None
+        self._at = 0.0
+
+    async def after(self, count: int) -> None:
+        """Return at the ``count``-th step from now."""
+        for _ in range(count):
+            await self._next()
+
+    def _next(self) -> asyncio.Future[None]:
+        if self._step is None:
+            loop = asyncio.get_running_loop()
+            self._step = loop.create_future()
+            # Steps on a fixed grid while streams run; after an idle spell (or a step more than
+            # a whole step late), the grid starts again a step from now.
+            now = loop.time()
+            self._at += self.pace_s
+            if self._at < now:
+                self._at = now + self.pace_s
+            loop.call_at(self._at, self._take)
+        return self._step
+
+    def _take(self) -> None:
+        step, self._step = self._step, None
+        if step is not None:
+            step.set_result(None)
 
 
 def upstream_app(ids: list[int], end: int, max_model_len: int, pace_ms: float = 0.0) -> web.Application:
@@ -89,18 +126,18 @@ def upstream_app(ids: list[int], end: int, max_model_len: int, pace_ms: float = 
 
     headers = {"Content-Type": "application/json"}
 
-    pace_s = pace_ms / 1e3
+    steps = DecodeSteps(pace_ms / 1e3) if pace_ms else None
 
     async def stream(
         request: web.Request, chunks: list[dict[str, Any]], sizes: list[int] | None = None
     ) -> web.StreamResponse:
-        """``chunks`` as server-sent events; paced, each after ``pace_ms`` per token it holds
-        (``sizes``: the tokens of each; one each if not given)."""
+        """``chunks`` as server-sent events; paced, each after as many decode steps as it holds
+        tokens (``sizes``: the tokens of each; one each if not given)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i, chunk in enumerate(chunks):
-            if pace_s:
-                await asyncio.sleep(pace_s * (sizes[i] if sizes else 1))
+            if steps is not None:
+                await steps.after(sizes[i] if sizes else 1)
             await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -190,3 +190,29 @@ async def test_a_paced_stream_waits_per_token_of_each_event(bench: ModuleType) -
     # 7 tokens (ANSWER's 3 twice, then the end): 1, 4, then the 2 left, after 20, 100, 140 ms.
     assert [n for n, _ in arrivals] == [1, 4, 2]
     assert arrivals[0][1] >= 0.018 and arrivals[1][1] >= 0.09 and arrivals[2][1] >= 0.126
+
+
+async def test_paced_streams_get_their_tokens_at_the_same_decode_steps(bench: ModuleType) -> None:
+    # As a GPU engine steps every running request at once: a stream that starts 15 ms after
+    # another gets each token at the same step as it (on clocks of their own, 15 ms apart).
+    import asyncio
+    import itertools
+
+    from bench_proxy_upstream import DecodeSteps
+
+    steps = DecodeSteps(0.03)
+    loop = asyncio.get_running_loop()
+
+    async def stream(delay: float) -> list[float]:
+        await asyncio.sleep(delay)
+        times = []
+        for size in (1, 2, 1):
+            await steps.after(size)
+            times.append(loop.time())
+        return times
+
+    first, second = await asyncio.gather(stream(0.0), stream(0.015))
+    assert all(abs(a - b) < 0.002 for a, b in zip(first, second, strict=True)), (first, second)
+    # Two steps of 30 ms, then one (a timer may fire a little early, or late on a busy machine).
+    gaps = [b - a for a, b in itertools.pairwise(first)]
+    assert 0.055 <= gaps[0] < 0.3 and 0.025 <= gaps[1] < 0.3, gaps
