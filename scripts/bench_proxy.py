@@ -64,12 +64,14 @@ times the answer's length), the columns after the existing ones:
 
 ``--json FILE`` writes every row's figures (the columns above, by name) to ``FILE``.
 
-``--history`` measures our proxy alone on long conversations: one conversation per history
-length (1k to 30k prompt tokens) grown through the proxy, then calls that each add the last
-answer and a short user turn; the proxy's CPU per call at each length, its tokens answered per
-CPU second, and the upstream's CPU per call. With ``--rounds N`` every length is measured N times,
-each time on a new conversation and the lengths in another order (medians; a line gives each round's
-CPU per call at 30k and 1k and their ratio: how flat the cost is, side by side). ``--profile FILE``
+``--history`` measures our proxy on long conversations (``bench_proxy_history.py``): one
+conversation per history length (1k to 30k prompt tokens) grown through the proxy, then calls
+that each add the last answer and a short user turn; the proxy's CPU per call at each length, its
+tokens answered per CPU second, the upstream's CPU per call, and the CPU per call of a
+pass-through relay on the same conversations (the floor: the conversation's bytes in and out
+once). With ``--rounds N`` every length is measured N times, each time on a new conversation and
+the lengths in another order (medians; lines give each round's CPU per call at 30k and 1k and their
+ratio, ours and the relay's, and how much each grew: how flat the cost is, side by side). ``--profile FILE``
 cProfiles this process during the measured calls (by thread CPU time; profiling slows the calls,
 so its figures are shares, not costs).
 
@@ -92,7 +94,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import math
 import os
@@ -111,7 +112,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from bench_proxy_load import GROW_WORDS, MESSAGES, NEW_WORDS  # noqa: E402
+from bench_proxy_history import history  # noqa: E402
+from bench_proxy_load import MESSAGES  # noqa: E402
 from bench_proxy_measure import (  # noqa: E402
     CONCURRENCY,
     MAX_TOKENS,
@@ -120,8 +122,6 @@ from bench_proxy_measure import (  # noqa: E402
     fleet_of,
     pct,
     profiled,
-    resident_bytes,
-    run_child,
     run_load,
     tiny_answer,
     upstreams,
@@ -208,96 +208,6 @@ async def compare(
             spread = ", ".join(f"replica {r.index}: {r.rollouts} ({r.state})" for r in status)
             print(f"rollouts per replica of the fleet: {spread or 'no fleet'}")
     return rows
-
-
-# -- long conversations -------------------------------------------------------------------------
-
-#: History lengths (prompt tokens) at which the proxy's CPU per call is measured.
-HISTORY_LENGTHS = (1_000, 2_000, 5_000, 10_000, 20_000, 30_000)
-
-
-async def history(calls: int, profile: Path | None, max_tokens: int = MAX_TOKENS, rounds: int = 1) -> None:
-    """The proxy's CPU per call as a conversation's history grows from 1k to 30k tokens; with
-    ``rounds``, each length measured that many times on a conversation of its own, the lengths
-    taking turns in a different order each round (medians, and each round's 30k/1k ratio)."""
-    from appliance.app import Appliance
-    from appliance.config import load_config
-    from appliance.engines.tiny_model import build_tiny_model
-
-    cpu: dict[int, list[float]] = {length: [] for length in HISTORY_LENGTHS}
-    up: dict[int, list[float]] = {length: [] for length in HISTORY_LENGTHS}
-    latencies: dict[int, list[float]] = {length: [] for length in HISTORY_LENGTHS}
-    sizes: dict[int, tuple[int, int, int]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        model_dir = build_tiny_model(workdir / "tiny")
-        answer = tiny_answer(model_dir)
-        async with upstreams(answer, workdir, max_model_len=40_000) as served:
-            ((_url, upstream_pid, engine_url),) = served
-            overrides = {"data_dir": workdir / "run", "port": 0, "model": str(model_dir), "engine": "vllm",
-                         "vllm_url": engine_url, "max_tokens": max_tokens}  # fmt: skip
-            async with Appliance(load_config(overrides=overrides, env={})) as app:
-                resident = resident_bytes()
-                with profiled(profile) as profiler:
-                    for turn in range(rounds):
-                        # Each round its own order: the first length is another each time, and
-                        # every other round runs them backwards.
-                        shift = turn % len(HISTORY_LENGTHS)
-                        order = HISTORY_LENGTHS[shift:] + HISTORY_LENGTHS[:shift]
-                        order = order[::-1] if turn % 2 else order
-                        rollouts = []
-                        for length in order:
-                            active = app.registry.register(
-                                f"history-{length}-{turn}", task_id="t", group="g", task={}
-                            )
-                            url = f"{app.proxy_url}/rollouts/{active.rollout}/v1/chat/completions"
-                            rollouts.append((length, url, active.token))
-                        spec = {"rollouts": rollouts, "calls": calls, "max_tokens": max_tokens}
-                        result, marks = await run_child(
-                            ["conversation", json.dumps(spec)], (), (upstream_pid,), profiler
-                        )
-                        for i, r in enumerate(result["rollouts"]):
-                            length = r["length"]
-                            cpu[length].append((marks.server[2 * i + 1] - marks.server[2 * i]) / calls)
-                            up[length].append((marks.upstream[2 * i + 1] - marks.upstream[2 * i]) / calls)
-                            latencies[length].extend(r["latencies"])
-                            sizes.setdefault(length, (r["messages"], r["start"], r["end"]))
-                gc.collect()
-                grown = resident_bytes() - resident
-    tokens = answer.length(max_tokens)
-    print(
-        f"one client; each conversation grown with ~{GROW_WORDS}-word user turns to its length, then "
-        f"{calls} calls each adding the last answer and a {NEW_WORDS}-word user turn, {tokens} tokens per "
-        "answer; the proxy records every call (durable before answered)"
-        + (f"; {rounds} rounds, each length on a conversation of its own (medians)" if rounds > 1 else "")
-    )
-    print(f"{'history':>8} {'messages':>8} {'prompt tokens':>15} {'cpu/call':>10} {'p50':>8} "
-          f"{'tok/s/core ours':>15} {'cpu/call up':>11}")  # fmt: skip
-    for length in HISTORY_LENGTHS:
-        messages, start, end = sizes[length]
-        ours = statistics.median(cpu[length])
-        print(
-            f"{length:>8} {messages:>8} {start:>7}-{end:<7} "
-            f"{ours * 1e6:>7.0f} us {statistics.median(latencies[length]) * 1e3:>6.2f} ms "
-            f"{tokens / ours if ours > 0 else math.nan:>15.0f} {statistics.median(up[length]) * 1e6:>8.0f} us"
-        )
-    if rounds > 1:
-        low, high = HISTORY_LENGTHS[0], HISTORY_LENGTHS[-1]
-        ratios = [b / a for a, b in zip(cpu[low], cpu[high], strict=True) if a > 0]
-        print(
-            f"per round: cpu/call at {high // 1000}k "
-            + " ".join(f"{v * 1e6:.0f}" for v in cpu[high])
-            + f" us; at {low // 1000}k "
-            + " ".join(f"{v * 1e6:.0f}" for v in cpu[low])
-            + f" us; {high // 1000}k/{low // 1000}k "
-            + " ".join(f"{r:.2f}" for r in ratios)
-            + f" (median {statistics.median(ratios):.2f})"
-        )
-    print(
-        f"the appliance's resident memory grew by {grown / 2**20:.1f} MiB over the conversations' "
-        f"{calls * len(HISTORY_LENGTHS) * rounds} measured and their growing calls (it keeps the calls "
-        "of rollouts no step consumed)"
-    )
 
 
 # -- the tiny model in process vs through the proxy ------------------------------------------

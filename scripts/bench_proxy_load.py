@@ -141,17 +141,19 @@ async def turn(
 async def conversation(spec: dict[str, Any]) -> dict[str, Any]:
     """For each rollout: grow one conversation (a user turn, the proxy's answer, ...) to its
     history length, then make ``calls`` calls that each add the last answer and a short user turn,
-    between two marks. What the proxy answered goes back verbatim, so every earlier turn splices."""
+    between two marks. What the proxy answered goes back verbatim, so every earlier turn splices.
+    A rollout given as ``[length, url, key, messages]`` grows to that many messages instead (for a
+    server that does not count tokens: the same words as its length's conversation elsewhere)."""
     out: list[dict[str, Any]] = []
     async with aiohttp.ClientSession() as session:
-        for length, url, key in spec["rollouts"]:
+        for length, url, key, *target in spec["rollouts"]:
             rng = random.Random(length)
             messages: list[dict[str, Any]] = [MESSAGES[0]]
             headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
 
             call = partial(turn, session, url, headers, spec["max_tokens"], messages, rng)
             prompt_tokens = 0
-            while prompt_tokens < length:
+            while (len(messages) < target[0]) if target else (prompt_tokens < length):
                 prompt_tokens = await call(GROW_WORDS)
             grown = (len(messages), prompt_tokens)
             latencies: list[float] = []

@@ -216,3 +216,55 @@ async def test_paced_streams_get_their_tokens_at_the_same_decode_steps(bench: Mo
     # Two steps of 30 ms, then one (a timer may fire a little early, or late on a busy machine).
     gaps = [b - a for a, b in itertools.pairwise(first)]
     assert 0.055 <= gaps[0] < 0.3 and 0.025 <= gaps[1] < 0.3, gaps
+
+
+async def test_the_relay_passes_a_conversation_through_as_it_came(bench: ModuleType, tmp_path: Path) -> None:
+    # The floor of --history: the client's body goes to the upstream's chat route unchanged, and
+    # the upstream's answer comes back unchanged.
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+    from bench_proxy_relay import relay_app
+
+    seen: list[bytes] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(await request.read())
+        return web.Response(body=b'{"answer": 7}', content_type="application/json")
+
+    upstream = web.Application()
+    upstream.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(upstream)
+    await runner.setup()
+    socket_path = str(tmp_path / "up.sock")
+    await web.UnixSite(runner, socket_path).start()
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "hi " * 5000}], "max_tokens": 8}).encode()
+        async with TestClient(TestServer(relay_app(socket_path))) as client:
+            response = await client.post("/v1/chat/completions", data=body)
+            assert (response.status, await response.read()) == (200, b'{"answer": 7}')
+    finally:
+        await runner.cleanup()
+    assert seen == [body]
+
+
+def test_history_measures_the_relay_on_the_same_conversations(tmp_path: Path) -> None:
+    # Real processes, two short lengths (the module's own list, shortened in the child): each
+    # row gives the relay's CPU per call beside ours, and the relay's conversations have as many
+    # messages as ours (grown to ours' counts; the bench checks).
+    code = (
+        "import asyncio, sys; sys.path[:0] = [sys.argv[1]]; import bench_proxy_history as h; "
+        "h.HISTORY_LENGTHS = (300, 900); asyncio.run(h.history(3, None, 8, 2))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "scripts")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+(300|900)\s", line)]
+    assert [row[0] for row in rows] == ["300", "900"] and all(row[-1] == "us" for row in rows), out
+    assert all(float(row[-2]) > 0 for row in rows), out  # the relay's CPU per call
+    assert "per round, relay: cpu/call at 0k" in out and "the relay's" in out, out
