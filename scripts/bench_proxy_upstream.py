@@ -56,9 +56,10 @@ class DecodeSteps:
         self._at = 0.0
 
     async def after(self, count: int) -> None:
-        """Return at the ``count``-th step from now."""
+        """Return at the ``count``-th step from now (a waiter cancelled, say by its client going
+        away, leaves the step to the others: it waits behind a shield)."""
         for _ in range(count):
-            await self._next()
+            await asyncio.shield(self._next())
 
     def _next(self) -> asyncio.Future[None]:
         if self._step is None:
@@ -75,7 +76,7 @@ class DecodeSteps:
 
     def _take(self) -> None:
         step, self._step = self._step, None
-        if step is not None:
+        if step is not None and not step.done():
             step.set_result(None)
 
 

@@ -268,3 +268,19 @@ def test_history_measures_the_relay_on_the_same_conversations(tmp_path: Path) ->
     assert [row[0] for row in rows] == ["300", "900"] and all(row[-1] == "us" for row in rows), out
     assert all(float(row[-2]) > 0 for row in rows), out  # the relay's CPU per call
     assert "per round, relay: cpu/call at 0k" in out and "the relay's" in out, out
+
+
+async def test_a_paced_stream_cancelled_leaves_the_step_to_the_others(bench: ModuleType) -> None:
+    # A client that goes away cancels its stream's wait; the streams waiting on the same step
+    # still get their token.
+    import asyncio
+
+    from bench_proxy_upstream import DecodeSteps
+
+    steps = DecodeSteps(0.02)
+    gone = asyncio.ensure_future(steps.after(1))
+    stays = asyncio.ensure_future(steps.after(1))
+    await asyncio.sleep(0.005)
+    gone.cancel()
+    await asyncio.wait_for(stays, 1.0)
+    assert gone.cancelled() and stays.done() and stays.exception() is None
