@@ -52,32 +52,32 @@ class DecodeSteps:
 
     def __init__(self, pace_s: float) -> None:
         self.pace_s = pace_s
-        self._step: asyncio.Future[None] | None = None
+        #: The streams waiting for the next step, each on a future of its own (a waiter
+        #: cancelled, say by its client going away, leaves the step to the others).
+        self._waiting: list[asyncio.Future[None]] = []
         self._at = 0.0
 
     async def after(self, count: int) -> None:
-        """Return at the ``count``-th step from now (a waiter cancelled, say by its client going
-        away, leaves the step to the others: it waits behind a shield)."""
+        """Return at the ``count``-th step from now."""
+        loop = asyncio.get_running_loop()
         for _ in range(count):
-            await asyncio.shield(self._next())
-
-    def _next(self) -> asyncio.Future[None]:
-        if self._step is None:
-            loop = asyncio.get_running_loop()
-            self._step = loop.create_future()
-            # Steps on a fixed grid while streams run; after an idle spell (or a step more than
-            # a whole step late), the grid starts again a step from now.
-            now = loop.time()
-            self._at += self.pace_s
-            if self._at < now:
-                self._at = now + self.pace_s
-            loop.call_at(self._at, self._take)
-        return self._step
+            if not self._waiting:
+                # Steps on a fixed grid while streams run; after an idle spell (or a step more
+                # than a whole step late), the grid starts again a step from now.
+                now = loop.time()
+                self._at += self.pace_s
+                if self._at < now:
+                    self._at = now + self.pace_s
+                loop.call_at(self._at, self._take)
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiting.append(waiter)
+            await waiter
 
     def _take(self) -> None:
-        step, self._step = self._step, None
-        if step is not None and not step.done():
-            step.set_result(None)
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 def upstream_app(ids: list[int], end: int, max_model_len: int, pace_ms: float = 0.0) -> web.Application:
