@@ -10,6 +10,7 @@ generator's runs and the processes under test are ``bench_proxy_measure``'s.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -45,7 +46,7 @@ async def relay(upstream_socket: str, workdir: Path) -> AsyncIterator[tuple[str,
     process = start_process([sys.executable, str(RELAY), upstream_socket], cwd=workdir, pipe=True)
     try:
         assert process.stdout is not None
-        port = json.loads(process.stdout.readline())["port"]
+        port = json.loads(await asyncio.to_thread(process.stdout.readline))["port"]
         await wait_http(f"http://127.0.0.1:{port}/")
         yield f"http://127.0.0.1:{port}/v1/chat/completions", process.pid
     finally:
