@@ -1,0 +1,195 @@
+"""The fast path of encoding: the library's ids for plain ASCII text, for every pipeline it
+accepts; None (the library's turn) for any other text; no fast path for a pipeline it does not
+read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from appliance.chat import pieces
+from appliance.chat.pieces import PieceEncoder
+from appliance.chat.tokenizer import Tokenizer
+from appliance.engines.tiny_model import QWEN2_SPLIT_REGEX
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "Hello, world! It's 2024 and they'll say we've done it; I'd say I'm not sure.",
+    "def add(a, b):\n    return a + b  # 12 + 345 = 357\n\n",
+    "    indented   code()\twith\ttabs\r\nand CRLF lines!!! ??? ... ---",
+    '{"name": "add", "arguments": {"a": 1, "b": 22}}',
+] * 20
+#: Plain ASCII: what the fast path answers for (characters, and runs of them that tokenize apart).
+ASCII = st.lists(
+    st.sampled_from(
+        [
+            *"abcXYZ019 '\t\n\r.,;:!?(){}[]<>|_-=+*/\\\"`~@#$%^&",
+            *("'s", "'LL", "  ", "\n\n", *SPECIALS, "<tool_call>"),
+        ]
+    ),
+    max_size=60,
+).map("".join)
+
+
+def _trained(pre_tokenizer: Any, normalizer: Any = None, dropout: float | None = None) -> HFTokenizer:
+    """A small byte-level BPE tokenizer with ``pre_tokenizer``, trained on ``CORPUS``."""
+    backend = HFTokenizer(models.BPE(dropout=dropout))
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS, trainer=trainer)
+    backend.add_tokens(["<tool_call>"])
+    return backend
+
+
+PIPELINES = {
+    "qwen2 (split, then bytes)": lambda: _trained(
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ),
+        normalizers.NFC(),
+    ),
+    "gpt-2 (bytes with their regex)": lambda: _trained(
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    ),
+    "smollm (digits, then bytes)": lambda: _trained(
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        ),
+        normalizers.NFKC(),
+    ),
+    "digit runs": lambda: _trained(
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PIPELINES))
+def pipeline(request: pytest.FixtureRequest) -> tuple[HFTokenizer, PieceEncoder]:
+    backend = PIPELINES[request.param]()
+    encoder = PieceEncoder.of(backend)
+    assert encoder is not None, f"no fast path for {request.param}"
+    return backend, encoder
+
+
+def _library(backend: HFTokenizer, text: str) -> list[int]:
+    ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+    return ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=ASCII)
+def test_plain_ascii_gets_the_library_s_ids(pipeline: tuple[HFTokenizer, PieceEncoder], text: str) -> None:
+    backend, encoder = pipeline
+    assert encoder.encode(text) == _library(backend, text)
+    assert encoder.encode(text) == _library(backend, text)  # again, from the pieces remembered
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["caf\u00e9", "e\u0301", "\U0001f600 ok", "ctrl\x1fchar", "form\x0cfeed", "vertical\x0btab", "del\x7f"],
+)
+def test_other_text_is_left_to_the_library(pipeline: tuple[HFTokenizer, PieceEncoder], text: str) -> None:
+    _backend, encoder = pipeline
+    assert encoder.encode(text) is None
+
+
+def test_the_pieces_remembered_are_bounded(
+    pipeline: tuple[HFTokenizer, PieceEncoder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, encoder = pipeline
+    monkeypatch.setattr(pieces, "MAX_PIECES", 5)
+    for i in range(50):
+        text = f"word{i} other{i * 7} and more {i}"
+        assert encoder.encode(text) == _library(backend, text)
+        assert len(encoder._pieces) <= 5
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "prefix space",
+        "metaspace",
+        "split merged with previous",
+        "inverted split",
+        "lstrip token",
+        "dropout",
+        "lowercase normalizer",
+        "word-level model",
+        "truncation",
+    ],
+)
+def test_a_pipeline_it_does_not_read_has_no_fast_path(change: str) -> None:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if change == "prefix space":
+        backend = _trained(pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True))
+    elif change == "metaspace":
+        backend = _trained(pre_tokenizers.Metaspace())
+    elif change == "split merged with previous":
+        split = pre_tokenizers.Split(Regex(r"\s+"), behavior="merged_with_previous")
+        backend = _trained(pre_tokenizers.Sequence([split, byte_level]))
+    elif change == "inverted split":
+        split = pre_tokenizers.Split(Regex(r"\w+"), behavior="isolated", invert=True)
+        backend = _trained(pre_tokenizers.Sequence([split, byte_level]))
+    elif change == "lstrip token":
+        backend = _trained(byte_level)
+        backend.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    elif change == "dropout":
+        backend = _trained(byte_level, dropout=0.5)
+    elif change == "lowercase normalizer":
+        backend = _trained(byte_level, normalizers.Lowercase())
+    elif change == "word-level model":
+        backend = HFTokenizer(models.WordLevel({"<|im_end|>": 0, "a": 1}, unk_token="<|im_end|>"))
+        backend.pre_tokenizer = byte_level
+    else:
+        backend = _trained(byte_level)
+        backend.enable_truncation(8)
+    assert PieceEncoder.of(backend) is None
+
+
+def test_a_pipeline_that_encodes_a_sample_otherwise_has_no_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = PIPELINES["gpt-2 (bytes with their regex)"]()
+    assert PieceEncoder.of(backend) is not None
+    # GPT-2's regex read wrongly (contractions left out): the samples' "It's" tells.
+    monkeypatch.setattr(pieces, "GPT2_PATTERN", r" ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+    assert PieceEncoder.of(backend) is None
+
+
+def test_the_proxy_s_tokenizer_encodes_plain_text_without_the_library(tiny_model_dir: Path) -> None:
+    ours = Tokenizer.from_model_dir(tiny_model_dir)
+    reference = HFTokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    text = "<|im_start|>user\nWhat is 2 + 3? It's <tool_call>add</tool_call><|im_end|>\n"
+    expected = _library(reference, text)
+
+    class Refusing:
+        def encode_batch_fast(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("the library was asked")
+
+    ours._backend = Refusing()
+    assert ours.encode(text) == expected
+    with pytest.raises(AssertionError, match="the library was asked"):
+        ours.encode("caf\u00e9")
