@@ -70,7 +70,8 @@ class PieceEncoder:
         self._model = backend.model
         self._added = added
         self._splits = splits
-        self._pieces: dict[str, list[int]] = {}
+        #: Each pre-token's ids (tuples: the collector stops walking them once it has seen them).
+        self._pieces: dict[str, tuple[int, ...]] = {}
         self._bytes = _byte_chars()
 
     @classmethod
@@ -139,7 +140,7 @@ class PieceEncoder:
                     if len(known) >= MAX_PIECES:
                         known.clear()
                     mapped = "".join(self._bytes[b] for b in piece.encode())
-                    ids = known[piece] = [token.id for token in self._model.tokenize(mapped)]
+                    ids = known[piece] = tuple(token.id for token in self._model.tokenize(mapped))
                 out.extend(ids)
 
 
