@@ -1,5 +1,5 @@
-"""Encoding plain ASCII text piece by piece, each piece's ids remembered: the tokenizers
-library's ids, without running its whole pipeline on every turn.
+"""Encoding text piece by piece, each piece's ids remembered: the tokenizers library's ids,
+without running its whole pipeline on every turn.
 
 Owns the fast path of ``Tokenizer.encode``. A byte-level BPE tokenizer (Qwen's, Llama 3's,
 SmolLM's, GPT-2's) encodes a text in four steps: the added tokens (``<|im_start|>``, ...) are
@@ -10,24 +10,27 @@ evicting, that costs a few microseconds a word. ``PieceEncoder`` does the first 
 (the same expressions, by the ``regex`` module) and asks the library's BPE model only for a
 pre-token it has not seen, so a turn costs a dictionary lookup a piece.
 
-It answers only where its answer is the library's by construction, and says None otherwise
-(the caller then asks the library):
+It encodes only what is the library's by construction, and leaves the rest to the library:
 
-* only for text of printable ASCII, tabs and line breaks: no normalizer changes it (NFC,
-  NFKC, none), and the expressions' classes (``\\p{L}``, ``\\s``, ...) mean the same to both
-  regular-expression engines there;
-* only for a tokenizer whose pipeline it reads completely from the tokenizer's own JSON:
-  an NFC, NFKC or no normalizer; pre-tokenizers among ``Split`` (a regex, "Isolated", not
-  inverted), ``Digits`` and ``ByteLevel`` (no prefix space); a BPE model without dropout; added
-  tokens matched as plain strings (no ``lstrip``, ``rstrip`` or ``single_word``), no truncation
-  or padding. Anything else: ``PieceEncoder.of`` gives None;
-* and only after it encoded a sample of texts exactly as the library does (``of`` checks).
+* plain ASCII (printable characters, tabs and line breaks): no normalizer changes it (NFC, NFKC,
+  none), and the expressions' classes (``\\p{L}``, ``\\s``, ...) mean the same to both
+  regular-expression engines there. Around other characters the text is cut where no piece can
+  cross (before a space between two ASCII letters, under the splits of :data:`CUTTABLE`) and the
+  library encodes those stretches; under any other split, such a text goes to it whole;
+* for a tokenizer whose pipeline it reads completely from the tokenizer's own JSON: an NFC, NFKC
+  or no normalizer; pre-tokenizers among ``Split`` (a regex, "Isolated", not inverted),
+  ``Digits`` and ``ByteLevel`` (no prefix space); a BPE model without dropout; added tokens
+  matched as plain strings (no ``lstrip``, ``rstrip`` or ``single_word``), no truncation or
+  padding. Anything else: ``PieceEncoder.of`` gives None;
+* and only after it encoded a sample of texts exactly as the library does (``of`` checks; a
+  mixed sample that differs turns the cutting off).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left, bisect_right
 from itertools import chain
 from typing import Any
 
@@ -41,6 +44,21 @@ AddedPass = tuple[regex.Pattern[str] | None, dict[str, int]]
 
 #: The pre-tokenizer regex of ``ByteLevel(use_regex=True)`` (GPT-2's).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+#: Qwen2's and Llama 3's pre-token splits (``Split``, "Isolated").
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+LLAMA3_PATTERN = QWEN2_PATTERN.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+#: Splits under which a text may be cut before a space between two ASCII letters (see
+#: ``PieceEncoder.encode``): in each, a letter run ends at a space and a space before a letter
+#: starts the next piece, whatever the text around (no alternative reaches back, none ahead past
+#: that letter).
+CUTTABLE = frozenset({QWEN2_PATTERN, LLAMA3_PATTERN, GPT2_PATTERN, "[0-9]", "[0-9]+"})
+#: Where a text may be cut: before a space between two ASCII letters.
+_CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+#: What the fast path does not take: anything but printable ASCII, tabs and line breaks.
+_OTHER = re.compile(r"[^\t\n\r\x20-\x7e]+")
 #: What the fast path leaves to the library in ASCII text: control characters but tabs and line
 #: breaks (the two engines' ``\s`` could disagree on them).
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -56,6 +74,13 @@ SAMPLES = (
     "a  b   c    d\n\n\n e",
     "x" * 300 + " " + "=" * 40 + "\n",
 )
+#: Texts with other characters, both ways at the start where the split allows cutting (a
+#: difference turns the cutting off).
+MIXED_SAMPLES = (
+    "caf\u00e9 au lait, na\u00efve \u2014 \u201cquoted\u201d text\u2026 \U0001f600 done\n",
+    "x\u00a0y z\u2028w a\u0301b \u4f60\u597d world of\ttabs\x0bvt and more words",
+    "<|im_start|>user\n\u00bfQu\u00e9 tal? It's fine\x7f and \uff21\uff22 wide<|im_end|>\n",
+)
 
 
 class PieceEncoder:
@@ -67,9 +92,14 @@ class PieceEncoder:
         added: list[AddedPass],
         splits: list[regex.Pattern[str]],
     ) -> None:
+        self._backend = backend
         self._model = backend.model
         self._added = added
         self._splits = splits
+        #: Text with other characters is cut around them (see ``encode``); else left whole.
+        self._cuttable = all(pattern.pattern in CUTTABLE for pattern in splits) and not any(
+            " " in token for _pattern, ids in added for token in ids
+        )
         #: Each pre-token's ids (tuples: the collector stops walking them once it has seen them).
         self._pieces: dict[str, tuple[int, ...]] = {}
         self._bytes = _byte_chars()
@@ -92,18 +122,43 @@ class PieceEncoder:
         if splits is None or added is None:
             return None
         encoder = cls(backend, added, splits)
-        for text in SAMPLES:
-            (expected,) = backend.encode_batch_fast([text], add_special_tokens=False)
-            if encoder.encode(text) != expected.ids:
-                return None
+        if not all(encoder.encode(text) == _library(backend, text) for text in SAMPLES):
+            return None
+        if encoder._cuttable:
+            encoder._cuttable = all(encoder.encode(text) == _library(backend, text) for text in MIXED_SAMPLES)
         return encoder
 
     def encode(self, text: str) -> list[int] | None:
-        """``text``'s ids, or None where the text is not plain ASCII (ask the library)."""
-        if not text.isascii() or _CONTROL.search(text) is not None:
+        """``text``'s ids, or None where the library must encode it whole.
+
+        Plain ASCII text is encoded here. Other text, under a split that allows it
+        (:data:`CUTTABLE`, and no added token with a space), is cut before a space between two
+        ASCII letters on each side of every run of other characters: the library encodes those
+        stretches, this the rest. No piece, added token or normalization crosses such a cut (a
+        letter run ends at the space, which starts the next piece with the letter after it;
+        nothing composes with a space), so the parts' ids joined are the whole text's."""
+        if text.isascii() and _CONTROL.search(text) is None:
+            out: list[int] = []
+            self._encode(text, 0, out)
+            return out
+        if not self._cuttable:
             return None
-        out: list[int] = []
-        self._encode(text, 0, out)
+        cuts = [match.start() for match in _CUT.finditer(text)]
+        out = []
+        done = 0  # the text before it is encoded
+        for run in _OTHER.finditer(text):
+            if run.start() < done:
+                continue  # inside the last stretch the library encoded
+            at = bisect_right(cuts, run.start())
+            start = max(done, cuts[at - 1] if at else 0)
+            after = bisect_left(cuts, run.end())
+            end = cuts[after] if after < len(cuts) else len(text)
+            if start > done:
+                self._encode(text[done:start], 0, out)
+            out.extend(_library(self._backend, text[start:end]))
+            done = end
+        if done < len(text):
+            self._encode(text[done:], 0, out)
         return out
 
     def _encode(self, text: str, level: int, out: list[int]) -> None:
@@ -142,6 +197,12 @@ class PieceEncoder:
                     mapped = "".join(self._bytes[b] for b in piece.encode())
                     ids = known[piece] = tuple(token.id for token in self._model.tokenize(mapped))
                 out.extend(ids)
+
+
+def _library(backend: HFTokenizer, text: str) -> list[int]:
+    (encoding,) = backend.encode_batch_fast([text], add_special_tokens=False)
+    ids: list[int] = encoding.ids
+    return ids
 
 
 def _isolated(pattern: regex.Pattern[str], text: str) -> list[str]:

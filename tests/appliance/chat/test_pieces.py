@@ -109,12 +109,65 @@ def test_plain_ascii_gets_the_library_s_ids(pipeline: tuple[HFTokenizer, PieceEn
     assert encoder.encode(text) == _library(backend, text)  # again, from the pieces remembered
 
 
+#: Text around other characters: what the library encodes of it, cut where no piece crosses.
+MIXED = st.lists(
+    st.sampled_from(
+        [
+            *"abXY09 '\t\n.,;!",
+            *("word", " word", "'s", "  ", "\n\n", "<|im_end|>"),
+            # Accented, typographic, spaces and breaks of other kinds, a combining mark, CJK,
+            # an emoji, fullwidth letters, Hangul jamo, control characters, a joiner.
+            *"\u00e9\u00ef\u2019\u201c\u2014\u2026\u00a0\u2028\u0085\u0301\u4f60\uff21\u1100\u1161",
+            *("\U0001f600", "\x0b", "\x1f", "\x7f", "\u200d", "\u00b2", "\ufb01"),
+        ]
+    ),
+    max_size=60,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=MIXED)
+def test_text_with_other_characters_gets_the_library_s_ids(
+    pipeline: tuple[HFTokenizer, PieceEncoder], text: str
+) -> None:
+    backend, encoder = pipeline
+    assert encoder.encode(text) == _library(backend, text)
+
+
+def test_the_library_encodes_the_stretch_around_other_characters(
+    pipeline: tuple[HFTokenizer, PieceEncoder],
+) -> None:
+    backend, encoder = pipeline
+    asked: list[str] = []
+
+    class Recording:
+        def encode_batch_fast(self, texts: list[str], **kwargs: Any) -> Any:
+            asked.extend(texts)
+            return backend.encode_batch_fast(texts, **kwargs)
+
+    encoder._backend = Recording()
+    text = "alpha beta caf\u00e9 gamma delta \u2014 epsilon zeta"
+    try:
+        assert encoder.encode(text) == _library(backend, text)
+    finally:
+        encoder._backend = backend
+    # Cut before a space between two ASCII letters, the nearest on each side of each run.
+    assert asked == [" caf\u00e9 gamma", " delta \u2014 epsilon"]
+
+
 @pytest.mark.parametrize(
     "text",
     ["caf\u00e9", "e\u0301", "\U0001f600 ok", "ctrl\x1fchar", "form\x0cfeed", "vertical\x0btab", "del\x7f"],
 )
-def test_other_text_is_left_to_the_library(pipeline: tuple[HFTokenizer, PieceEncoder], text: str) -> None:
-    _backend, encoder = pipeline
+def test_other_text_is_left_whole_to_the_library_under_another_split(text: str) -> None:
+    # A split it reads but cannot tell where to cut.
+    split = pre_tokenizers.Split(Regex(r"\w+|\s+|[^\w\s]+"), behavior="isolated", invert=False)
+    backend = _trained(
+        pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    )
+    encoder = PieceEncoder.of(backend)
+    assert encoder is not None
+    assert encoder.encode("plain words, 12 of them") == _library(backend, "plain words, 12 of them")
     assert encoder.encode(text) is None
 
 
@@ -190,6 +243,8 @@ def test_the_proxy_s_tokenizer_encodes_plain_text_without_the_library(tiny_model
             raise AssertionError("the library was asked")
 
     ours._backend = Refusing()
+    assert ours._pieces is not None
+    ours._pieces._backend = Refusing()
     assert ours.encode(text) == expected
     with pytest.raises(AssertionError, match="the library was asked"):
         ours.encode("caf\u00e9")
