@@ -65,6 +65,14 @@ PIPELINES = {
         ),
         normalizers.NFC(),
     ),
+    "llama 3 (split, then bytes)": lambda: _trained(
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pieces.LLAMA3_PATTERN), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    ),
     "gpt-2 (bytes with their regex)": lambda: _trained(
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     ),
