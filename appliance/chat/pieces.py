@@ -106,8 +106,16 @@ class PieceEncoder:
 
     @classmethod
     def of(cls, backend: HFTokenizer) -> PieceEncoder | None:
-        """The fast path for ``backend``, or None where its pipeline is not one this reads, or
-        where it encodes a sample differently."""
+        """The fast path for ``backend``, or None where its pipeline is not one this reads (a
+        pattern Python's ``regex`` does not compile among them), or where it encodes a sample
+        differently."""
+        try:
+            return cls._of(backend)
+        except (regex.error, KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    @classmethod
+    def _of(cls, backend: HFTokenizer) -> PieceEncoder | None:
         config = json.loads(backend.to_str())
         if config.get("truncation") or config.get("padding") or _splits_special(backend):
             return None

@@ -4,6 +4,7 @@ read."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,25 @@ def test_a_pipeline_it_does_not_read_has_no_fast_path(change: str) -> None:
         backend = _trained(byte_level)
         backend.enable_truncation(8)
     assert PieceEncoder.of(backend) is None
+
+
+def test_a_pattern_python_s_regex_does_not_compile_means_no_fast_path() -> None:
+    backend = PIPELINES["qwen2 (split, then bytes)"]()
+    assert PieceEncoder.of(backend) is not None
+    # The same tokenizer as its JSON would read with a split Python's ``regex`` refuses.
+    broken = json.loads(backend.to_str())
+    broken["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"(\w+"
+
+    class Unreadable:
+        model = backend.model
+
+        def to_str(self) -> str:
+            return json.dumps(broken)
+
+        def encode_batch_fast(self, *args: Any, **kwargs: Any) -> Any:
+            return backend.encode_batch_fast(*args, **kwargs)
+
+    assert PieceEncoder.of(Unreadable()) is None
 
 
 def test_a_pipeline_that_encodes_a_sample_otherwise_has_no_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
