@@ -22,15 +22,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bench_proxy_load import WORDS
+
+from appliance.chat.pieces import library_ids
 from appliance.chat.template import IM_END, IM_START
 from appliance.chat.tokenizer import Tokenizer
 from appliance.config import ApplianceConfig
 from appliance.engines.models import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "was", "with", "be", "on", "not",
-         "this", "are", "from", "at", "which", "have", "they", "you", "were", "there", "one", "all",
-         "file", "line", "error", "test", "function", "value", "return", "list", "import")  # fmt: skip
 #: Bytes written between two texts with ``--cold``.
 COLD_BYTES = 16 << 20
 
@@ -93,13 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{resolved.name}: its pipeline is not one the pieces read; the library encodes every text")
         return 1
     backend = tokenizer._backend
-
-    def library(text: str) -> list[int]:
-        (encoding,) = backend.encode_batch_fast([text], add_special_tokens=False)
-        ids: list[int] = encoding.ids
-        return ids
-
-    encoders: dict[str, Callable[[str], list[int]]] = {"library": library, "pieces": tokenizer.encode}
+    encoders: dict[str, Callable[[str], list[int]]] = {
+        "library": lambda text: library_ids(backend, text),
+        "pieces": tokenizer.encode,
+    }
     rng = random.Random(0)
     source = source_words()
     print(f"{resolved.name}, {args.texts} texts a size, {'cold' if args.cold else 'warm'} caches, "

@@ -25,6 +25,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from appliance.chat.pieces import QWEN2_PATTERN
 from appliance.chat.template import (
     CHATML_HERMES_TEMPLATE,
     ENDOFTEXT,
@@ -38,14 +39,10 @@ TINY_MODEL_NAME = "tiny"
 #: Written last into a finished build; its presence means the directory is complete.
 BUILD_MARKER = ".tiny-model-complete"
 VOCAB_SIZE = 1000
-#: Qwen2's pre-tokenizer split: words with their leading space, every digit on its own, runs of
-#: punctuation, newlines. ``AutoTokenizer`` loads a ``qwen2`` model's tokenizer as
-#: ``Qwen2Tokenizer``, which installs exactly this pipeline; training with it too means every
-#: loader (``AutoTokenizer``, ``PreTrainedTokenizerFast``, raw ``tokenizers``) agrees on the ids.
-QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+# The tokenizer is trained with Qwen2's pre-tokenizer split (``appliance.chat.pieces``):
+# ``AutoTokenizer`` loads a ``qwen2`` model's tokenizer as ``Qwen2Tokenizer``, which installs
+# exactly this pipeline; training with it too means every loader (``AutoTokenizer``,
+# ``PreTrainedTokenizerFast``, raw ``tokenizers``) agrees on the ids.
 
 _SENTENCES = (
     "Hello! How can I help you today?",
@@ -130,7 +127,7 @@ def _train_tokenizer() -> Any:
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer as HFTokenizer
 from appliance.chat import pieces
 from appliance.chat.pieces import PieceEncoder
 from appliance.chat.tokenizer import Tokenizer
-from appliance.engines.tiny_model import QWEN2_SPLIT_REGEX
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -60,7 +59,7 @@ PIPELINES = {
     "qwen2 (split, then bytes)": lambda: _trained(
         pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.Split(Regex(pieces.QWEN2_PATTERN), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         ),
