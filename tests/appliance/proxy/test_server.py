@@ -15,7 +15,7 @@ from openai import AsyncOpenAI
 
 from appliance.app import Appliance
 from appliance.rollouts import registry
-from store.events import RewardReported
+from store.events import LLMCallCompleted, RewardReported
 from tests.support import make_config
 from tests.support import recorded_calls as calls_recorded
 from tests.support import register_rollout as rollout
@@ -162,15 +162,13 @@ STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@pytest.mark.parametrize("surface", sorted(STREAMS))
-async def test_a_client_gone_mid_stream_is_one_info_line_without_a_traceback(
-    app: Appliance, surface: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A harness that drops its connection mid-stream is routine: its call is recorded as
-    cancelled, and the log says so once at INFO, with no ERROR traceback from aiohttp."""
-    caplog.set_level(logging.INFO)
+async def _drop_mid_stream(
+    app: Appliance, surface: str, caplog: pytest.LogCaptureFixture, name: str
+) -> LLMCallCompleted:
+    """One streamed call whose client closes after the first event; the call as recorded once
+    the handler has met the closed connection (or logged anything louder than INFO)."""
     path, body = STREAMS[surface]
-    active = rollout(app)
+    active = rollout(app, name)
     before = app.live.position
     async with aiohttp.ClientSession() as http:
         response = await http.post(
@@ -187,7 +185,25 @@ async def test_a_client_gone_mid_stream_is_one_info_line_without_a_traceback(
                 break
             await asyncio.sleep(0.02)
     await asyncio.sleep(0.2)  # anything logged late would show now
-    (call,) = await calls_recorded(app)
+    return (await calls_recorded(app))[-1]
+
+
+@pytest.mark.parametrize("surface", sorted(STREAMS))
+async def test_a_client_gone_mid_stream_is_one_info_line_without_a_traceback(
+    app: Appliance, surface: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A harness that drops its connection mid-stream is routine: its call is recorded as
+    cancelled, and the log says so once at INFO, with no ERROR traceback from aiohttp.
+
+    The tiny model's weights are random: now and then it samples its end token within the few
+    milliseconds the close takes to reach the handler, and the call ends ``stop`` on its own. Such
+    a try tests nothing and is made again (at most five tries; each is a fresh call)."""
+    caplog.set_level(logging.INFO)
+    for attempt in range(5):
+        caplog.clear()
+        call = await _drop_mid_stream(app, surface, caplog, f"r{attempt}")
+        if call.finish_reason != "stop":
+            break
     assert call.finish_reason == "cancelled"
     loud = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
     assert loud == []
