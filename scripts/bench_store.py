@@ -56,6 +56,7 @@ from store import (
 )
 from store.codec import chain_digest, encode
 from store.eventstore import verify_log
+from store.tokens import Tokens
 
 _TABLE = (
     "CREATE TABLE events (position INTEGER PRIMARY KEY, type TEXT NOT NULL, version INTEGER NOT NULL,"
@@ -79,8 +80,8 @@ def call(
         rollout=rollout,
         call_id=f"{rollout}-{n}",
         surface="openai.chat",
-        prompt_ids=prompt,
-        response_ids=response,
+        prompt_ids=Tokens(prompt),
+        response_ids=Tokens(response),
         response_logprobs=tuple(-0.5 for _ in response),
         policy_version=0,
         finish_reason="stop",

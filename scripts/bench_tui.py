@@ -40,6 +40,7 @@ from store.events import (
     TrainStepCompleted,
 )
 from store.eventstore import EventStore
+from store.tokens import Tokens
 from tui.app import DashboardApp
 from tui.source import SqliteSource
 from tui.system import SystemSampler
@@ -61,8 +62,9 @@ def run_events(index: int, now: float) -> list[Event]:
         response = tuple(1000 + (index + k + j) % 500 for j in range(24))
         out.append(
             LLMCallCompleted(
-                ts=now, rollout=rollout, call_id=f"{rollout}-{k}", surface="openai.chat", prompt_ids=prompt,
-                response_ids=response, response_logprobs=(-0.5,) * len(response), policy_version=0,
+                ts=now, rollout=rollout, call_id=f"{rollout}-{k}", surface="openai.chat",
+                prompt_ids=Tokens(prompt), response_ids=Tokens(response),
+                response_logprobs=(-0.5,) * len(response), policy_version=0,
                 finish_reason="stop", request={"messages": [{"role": "user", "content": "q"}]},
                 response_text="a", queue_s=0.001, total_s=0.05,
             )

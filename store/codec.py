@@ -60,9 +60,9 @@ from typing import Any, NamedTuple
 import orjson
 
 from contracts.errors import StoreError
-from store.events import EVENT_TYPES, Event, JsonObject, LLMCallCompleted, TokenIds
+from store.events import EVENT_TYPES, Event, JsonObject, LLMCallCompleted
 from store.packing import LAYOUTS, Layout, layout_of, pack, shared_position, unpack
-from store.prefix import starts_with
+from store.tokens import Tokens, tokens
 
 Upcaster = Callable[[JsonObject], JsonObject]
 
@@ -189,14 +189,14 @@ def _loads(data: str) -> Any:
     return value
 
 
-def prefix_source(event: Event) -> TokenIds | None:
+def prefix_source(event: Event) -> Tokens | None:
     """The tokens a later call of the same rollout may start with (prompt + response), if any."""
     if isinstance(event, LLMCallCompleted):
-        return event.prompt_ids + event.response_ids
+        return tokens(event.prompt_ids) + tokens(event.response_ids)
     return None
 
 
-def share_prefix(row: EncodedEvent, event: Event, position: int, source: TokenIds) -> EncodedEvent:
+def share_prefix(row: EncodedEvent, event: Event, position: int, source: Tokens) -> EncodedEvent:
     """``row`` (``encode(event)``) with its shared field stored as a reference to ``source``.
 
     ``source`` is :func:`prefix_source` of the earlier event at ``position``. The row comes back
@@ -231,14 +231,15 @@ def encode_shared(event: LLMCallCompleted, position: int, earlier: LLMCallComple
     return EncodedEvent(event.type, event.version, event.rollout, event.ts, data, blob)
 
 
-def _prefix_length(prompt: TokenIds, earlier_prompt: TokenIds, earlier_response: TokenIds) -> int:
-    """``_common_prefix(prompt, earlier_prompt + earlier_response)`` without building the sum
-    (nor slicing the prompt where it holds the earlier prompt's own id objects: ``starts_with``)."""
-    n = len(earlier_prompt)
-    if starts_with(prompt, earlier_prompt):
-        m = min(len(earlier_response), len(prompt) - n)
-        return n + _common_prefix(prompt[n : n + m], earlier_response[:m])
-    return _common_prefix(prompt, earlier_prompt + earlier_response)
+def _prefix_length(prompt: Sequence[int], before: Sequence[int], after: Sequence[int]) -> int:
+    """``_common_prefix(prompt, before + after)`` (an earlier call's prompt and response) without
+    building the sum where the prompt starts with ``before`` (compared as bytes)."""
+    ids, earlier, answer = tokens(prompt), tokens(before), tokens(after)
+    n = len(earlier)
+    if ids.startswith(earlier):
+        m = min(len(answer), len(ids) - n)
+        return n + _common_prefix(ids[n : n + m], answer[:m])
+    return _common_prefix(ids, earlier + answer)
 
 
 def share_request(row: EncodedEvent, event: Event, position: int, earlier: JsonObject) -> EncodedEvent:
@@ -322,7 +323,7 @@ def decode(
     ts: float,
     data: str,
     blob: bytes,
-    prefix: TokenIds | None = None,
+    prefix: Tokens | None = None,
     request: JsonObject | None = None,
 ) -> Event:
     """Rebuild the event stored in a row, upcasting its payload to the current class version.
@@ -379,7 +380,7 @@ def as_stored(event: Event, row: EncodedEvent) -> Event:
         for name in layout.tuple_fields & fields.keys():
             fields[name] = tuple(fields[name])
         for (name, code), value in zip(layout.packed, layout.packed_values(event), strict=True):
-            fields[name] = tuple(array(code, value).tolist()) if code == "f" else tuple(value)
+            fields[name] = tuple(array(code, value).tolist()) if code == "f" else tokens(value)
         return type(event)(ts=row.ts, **fields)
     except (TypeError, ValueError, KeyError) as exc:
         raise StoreError(f"cannot decode {row.type} v{row.version}: {exc}") from exc
@@ -389,8 +390,8 @@ def _reads_back_as(event: Event, layout: Layout, row: EncodedEvent) -> bool:
     """Whether what :func:`as_stored` reads from ``row`` equals ``event``'s own values, of the same
     types throughout: every JSON field JSON-exact (:func:`_json_exact`; a tuple field a tuple of
     such values), the messages the row's request shares with an earlier call taken from
-    ``event`` as they are (as :func:`as_stored` takes them), each packed field a tuple and the
-    float32 ones unchanged by float32."""
+    ``event`` as they are (as :func:`as_stored` takes them), each id field ``Tokens``, each
+    float field a tuple its values unchanged by float32."""
     if row.ts != event.ts:
         return False
     ref = _request_ref(row.data)
@@ -415,9 +416,10 @@ def _reads_back_as(event: Event, layout: Layout, row: EncodedEvent) -> bool:
         if not exact:
             return False
     for (_name, code), value in zip(layout.packed, layout.packed_values(event), strict=True):
-        if type(value) is not tuple:
-            return False
-        if code == "f" and tuple(array(code, value).tolist()) != value:
+        if code != "f":
+            if type(value) is not Tokens:
+                return False
+        elif type(value) is not tuple or tuple(array(code, value).tolist()) != value:
             return False
     return True
 

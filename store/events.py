@@ -7,8 +7,9 @@ and their schema versions. It does not own how events are encoded (``store.codec
 Invariant: an event, once appended, never changes. A new field gets a default; a changed meaning
 gets a new ``version`` and an upcaster next to the class, so old logs still replay.
 
-Token ids and log-probabilities are ``tuple[int, ...]`` / ``tuple[float, ...]``; the codec packs
-every field annotated with :data:`TokenIds` or :data:`Floats` as binary, never as JSON lists.
+Token ids are ``store.tokens.Tokens`` (one block of int32s; made from any sequence of ints given)
+and log-probabilities ``tuple[float, ...]``; the codec packs every field annotated with
+:data:`TokenIds` or :data:`Floats` as binary, never as JSON lists.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias
 
-TokenIds: TypeAlias = tuple[int, ...]
+from store.tokens import EMPTY, Tokens
+
+#: A token-id field: given as any sequence of ints, held as ``Tokens`` (see ``LLMCallCompleted``).
+TokenIds: TypeAlias = Tokens
 Floats: TypeAlias = tuple[float, ...]
 JsonObject: TypeAlias = dict[str, Any]
 
@@ -209,7 +213,7 @@ class LLMCallCompleted(_OfCall):
     #: Times a switch to training interrupted this call's generation (it then continued).
     preemptions: int = 0
     #: The policy version that sampled each response token (they differ after a preemption).
-    response_versions: TokenIds = ()
+    response_versions: TokenIds = EMPTY
     #: Every assistant turn of the request not spliced exactly as it was returned, in order:
     #: ``{"message", "kind", "reason", "spliced", "sampled"}``, ``kind`` "arguments" (tool call
     #: arguments re-serialised), "cut" (a tool call cut by the length limit left out), "stop" (the
@@ -220,6 +224,15 @@ class LLMCallCompleted(_OfCall):
     #: The stop string the response text was cut before ("" if none): ``response_ids`` hold what
     #: was sampled, up to the token that completed it; ``response_text`` what was returned.
     stop_sequence: str = ""
+
+    def __post_init__(self) -> None:
+        # The token fields as ``Tokens`` whatever sequence of ints was given (a tuple, a list).
+        if type(self.prompt_ids) is not Tokens:
+            object.__setattr__(self, "prompt_ids", Tokens(self.prompt_ids))
+        if type(self.response_ids) is not Tokens:
+            object.__setattr__(self, "response_ids", Tokens(self.response_ids))
+        if type(self.response_versions) is not Tokens:
+            object.__setattr__(self, "response_versions", Tokens(self.response_versions))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

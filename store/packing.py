@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from store import events as _events
-from store.events import Event, TokenIds
+from store.events import Event
+from store.tokens import Tokens
 
 _COUNT = struct.Struct("<I")
 _NO_VALUES = _COUNT.pack(0)
@@ -129,13 +130,16 @@ def pack(event: Event, packed: tuple[tuple[str, str], ...], shared: tuple[str, i
 
 
 def _packed(code: str, field: Sequence[Any]) -> bytes:
-    """The values of ``field`` as little-endian int32 (``code`` "i") or float32 ("f").
+    """The values of ``field`` as little-endian int32 (``code`` "i") or float32 ("f"): a
+    ``Tokens`` field's own bytes, else packed.
 
     ``struct`` packs a field of hundreds of values in 40-50% of ``array``'s time, one of a few
     values in more: it is used from :data:`_STRUCT_FROM` values on. What it refuses (a value out
     of range or not a number; a float beyond float32, which ``array`` stores as an infinity)
     goes to ``array``, so the bytes and the errors are ``array``'s either way.
     """
+    if type(field) is Tokens:
+        return field.data
     count = len(field)
     if count >= _STRUCT_FROM:
         try:
@@ -149,18 +153,19 @@ def _packed(code: str, field: Sequence[Any]) -> bytes:
 
 
 def unpack(
-    blob: bytes, packed: tuple[tuple[str, str], ...], prefix: TokenIds | None
-) -> dict[str, tuple[Any, ...]]:
-    """The packed fields of ``blob``; ``prefix`` is the earlier call's tokens its shared field
-    starts with, when it has one."""
-    out: dict[str, tuple[Any, ...]] = {}
+    blob: bytes, packed: tuple[tuple[str, str], ...], prefix: Tokens | None
+) -> dict[str, Tokens | tuple[float, ...]]:
+    """The packed fields of ``blob`` (int32 fields as ``Tokens``, taken as the bytes are; float32
+    ones as tuples); ``prefix`` is the earlier call's tokens its shared field starts with, when it
+    has one."""
+    out: dict[str, Tokens | tuple[float, ...]] = {}
     offset = 0
     for name, code in packed:
         if offset == len(blob):
             break  # written before this field existed: the dataclass default applies
         (count,) = _COUNT.unpack_from(blob, offset)
         offset += _COUNT.size
-        head: tuple[Any, ...] = ()
+        head: Tokens | None = None
         if count & SHARED_FLAG:
             count &= ~SHARED_FLAG
             position, length = _REF.unpack_from(blob, offset)
@@ -168,14 +173,20 @@ def unpack(
             if prefix is None or len(prefix) < length:
                 raise ValueError(f"field {name!r} shares {length} tokens with the event at {position}")
             head = prefix[:length]
-        values = array(code)
-        end = offset + count * values.itemsize
+        end = offset + count * 4
         if end > len(blob):
             raise ValueError(f"blob too short for field {name!r}")
-        values.frombytes(blob[offset:end])
-        if _SWAP:
-            values.byteswap()
-        out[name] = head + tuple(values.tolist())  # (tolist: faster than walking the array)
+        if code == "i":
+            own = Tokens.of_bytes(blob[offset:end])
+            out[name] = own if head is None else head + own
+        else:
+            if head is not None:
+                raise ValueError(f"field {name!r} of floats cannot share a prefix")
+            values = array(code)
+            values.frombytes(blob[offset:end])
+            if _SWAP:
+                values.byteswap()
+            out[name] = tuple(values.tolist())  # (tolist: faster than walking the array)
         offset = end
     if offset != len(blob):
         raise ValueError(f"{len(blob) - offset} unexpected trailing bytes in blob")

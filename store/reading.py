@@ -18,10 +18,11 @@ from typing import Any
 
 from contracts.errors import StoreCorrupted, StoreError
 from store.codec import StoredEvent, decode, prefix_source, shared_ref
-from store.events import JsonObject, LLMCallCompleted, TokenIds
+from store.events import JsonObject, LLMCallCompleted
 from store.schema import CALLS_BETWEEN, Row, connect_readonly
+from store.tokens import Tokens
 
-#: Tokens (of recent calls) a reader keeps to rebuild later calls' shared prefixes: ~8 bytes each
+#: Tokens (of recent calls) a reader keeps to rebuild later calls' shared prefixes: 4 bytes each
 #: (their requests are kept along, the messages shared with the next call's).
 _DECODED_TOKENS = 4_000_000
 
@@ -30,7 +31,7 @@ class RowDecoder:
     """Rows -> events, rebuilding shared prefixes and requests from earlier calls (an LRU cache)."""
 
     def __init__(self) -> None:
-        self._sources: OrderedDict[int, tuple[TokenIds, JsonObject]] = OrderedDict()
+        self._sources: OrderedDict[int, tuple[Tokens, JsonObject]] = OrderedDict()
         self._tokens = 0  # held in ``_sources``
 
     def missing(self, rows: Sequence[Row]) -> tuple[str, str, int, int] | None:
@@ -43,7 +44,7 @@ class RowDecoder:
             seen.add(position)
         return None
 
-    def _remember(self, position: int, source: tuple[TokenIds, JsonObject]) -> None:
+    def _remember(self, position: int, source: tuple[Tokens, JsonObject]) -> None:
         old = self._sources.pop(position, None)
         self._tokens += len(source[0]) - (0 if old is None else len(old[0]))
         self._sources[position] = source
@@ -52,7 +53,7 @@ class RowDecoder:
 
     def decode(self, rows: Sequence[Row]) -> list[StoredEvent]:
         """Decode ``rows`` (in position order, each reference among them or in the cache)."""
-        local: dict[int, tuple[TokenIds, JsonObject]] = {}
+        local: dict[int, tuple[Tokens, JsonObject]] = {}
         refs = [shared_ref(row[1], row[5], bytes(row[6])) for row in rows]
         for ref in refs:  # take from the cache before decoding adds to (and evicts from) it
             if ref is not None and ref in self._sources:

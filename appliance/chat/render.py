@@ -49,6 +49,7 @@ from appliance.chat.messages import Message
 from appliance.chat.template import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.turns import CUT_CALL, SampledTurn, TurnMatch, match_turn, returned_part
+from store.tokens import Tokens
 
 GENERATION_PROMPT = f"{IM_START}assistant\n"
 _TURN_END = f"{IM_END}\n"
@@ -196,8 +197,8 @@ def render_text(
 
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
-    #: A tuple, as the call's event keeps it (a long conversation's ids are copied once per call).
-    prompt_ids: tuple[int, ...]
+    #: As the call's event keeps them (a long conversation's ids are copied once per call, as bytes).
+    prompt_ids: Tokens
     #: Digest of ``prompt_ids``; a sampled response is remembered under it.
     digest: bytes
     #: Prompt tokens taken verbatim from earlier sampled turns.
@@ -208,7 +209,7 @@ class RenderedPrompt:
     unmatched_assistant_turns: int
     #: A Completions prompt's text (None for a chat prompt).
     text: str | None = None
-    #: ``prompt_ids`` as a JSON array (``orjson.dumps(prompt_ids)``), where the renderer kept it.
+    #: ``prompt_ids`` as a JSON array (``orjson.dumps(prompt_ids.tolist())``), where the renderer kept it.
     prompt_json: bytes | None = None
     #: Every assistant turn of the prompt not spliced exactly as it was returned, in order: how it
     #: matched what was sampled, or why nothing matched (``unmatched_assistant_turns`` of them).
@@ -256,8 +257,9 @@ class Conversation:
     _messages: tuple[Message, ...] = ()
     _tools: bytes = b""
     _segments: list[_Segment] = field(default_factory=list)
-    #: The ids of ``_segments``, concatenated (the last prompt without its generation prompt).
-    _ids: list[int] = field(default_factory=list)
+    #: The ids of ``_segments``, concatenated (the last prompt without its generation prompt), as
+    #: little-endian int32s (``Tokens``' bytes; what the digests hash).
+    _packed: bytearray = field(default_factory=bytearray)
     #: ``_ids`` as JSON numbers joined by commas (a JSON array without its brackets).
     _ids_json: bytearray = field(default_factory=bytearray)
     _gen_prompt: list[int] = field(default_factory=list)
@@ -325,7 +327,7 @@ class Conversation:
         except BaseException:
             # The kept ids may be half extended: start the next request from scratch (the
             # sampled turns stay, so it still splices them).
-            self._segments, self._ids, self._ids_json, self._messages = [], [], bytearray(), ()
+            self._segments, self._packed, self._ids_json, self._messages = [], bytearray(), bytearray(), ()
             self._turns = []
             raise
 
@@ -350,8 +352,9 @@ class Conversation:
             plans = plan_segments(now, tools, self.fmt, listing)
         end = segments[-1].end if segments else 0
         spliced_total = segments[-1].spliced_total if segments else 0
-        # The earlier segments' ids in one slice (the list itself when every segment is kept).
-        ids_so_far = self._ids if reused == len(last) else self._ids[:end]
+        # The earlier segments' ids (the kept bytes, cut where the reused segments end).
+        packed = self._packed
+        del packed[end * 4 :]
         ids_json = self._ids_json
         del ids_json[segments[-1].json_end if segments else 0 :]
         hasher = segments[-1].hasher.copy() if segments else hashlib.blake2b(digest_size=16)
@@ -388,9 +391,10 @@ class Conversation:
             if ids is None:
                 ids = self.tokenizer.encode(plan.text)
                 tokenized += len(ids)
+            chunk = _pack(ids)
             hasher = hasher.copy()
-            hasher.update(_pack(ids))
-            ids_so_far.extend(ids)
+            hasher.update(chunk)
+            packed += chunk
             if ids:
                 if ids_json:
                     ids_json += b","
@@ -401,16 +405,12 @@ class Conversation:
                 _Segment(plan.key, plan.stop, ids, hasher, len(ids_json), end, spliced_total, len(turns))
             )
         self._segments = segments
-        self._ids = ids_so_far
         self._messages, self._tools = now, listing
         final = hasher.copy()
         final.update(self._gen_prompt_packed)
-        # The prompt is the kept ids and the generation prompt: one copy, into the tuple.
-        ids_so_far += self._gen_prompt
-        prompt_ids = tuple(ids_so_far)
-        del ids_so_far[len(ids_so_far) - len(self._gen_prompt) :]
         return RenderedPrompt(
-            prompt_ids=prompt_ids,
+            # The kept ids and the generation prompt: one copy of their bytes.
+            prompt_ids=Tokens.of_bytes(b"".join((packed, self._gen_prompt_packed))),
             digest=final.digest(),
             spliced_tokens=spliced_total,
             tokenized_tokens=tokenized,

@@ -13,6 +13,7 @@ library.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -55,7 +56,7 @@ class Tokenizer:
             return plain
         return library_ids(self._backend, text)
 
-    def decode(self, ids: list[int] | tuple[int, ...]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         table = self._bytes
         if table is not None and (not ids or min(ids) >= 0):  # (a negative index would count back)
             try:

@@ -25,6 +25,7 @@ from appliance.chat.messages import Message, MessageMemo
 from appliance.chat.render import Conversation, RenderedPrompt
 from appliance.chat.tokenizer import Tokenizer
 from contracts.errors import BadRequest
+from store.tokens import Tokens
 
 
 @dataclass(slots=True)
@@ -113,7 +114,7 @@ class Transcript:
 
 def _text_prompt(ids: list[int], text: str, *, tokenized: int, spliced: int = 0) -> RenderedPrompt:
     return RenderedPrompt(
-        prompt_ids=tuple(ids),
+        prompt_ids=Tokens(ids),
         digest=b"",
         spliced_tokens=spliced,
         tokenized_tokens=tokenized,

@@ -104,7 +104,7 @@ class GenerateRequest:
     tokenizer_vocab: int = 0
     #: ``prompt_ids`` as a JSON array, where the caller keeps it (the proxy's renderer writes
     #: each turn's ids once): an engine that sends the prompt as JSON sends these bytes instead
-    #: of writing the whole conversation again. They must be ``orjson.dumps(prompt_ids)``.
+    #: of writing the whole conversation again. They must be ``orjson.dumps(list(prompt_ids))``.
     prompt_json: bytes | None = None
     #: With ``on_token``: the caller needs the tokens in order but not each one as soon as it is
     #: sampled (the proxy's calls that answer whole, which follow their tokens only so that a

@@ -25,6 +25,7 @@ from appliance.engines.base import GenerateRequest
 from appliance.engines.http_stream import raise_for_status, sse_batches
 from appliance.engines.sampling import TopLogprobs
 from contracts.errors import EngineUnavailable
+from store.tokens import Tokens
 
 
 def server_session(uds: Path | None) -> aiohttp.ClientSession:
@@ -90,6 +91,13 @@ class ServerClient:
 _JSON = {"Content-Type": "application/json"}
 
 
+def _ids_list(value: Any) -> list[int]:
+    """A ``Tokens`` prompt as the JSON array it is (the ``default`` of both JSON writers)."""
+    if type(value) is Tokens:
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def encode_json(body: dict[str, Any], *, prompt_json: bytes | None = None) -> bytes:
     """``body`` as JSON: orjson (a completion's prompt is as long as the conversation), Python's
     json for what orjson does not write (integers beyond 64 bits). ``prompt_json``: the JSON of
@@ -97,9 +105,9 @@ def encode_json(body: dict[str, Any], *, prompt_json: bytes | None = None) -> by
     try:
         if prompt_json is not None:
             return orjson.dumps({**body, "prompt": orjson.Fragment(prompt_json)})
-        return orjson.dumps(body)
+        return orjson.dumps(body, default=_ids_list)
     except TypeError:
-        return json.dumps(body).encode()
+        return json.dumps(body, default=_ids_list).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +147,8 @@ def completion_body(
     stop = [t for t in params.stop_token_ids if 0 <= t < vocab_size]
     body: dict[str, Any] = {
         "model": model,
-        # A list or tuple is written as it is (no copy of a long prompt on every call).
-        "prompt": prompt if type(prompt) is list or type(prompt) is tuple else list(prompt),
+        # A list, tuple or ``Tokens`` is written as it is (no copy of a long prompt on every call).
+        "prompt": prompt if type(prompt) in (list, tuple, Tokens) else list(prompt),
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,

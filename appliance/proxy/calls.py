@@ -35,6 +35,7 @@ from appliance.rollouts.registry import DEFAULT_ROLLOUT, ActiveRollout
 from contracts.errors import ApplianceError, ContextTooLong, EngineUnavailable
 from store.events import LLMCallCompleted
 from store.eventstore import EventStore
+from store.tokens import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +467,7 @@ class CallService:
             call_id=call.call_id,
             surface=call.surface,
             prompt_ids=call.rendered.prompt_ids,
-            response_ids=token_ids,
+            response_ids=Tokens(token_ids),
             response_logprobs=logprobs,
             # The oldest version that sampled any of it (the whole response when not preempted).
             policy_version=min(versions) if versions else self.engine.policy_version,
@@ -483,7 +484,7 @@ class CallService:
             stop_sequence=stop_sequence or "",
             sampling=sampling_record(call.params),
             preemptions=preemptions,
-            response_versions=versions,
+            response_versions=Tokens(versions),
         )
         await self.store.append([event])
         if self.on_recorded is not None:

@@ -26,6 +26,7 @@ from store.events import (
     ValidationCompleted,
 )
 from store.eventstore import MAX_BATCH_EVENTS, EventStore
+from store.tokens import Tokens
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
 #: Events per step (see the module docstring) and outside the steps.
@@ -50,8 +51,8 @@ def _calls(rollout: str, version: int, rng: random.Random, prompt: int, response
                 rollout=rollout,
                 call_id=f"{rollout}-c{k}",
                 surface="openai.chat",
-                prompt_ids=prompt_ids,
-                response_ids=response_ids,
+                prompt_ids=Tokens(prompt_ids),
+                response_ids=Tokens(response_ids),
                 response_logprobs=tuple(-0.5 for _ in response_ids),
                 policy_version=version,
                 finish_reason="stop",

@@ -18,6 +18,7 @@ from harness_adapters.base import ClientConfig, Task
 from harness_adapters.python import PythonAdapter
 from store.events import LLMCallCompleted, RewardReported, RolloutCreated, RolloutFinished, TrainStepCompleted
 from store.projections import RunState
+from store.tokens import Tokens
 from tests.support import make_config
 
 
@@ -94,8 +95,8 @@ def one_step(loss: float | None) -> tuple[TrainStepCompleted, RunState]:
             rollout="r",
             call_id="c",
             surface="openai.chat",
-            prompt_ids=(1, 2),
-            response_ids=(3,),
+            prompt_ids=Tokens((1, 2)),
+            response_ids=Tokens((3,)),
             response_logprobs=(-0.5,),
             policy_version=0,
             finish_reason="stop",

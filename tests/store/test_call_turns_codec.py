@@ -6,6 +6,7 @@ import json
 
 from store.codec import decode, encode
 from store.events import LLMCallCompleted
+from store.tokens import Tokens
 
 
 def call(**fields: object) -> LLMCallCompleted:
@@ -14,8 +15,8 @@ def call(**fields: object) -> LLMCallCompleted:
         rollout="r",
         call_id="c",
         surface="openai.chat",
-        prompt_ids=(1, 2, 3),
-        response_ids=(7, 8),
+        prompt_ids=Tokens((1, 2, 3)),
+        response_ids=Tokens((7, 8)),
         response_logprobs=(-0.5, -0.25),
         policy_version=0,
         finish_reason="stop",

@@ -12,6 +12,7 @@ from store import EventStore, LLMCallCompleted, RewardReported
 from store.codec import encode
 from store.eventstore import read_events_sync, verify_log
 from store.schema import SCHEMA_VERSION
+from store.tokens import Tokens
 
 
 def reward(i: int, rollout: str = "r") -> RewardReported:
@@ -24,8 +25,8 @@ def big_call(i: int) -> LLMCallCompleted:
         rollout=f"big{i}",  # one call per rollout: nothing shared, each row ~40 KB
         call_id=f"c{i}",
         surface="openai.chat",
-        prompt_ids=tuple(range(i, i + 10_000)),
-        response_ids=(7, 8),
+        prompt_ids=Tokens(tuple(range(i, i + 10_000))),
+        response_ids=Tokens((7, 8)),
         response_logprobs=(-0.5, -0.25),
         policy_version=0,
         finish_reason="stop",

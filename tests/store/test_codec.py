@@ -19,6 +19,7 @@ from contracts.errors import StoreError
 from store import codec, events, packing
 from store.codec import EncodedEvent, decode, encode, register_upcaster
 from store.events import EVENT_TYPES, Event, LLMCallCompleted, TokenIds, TrainStepCompleted
+from store.tokens import Tokens
 
 # Values chosen to be exact in float32, so a round trip compares equal without rounding.
 _SAMPLES: dict[str, Any] = {
@@ -111,16 +112,14 @@ def test_tuple_fields_come_back_as_tuples() -> None:
     assert decoded == event
 
 
-def test_token_ids_outside_int32_are_refused() -> None:
-    event = _sample(LLMCallCompleted, prompt_ids=(2**31,))
-    with pytest.raises(StoreError, match="cannot encode LLMCallCompleted"):
-        encode(event)
-
-
-def test_long_token_ids_outside_int32_are_refused_as_short_ones_are() -> None:
-    event = _sample(LLMCallCompleted, prompt_ids=(*range(40), -(2**31) - 1))
-    with pytest.raises(StoreError, match="cannot encode LLMCallCompleted"):
-        encode(event)
+@pytest.mark.parametrize("ids", [(2**31,), (*range(40), -(2**31) - 1)], ids=["short", "long"])
+def test_token_ids_outside_int32_are_refused_when_the_call_is_made(ids: tuple[int, ...]) -> None:
+    """A call's ids are int32 as the store keeps them: one beyond is refused before any event
+    exists to store (``Tokens``), whatever the field's length."""
+    with pytest.raises(OverflowError):
+        _sample(LLMCallCompleted, prompt_ids=ids)
+    with pytest.raises(OverflowError):
+        _sample(LLMCallCompleted, response_ids=ids)
 
 
 def _array_bytes(code: str, values: tuple[Any, ...]) -> bytes | str:
@@ -218,8 +217,8 @@ def upcasters(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_upcasters_bring_old_payloads_to_the_current_version() -> None:
     blob = struct.pack("<I2i", 2, 10, 11)
     old = decode("TestRenamed", 1, 5.0, json.dumps({"name": "x"}), blob)
-    assert old == Renamed(ts=5.0, label="x", weight=1.0, ids=(10, 11))
-    current = Renamed(ts=6.0, label="y", weight=2.0, ids=())
+    assert old == Renamed(ts=5.0, label="x", weight=1.0, ids=Tokens((10, 11)))
+    current = Renamed(ts=6.0, label="y", weight=2.0, ids=Tokens(()))
     assert _roundtrip(current) == current
 
 

@@ -22,6 +22,7 @@ import pytest_asyncio
 from contracts.errors import StoreError
 from store import ApplianceStopped, EventStore, LLMCallCompleted, RewardReported, StoredEvent
 from store.eventstore import read_events_sync, read_last_sync, verify_log
+from store.tokens import Tokens
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,8 +37,8 @@ def call(rollout: str, n: int) -> LLMCallCompleted:
         rollout=rollout,
         call_id=f"{rollout}-c",
         surface="openai.chat",
-        prompt_ids=tuple(range(n)),
-        response_ids=(7, 8),
+        prompt_ids=Tokens(tuple(range(n))),
+        response_ids=Tokens((7, 8)),
         response_logprobs=(-0.5, -0.25),
         policy_version=0,
         finish_reason="stop",

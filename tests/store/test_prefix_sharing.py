@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,16 +24,17 @@ from store.codec import (
     shared_prefix_ref,
 )
 from store.eventstore import iter_events_sync, read_calls_sync, read_events_sync, verify_log
+from store.tokens import Tokens
 
 
-def call(rollout: str, n: int, prompt: tuple[int, ...], response: tuple[int, ...]) -> LLMCallCompleted:
+def call(rollout: str, n: int, prompt: Sequence[int], response: Sequence[int]) -> LLMCallCompleted:
     return LLMCallCompleted(
         ts=float(n),
         rollout=rollout,
         call_id=f"{rollout}-{n}",
         surface="openai.chat",
-        prompt_ids=prompt,
-        response_ids=response,
+        prompt_ids=Tokens(prompt),
+        response_ids=Tokens(response),
         response_logprobs=tuple(-0.5 for _ in response),
         policy_version=0,
         finish_reason="stop",
@@ -130,7 +132,7 @@ async def test_a_reference_to_a_missing_call_is_reported(tmp_path: Path) -> None
 
 def test_decode_without_the_earlier_call_fails() -> None:
     first, second = conversation("a", 2, seed=3)
-    row = share_prefix(encode(second), second, 1, prefix_source(first) or ())
+    row = share_prefix(encode(second), second, 1, prefix_source(first) or Tokens())
     assert shared_prefix_ref(row.type, row.blob) == 1
     with pytest.raises(StoreError, match="shares"):
         decode(row.type, row.version, row.ts, row.data, row.blob)
@@ -144,8 +146,8 @@ def test_share_prefix_round_trips_any_prompt(
     prompt: tuple[int, ...], response: tuple[int, ...], source: tuple[int, ...]
 ) -> None:
     event = call("a", 1, prompt, response)
-    row = share_prefix(encode(event), event, 7, source)
-    prefix = source if shared_prefix_ref(row.type, row.blob) == 7 else None
+    row = share_prefix(encode(event), event, 7, Tokens(source))
+    prefix = Tokens(source) if shared_prefix_ref(row.type, row.blob) == 7 else None
     assert decode(row.type, row.version, row.ts, row.data, row.blob, prefix) == event
     assert len(row.blob) <= len(encode(event).blob)
 
@@ -180,7 +182,7 @@ def test_encode_shared_is_encode_then_share(
     prompt = (earlier_prompt + earlier_response)[:cut] + new
     event = dataclasses.replace(call("a", 2, prompt, (5, 6)), request={"model": "m", key: before + after})
     expected = share_request(
-        share_prefix(encode(event), event, 7, prefix_source(earlier) or ()), event, 7, earlier.request
+        share_prefix(encode(event), event, 7, prefix_source(earlier) or Tokens()), event, 7, earlier.request
     )
     assert encode_shared(event, 7, earlier) == expected
 

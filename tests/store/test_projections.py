@@ -21,6 +21,7 @@ from store import (
     TrainStepCompleted,
     ValidationCompleted,
 )
+from store.tokens import Tokens
 
 
 def started(version: int) -> ApplianceStarted:
@@ -52,8 +53,8 @@ def llm_call(rollout: str, n_response: int) -> LLMCallCompleted:
         rollout=rollout,
         call_id=f"{rollout}-{n_response}",
         surface="openai.chat",
-        prompt_ids=(1, 2),
-        response_ids=tuple(range(n_response)),
+        prompt_ids=Tokens((1, 2)),
+        response_ids=Tokens(tuple(range(n_response))),
         response_logprobs=(-0.5,) * n_response,
         policy_version=0,
         finish_reason="stop",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,17 +18,18 @@ from hypothesis import strategies as st
 from contracts.errors import StoreError
 from store import EventStore, LLMCallCompleted, RewardReported, RolloutFinished, StoredEvent, eventstore
 from store.codec import as_stored, decode, encode, encode_shared, prefix_source
+from store.tokens import Tokens
 
 
-def call(rollout: str, n: int, prompt: tuple[int, ...], messages: list[dict[str, str]]) -> LLMCallCompleted:
+def call(rollout: str, n: int, prompt: Sequence[int], messages: list[dict[str, str]]) -> LLMCallCompleted:
     response = tuple(range(n, n + 5))
     return LLMCallCompleted(
         ts=float(n),
         rollout=rollout,
         call_id=f"{rollout}-{n}",
         surface="openai.chat",
-        prompt_ids=prompt,
-        response_ids=response,
+        prompt_ids=Tokens(prompt),
+        response_ids=Tokens(response),
         response_logprobs=tuple(-0.1 * (i + 1) for i in range(len(response))),  # not float32-exact
         policy_version=0,
         finish_reason="stop",
@@ -41,13 +43,13 @@ def call(rollout: str, n: int, prompt: tuple[int, ...], messages: list[dict[str,
 
 def conversation(rollout: str, calls: int, seed: int) -> list[LLMCallCompleted]:
     rng = random.Random(seed)
-    prompt = tuple(rng.randrange(50_000) for _ in range(30))
+    prompt = Tokens(rng.randrange(50_000) for _ in range(30))
     messages = [{"role": "user", "content": "hello"}]
     out = []
     for n in range(calls):
         event = call(rollout, n, prompt, list(messages))
         out.append(event)
-        prompt = prompt + event.response_ids + tuple(rng.randrange(50_000) for _ in range(7))
+        prompt = prompt + event.response_ids + Tokens(rng.randrange(50_000) for _ in range(7))
         messages += [{"role": "assistant", "content": f"a{n}"}, {"role": "user", "content": f"u{n}"}]
     return out
 

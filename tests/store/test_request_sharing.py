@@ -17,6 +17,7 @@ from contracts.errors import StoreError
 from store import EventStore, LLMCallCompleted
 from store.codec import REQUEST_REF, decode, encode, share_request, shared_ref
 from store.eventstore import read_events_sync, read_last_sync, verify_log
+from store.tokens import Tokens
 
 REPO = Path(__file__).resolve().parents[2]
 TURNS = 50
@@ -30,8 +31,8 @@ def call(
         rollout=rollout,
         call_id=f"{rollout}-{n}",
         surface="openai.chat",
-        prompt_ids=prompt,
-        response_ids=(4, 5),
+        prompt_ids=Tokens(prompt),
+        response_ids=Tokens((4, 5)),
         response_logprobs=(-0.5, -0.25),
         policy_version=0,
         finish_reason="stop",

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from store.events import LLMCallCompleted
+from store.tokens import Tokens
 from trainer.samples import NOT_SAMPLED, Sample, build_samples, rollout_samples, truncate_sample
 
 
@@ -24,8 +25,8 @@ def call(
         rollout=rollout,
         call_id=call_id,
         surface="openai.chat",
-        prompt_ids=tuple(prompt),
-        response_ids=tuple(response),
+        prompt_ids=Tokens(tuple(prompt)),
+        response_ids=Tokens(tuple(response)),
         response_logprobs=tuple(logprobs if logprobs is not None else [-0.5] * len(response)),
         policy_version=version,
         finish_reason="stop",
@@ -164,8 +165,8 @@ def test_per_token_versions_of_a_preempted_call_are_kept() -> None:
         rollout="r1",
         call_id="c1",
         surface="openai.chat",
-        prompt_ids=(1, 2),
-        response_ids=(3, 4, 5),
+        prompt_ids=Tokens((1, 2)),
+        response_ids=Tokens((3, 4, 5)),
         response_logprobs=(-0.1, -0.2, -0.3),
         policy_version=4,
         finish_reason="stop",
@@ -174,7 +175,7 @@ def test_per_token_versions_of_a_preempted_call_are_kept() -> None:
         queue_s=0.0,
         total_s=0.0,
         preemptions=1,
-        response_versions=(4, 4, 5),
+        response_versions=Tokens((4, 4, 5)),
     )
     [sample] = build_samples([preempted])
     assert sample.versions == (NOT_SAMPLED, NOT_SAMPLED, 4, 4, 5)

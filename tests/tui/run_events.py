@@ -8,6 +8,7 @@ preempted call whose tokens span two policy versions, a checkpoint and operator 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from store.events import (
@@ -28,12 +29,13 @@ from store.events import (
     ValidationCompleted,
 )
 from store.eventstore import EventStore
+from store.tokens import Tokens
 
 T0 = 1_780_000_000.0
 SWITCH = (("drain", 0.05), ("sleep", 0.1), ("onload", 0.2), ("train", 1.5), ("offload", 0.2), ("push", 0.3))
 
 
-def _call(rollout: str, index: int, t: float, version: int, prompt: tuple[int, ...]) -> LLMCallCompleted:
+def _call(rollout: str, index: int, t: float, version: int, prompt: Sequence[int]) -> LLMCallCompleted:
     response = tuple(100 + index * 10 + k for k in range(4))
     versions = (version, version, version + 1, version + 1) if rollout == "r-1-1" and index == 1 else ()
     question = f"What is {index + 3} + 4?"
@@ -42,8 +44,8 @@ def _call(rollout: str, index: int, t: float, version: int, prompt: tuple[int, .
         rollout=rollout,
         call_id=f"{rollout}-c{index}",
         surface="openai.chat",
-        prompt_ids=prompt,
-        response_ids=response,
+        prompt_ids=Tokens(prompt),
+        response_ids=Tokens(response),
         response_logprobs=(-0.25, -0.5, -1.0, -0.125),
         policy_version=version,
         finish_reason="stop",
@@ -55,7 +57,7 @@ def _call(rollout: str, index: int, t: float, version: int, prompt: tuple[int, .
         total_s=0.2,
         ttft_s=0.05,
         preemptions=1 if versions else 0,
-        response_versions=versions,
+        response_versions=Tokens(versions),
     )
 
 

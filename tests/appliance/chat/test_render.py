@@ -148,7 +148,7 @@ def test_incremental_ids_equal_a_fresh_render_after_every_kind_of_edit(tokenizer
         rendered = conversation.render(messages, tools)
         assert rendered.prompt_ids == Conversation(tokenizer).render(messages, tools).prompt_ids
         assert list(rendered.prompt_ids) == tokenizer.encode(render_text(messages, tools))
-        assert rendered.prompt_json == orjson.dumps(rendered.prompt_ids)
+        assert rendered.prompt_json == orjson.dumps(rendered.prompt_ids.tolist())
 
 
 def test_a_render_that_fails_leaves_the_next_one_exact(
@@ -180,7 +180,7 @@ def test_a_render_that_fails_leaves_the_next_one_exact(
     fresh = Conversation(tokenizer)
     fresh.remember(first.digest, reply, sampled)
     assert again.prompt_ids == fresh.render(longer).prompt_ids
-    assert again.prompt_json == orjson.dumps(again.prompt_ids)
+    assert again.prompt_json == orjson.dumps(again.prompt_ids.tolist())
     assert again.spliced_tokens == len(sampled)
 
 
@@ -223,7 +223,7 @@ def test_incremental_ids_equal_a_fresh_render_for_any_sequence_of_requests(
         rendered = conversation.render(messages, tools)
         assert rendered.prompt_ids == Conversation(tokenizer, fmt).render(messages, tools).prompt_ids
         assert list(rendered.prompt_ids) == tokenizer.encode(render_text(messages, tools, fmt))
-        assert rendered.prompt_json == orjson.dumps(rendered.prompt_ids)
+        assert rendered.prompt_json == orjson.dumps(rendered.prompt_ids.tolist())
 
 
 def test_a_continued_run_of_tool_results_is_one_segment(tokenizer: Tokenizer) -> None:

@@ -10,6 +10,7 @@ from appliance.chat.messages import Message
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.transcript import Transcript
 from contracts.errors import BadRequest
+from store.tokens import Tokens
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_empty_and_token_prompts(tokenizer: Tokenizer) -> None:
     assert list(transcript.render_text("").prompt_ids) == [tokenizer.document_start_id]
     ids = tokenizer.encode("hello there")
     rendered = transcript.render_text(tuple(ids))
-    assert (rendered.prompt_ids, rendered.text) == (tuple(ids), "hello there")
+    assert (rendered.prompt_ids, rendered.text) == (Tokens(ids), "hello there")
     with pytest.raises(BadRequest, match="token ids must lie in"):
         transcript.render_text((tokenizer.vocab_size,))
 

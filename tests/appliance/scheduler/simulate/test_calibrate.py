@@ -28,6 +28,7 @@ from store.events import (
     SwitchPhaseCompleted,
     TrainStepCompleted,
 )
+from store.tokens import Tokens
 
 
 def call(
@@ -41,8 +42,8 @@ def call(
         rollout=rollout,
         call_id=f"{rollout}@{start}",
         surface="openai.chat",
-        prompt_ids=tuple(range(prompt)),
-        response_ids=tuple(range(tokens)),
+        prompt_ids=Tokens(tuple(range(prompt))),
+        response_ids=Tokens(tuple(range(tokens))),
         response_logprobs=(0.0,) * tokens,
         policy_version=0,
         finish_reason="length",
