@@ -23,13 +23,14 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
-__all__ = ["Tokens", "tokens"]
+__all__ = ["EMPTY", "Tokens", "pack_ids", "tokens"]
 
 _LITTLE = sys.byteorder == "little"
 assert array("i").itemsize == 4  # int32 on every platform we run on
 
 
-def _pack(ids: Iterable[int]) -> bytes:
+def pack_ids(ids: Iterable[int]) -> bytes:
+    """``ids`` as little-endian int32 bytes (``Tokens``' own, and what the store writes)."""
     values = array("i", ids)
     if not _LITTLE:  # pragma: no cover
         values.byteswap()
@@ -48,7 +49,7 @@ class Tokens(Sequence[int]):
         elif isinstance(ids, str | bytes | bytearray | memoryview):
             raise TypeError(f"Tokens are made of ints, not {type(ids).__name__} (of_bytes takes bytes)")
         else:
-            self._data = _pack(ids)
+            self._data = pack_ids(ids)
 
     @classmethod
     def of_bytes(cls, data: bytes) -> Tokens:
@@ -124,10 +125,6 @@ class Tokens(Sequence[int]):
             return len(other) == len(self) and tuple(self.tolist()) == other
         return NotImplemented
 
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
     def __hash__(self) -> int:
         return hash(tuple(self.tolist()))  # equal to a tuple of the same ids: the same hash
 
@@ -158,12 +155,12 @@ class Tokens(Sequence[int]):
         if type(other) is Tokens:
             return Tokens.of_bytes(self._data + other._data)
         if isinstance(other, tuple):
-            return Tokens.of_bytes(self._data + _pack(other))
+            return Tokens.of_bytes(self._data + pack_ids(other))
         return NotImplemented
 
     def __radd__(self, other: tuple[int, ...]) -> Tokens:
         if isinstance(other, tuple):
-            return Tokens.of_bytes(_pack(other) + self._data)
+            return Tokens.of_bytes(pack_ids(other) + self._data)
         return NotImplemented
 
     def __repr__(self) -> str:

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
-from array import array
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
@@ -49,7 +47,7 @@ from appliance.chat.messages import Message
 from appliance.chat.template import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 from appliance.chat.tokenizer import Tokenizer
 from appliance.chat.turns import CUT_CALL, SampledTurn, TurnMatch, match_turn, returned_part
-from store.tokens import Tokens
+from store.tokens import Tokens, pack_ids
 
 GENERATION_PROMPT = f"{IM_START}assistant\n"
 _TURN_END = f"{IM_END}\n"
@@ -59,18 +57,6 @@ _TURN_END = f"{IM_END}\n"
 SAMPLED_TURNS_PER_PROMPT = 64
 
 SegmentKey = tuple[Any, ...]
-
-
-def _pack(ids: Sequence[int]) -> bytes:
-    """The ids as 4-byte little-endian signed integers (what the digests hash)."""
-    packed = array("i", ids)
-    if _BIG_ENDIAN:  # pragma: no cover
-        packed.byteswap()
-    return packed.tobytes()
-
-
-assert array("i").itemsize == 4  # int32 on every platform we run on
-_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _system_text(system: Message | None, tools: Sequence[dict[str, Any]]) -> str:
@@ -260,7 +246,7 @@ class Conversation:
     #: The ids of ``_segments``, concatenated (the last prompt without its generation prompt), as
     #: little-endian int32s (``Tokens``' bytes; what the digests hash).
     _packed: bytearray = field(default_factory=bytearray)
-    #: ``_ids`` as JSON numbers joined by commas (a JSON array without its brackets).
+    #: The same ids as JSON numbers joined by commas (a JSON array without its brackets).
     _ids_json: bytearray = field(default_factory=bytearray)
     _gen_prompt: list[int] = field(default_factory=list)
     _gen_prompt_json: bytes = b""
@@ -269,7 +255,7 @@ class Conversation:
 
     def __post_init__(self) -> None:
         self._gen_prompt = self.tokenizer.encode(GENERATION_PROMPT)
-        self._gen_prompt_packed = _pack(self._gen_prompt)
+        self._gen_prompt_packed = pack_ids(self._gen_prompt)
         self._gen_prompt_json = orjson.dumps(self._gen_prompt)[1:-1]
         self._newline = self.tokenizer.encode("\n")
 
@@ -391,7 +377,7 @@ class Conversation:
             if ids is None:
                 ids = self.tokenizer.encode(plan.text)
                 tokenized += len(ids)
-            chunk = _pack(ids)
+            chunk = pack_ids(ids)
             hasher = hasher.copy()
             hasher.update(chunk)
             packed += chunk
