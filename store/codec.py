@@ -232,14 +232,18 @@ def encode_shared(event: LLMCallCompleted, position: int, earlier: LLMCallComple
 
 
 def _prefix_length(prompt: Sequence[int], before: Sequence[int], after: Sequence[int]) -> int:
-    """``_common_prefix(prompt, before + after)`` (an earlier call's prompt and response) without
-    building the sum where the prompt starts with ``before`` (compared as bytes)."""
-    ids, earlier, answer = tokens(prompt), tokens(before), tokens(after)
+    """``_common_prefix(prompt, before + after)`` (an earlier call's prompt and response),
+    compared as the ids' bytes: 4 bytes an id, so the ids two runs of bytes share are the whole
+    ids among the bytes they share. Where the prompt holds the whole earlier call (the common
+    case: its answer spliced in), two ``startswith`` say so, building nothing."""
+    ids, earlier, answer = tokens(prompt).data, tokens(before).data, tokens(after).data
     n = len(earlier)
     if ids.startswith(earlier):
+        if ids.startswith(answer, n):
+            return (n + len(answer)) >> 2
         m = min(len(answer), len(ids) - n)
-        return n + _common_prefix(ids[n : n + m], answer[:m])
-    return _common_prefix(ids, earlier + answer)
+        return (n + _common_prefix(ids[n : n + m], answer[:m])) >> 2
+    return _common_prefix(ids, earlier + answer) >> 2
 
 
 def share_request(row: EncodedEvent, event: Event, position: int, earlier: JsonObject) -> EncodedEvent:

@@ -118,14 +118,19 @@ def pack(event: Event, packed: tuple[tuple[str, str], ...], shared: tuple[str, i
     parts: list[bytes] = []
     for name, code in packed:
         field = getattr(event, name)
-        flag, ref = 0, b""
+        flag, ref, skip = 0, b"", 0
         if shared is not None and shared[0] == name:
-            _, position, length = shared
-            field = field[length:]
-            flag, ref = SHARED_FLAG, _REF.pack(position, length)
-        if len(field) >= SHARED_FLAG:
-            raise ValueError(f"field {name!r} has too many values ({len(field)})")
-        parts += (_COUNT.pack(len(field) | flag), ref, _packed(code, field))
+            _, position, skip = shared
+            flag, ref = SHARED_FLAG, _REF.pack(position, skip)
+        if type(field) is Tokens:  # its suffix is a slice of its bytes
+            values = field.data[skip * 4 :] if skip else field.data
+            count = len(values) >> 2
+        else:
+            field = field[skip:] if skip else field
+            count, values = len(field), _packed(code, field)
+        if count >= SHARED_FLAG:
+            raise ValueError(f"field {name!r} has too many values ({count})")
+        parts += (_COUNT.pack(count | flag), ref, values)
     return b"".join(parts)
 
 
