@@ -12,10 +12,13 @@ aiohttp client (the same for every column), keep-alive, no retries. Two kinds of
   short user turn.
 
 A mark is a line ``mark`` on stdout; the generator then waits for a line on stdin, so the parent
-reads the servers' CPU clocks while they are idle.
+reads the servers' CPU clocks while they are idle. The result (JSON, every latency) is written to
+the file ``--result`` names (a line of hundreds of kilobytes on the pipe came through cut short
+about once in a dozen runs), or printed as the last line without it.
 
-    python scripts/bench_proxy_load.py load URL[,URL...] KEY[,KEY...] CONCURRENCY CALLS MAX_TOKENS [--stream]
-    python scripts/bench_proxy_load.py conversation SPEC_JSON
+    python scripts/bench_proxy_load.py [--result FILE] load URL[,URL...] KEY[,KEY...] CONCURRENCY CALLS \
+        MAX_TOKENS [--stream]
+    python scripts/bench_proxy_load.py [--result FILE] conversation SPEC_JSON
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import random
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -170,6 +174,7 @@ async def conversation(spec: dict[str, Any]) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--result", help="write the result's JSON to this file (else: stdout)")
     kinds = parser.add_subparsers(dest="kind", required=True)
     load_args = kinds.add_parser("load")
     load_args.add_argument("urls", help="comma-separated")
@@ -191,4 +196,8 @@ if __name__ == "__main__":
         result = load(urls, keys, args.concurrency, args.calls, args.max_tokens, args.stream)
     else:
         result = conversation(json.loads(args.spec))
-    print(json.dumps(asyncio.run(result)))
+    out = json.dumps(asyncio.run(result))
+    if args.result:
+        Path(args.result).write_text(out)
+    else:
+        print(out)

@@ -20,6 +20,7 @@ import os
 import pstats
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -132,17 +133,33 @@ async def run_child(
     """A load-generator child (``bench_proxy_load.py args``); the clocks at each of its marks,
     and its result. ``profiler`` (this process's) runs between the first and second mark, the
     third and fourth..."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(LOAD),
-        *args,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        limit=1 << 24,  # the result's line holds every latency
-    )
+    with tempfile.TemporaryDirectory(prefix="bench-load-") as directory:
+        path = Path(directory) / "result.json"
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(LOAD),
+            "--result",
+            str(path),
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        marks = await _follow_marks(child, server_pids, upstream_pids, profiler)
+        if child.returncode != 0 or not path.exists():
+            raise RuntimeError(f"the load generator ({args[0]}) failed: exit code {child.returncode}")
+        result: dict[str, Any] = json.loads(path.read_text())
+    return result, marks
+
+
+async def _follow_marks(
+    child: asyncio.subprocess.Process,
+    server_pids: Sequence[int],
+    upstream_pids: Sequence[int],
+    profiler: cProfile.Profile | None,
+) -> Marks:
+    """Read the clocks at each of ``child``'s marks, answering each, until it exits."""
     assert child.stdout is not None and child.stdin is not None
     marks = Marks()
-    last = b""
     while line := await child.stdout.readline():
         if line.strip() == b"mark":
             if profiler is not None and len(marks.server) % 2:
@@ -156,11 +173,8 @@ async def run_child(
                 profiler.enable()
             child.stdin.write(b"ok\n")
             await child.stdin.drain()
-        else:
-            last = line
     await child.wait()
-    result: dict[str, Any] = json.loads(last.decode())
-    return result, marks
+    return marks
 
 
 async def run_load(
