@@ -6,7 +6,7 @@ aiohttp client (the same for every column), keep-alive, no retries. Two kinds of
 * ``load``: chat completions, ``concurrency`` clients at a time, client i calling
   ``urls[i % len(urls)]`` with ``keys[i % len(keys)]`` (one URL: every client calls it; several:
   the clients spread over rollouts, or over the replicas of a direct column); a warm-up, then the
-  measured calls between two marks; prints its latencies, times to first text and failures.
+  measured calls between two marks; its result: latencies, times to first text and failures.
 * ``conversation``: for each of a spec's rollouts, one conversation grown through the proxy to a
   history length, then measured calls (between two marks) that each add the last answer and a
   short user turn.
