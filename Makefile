@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.bootstrapped
 ARGS ?=
 
-.PHONY: up test lint unit bootstrap clean clean-vllm vllm vllm-cpu vllm-gpu tracking
+.PHONY: sandbox-tools up test lint unit bootstrap clean clean-vllm vllm vllm-cpu vllm-gpu tracking
 
 # --- Which build this machine gets ----------------------------------------------------------
 # "cuda" where nvidia-smi answers (an NVIDIA GPU and its driver), else "cpu"; asked once per make.
@@ -93,12 +93,29 @@ TORCH_BUILD_OF_VENV := $(BIN)/python -c "import torch; print('cuda' if torch.ver
 # The venv is used as it is; when this machine would get the other build (a venv made
 # elsewhere, a GPU added), make says so on every run instead of deleting GBs on its own.
 # A venv from before the stamp existed gets one, from what it holds.
-bootstrap: $(STAMP)
+bootstrap: $(STAMP) sandbox-tools
 	@test -s $(TORCH_STAMP) || $(TORCH_BUILD_OF_VENV) > $(TORCH_STAMP)
 	@if [ "$$(cat $(TORCH_STAMP))" != "$(TORCH_BUILD)" ]; then \
 	  echo "make: $(VENV) holds the $$(cat $(TORCH_STAMP)) build of torch, this machine would get" \
 	       "the $(TORCH_BUILD) build; using it as it is. To switch: rm -rf $(VENV) && make bootstrap" >&2; \
 	fi
+
+# bubblewrap (`bwrap`), the sandbox agent processes run in by default ([harness] sandbox =
+# "auto"; the appliance refuses to start agent processes without it unless sandbox = "none").
+# Installed with apt-get where it is missing, as root or through `sudo -n`; elsewhere make says
+# what to install and goes on (the tests that need it are skipped, `doctor` fails its check).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && { [ -z "$(SUDO)" ] || sudo -n true 2>/dev/null; }; then \
+	    echo "installing bubblewrap (the agents' sandbox) with apt-get"; \
+	    $(SUDO) apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	      { $(SUDO) apt-get update -qq >/dev/null 2>&1 && $(SUDO) apt-get install -y -qq bubblewrap >/dev/null; } || \
+	      echo "make: could not install bubblewrap; agents cannot be sandboxed (see doctor)" >&2; \
+	  else \
+	    echo "make: bubblewrap (bwrap) is not installed: install it (apt-get install bubblewrap," \
+	         "dnf install bubblewrap) or run agents unsandboxed with sandbox = \"none\"" >&2; \
+	  fi; }
 
 # torch first and pinned (see above; anything unpinned pulls the newest CUDA build), then the
 # project, then verl without its dependencies (its extras pin CUDA torch), then the SmolLM2

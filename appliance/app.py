@@ -58,6 +58,7 @@ from appliance.proxy.http import ProxySettings
 from appliance.proxy.runners import RUNNERS
 from appliance.proxy.server import ProxyServer, build_app
 from appliance.reporting.trackers import BACKENDS, Tracker, check_backends
+from appliance.rollouts import sandboxing
 from appliance.rollouts.controller import RolloutController
 from appliance.rollouts.evaluation import evaluate
 from appliance.rollouts.external import RunnerBoard
@@ -190,6 +191,10 @@ class Appliance:
         # that cannot work fails here in one line, before the model loads or the store is written.
         self._stack.enter_context(preflight.data_dir_lock(config.data_dir, umask_bits(config.data_umask)))
         plan = await asyncio.to_thread(preflight.check, config)
+        # Where the agents run: "auto" becomes bubblewrap here, or the start is refused in one line.
+        self.isolation = await asyncio.to_thread(sandboxing.resolve, config)
+        config = self.config = sandboxing.with_resolved_sandbox(config, self.isolation)
+        (log.warning if self.isolation.unsandboxed else log.info)("%s", self.isolation.line)
         check_backends(config.tracking.loggers)  # a tracker not installed: one line, nothing loaded
         if plan is not None:
             log.info("%s", "\n".join(describe(plan)))
@@ -261,7 +266,9 @@ class Appliance:
         proxy_app = build_app(calls, self.registry, settings, self.health)
         proxy_app[RUN_STATE] = state  # the object the live projection keeps folding
         adapter = self._adapter or load_adapter(
-            config.harness.adapter_spec(), workdir_root=config.data_dir / "rollouts"
+            config.harness.adapter_spec(),
+            workdir_root=config.data_dir / "rollouts",
+            process_defaults=self.isolation.adapter_options,
         )
         # The external adapter's rollouts wait on a board that runners claim them from over HTTP.
         self.runners = attach_runners(adapter, self.registry, config.harness, live=lambda: self.live)
@@ -318,6 +325,8 @@ class Appliance:
             policy_version=lambda: self.engine.policy_version,
             harness=config.harness,
             next_group_index=groups_so_far,
+            # A sandbox without a network reaches its rollout's routes through a socket of its own.
+            endpoints=self.proxy.sockets if self.isolation.endpoint_sockets else None,
         )
         self._stack.push_async_callback(self.controller.close)
         scheduler = config.scheduler

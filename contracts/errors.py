@@ -193,6 +193,11 @@ class Unauthorized(ApplianceError, status=401, error_type="authentication_error"
     """The token is missing or belongs to another rollout."""
 
 
+class Forbidden(ApplianceError, status=403, error_type="permission_error", code="forbidden"):
+    """The credentials are fine but the route is not for this caller (a sandboxed rollout's
+    socket asking for another route than its own)."""
+
+
 class NotFound(ApplianceError, status=404, error_type="not_found_error", code="not_found"):
     """The rollout (or route) does not exist."""
 

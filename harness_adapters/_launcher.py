@@ -11,6 +11,14 @@ the leader of a new session. It owns the agent's process tree:
   descendant (stopped first, so none can fork away) and reaps them, then exits with the
   agent's code (``128 + N`` if a signal ``N`` ended it, ``127`` if it could not be started).
 
+In a sandbox (``harness_adapters.sandbox``) it runs twice: outside, it first joins the
+rollout's control groups (``join``: the ``cgroup.procs`` files to write its pid to), so that
+every process after it is counted against the rollout's limits, then starts ``bwrap``; inside,
+it listens on the loopback address and port of the rollout's URL (``forward``) and relays each
+connection to the rollout's Unix socket, before it starts the agent. The listening socket is
+made before the agent starts (a first call cannot come too early) and served by threads started
+after it (``preexec_fn`` stays safe).
+
 It imports only the standard library and never the appliance, so it starts in ~20 ms. The
 ``/proc`` helpers are also used by the parent side to kill a launcher that does not answer.
 """
@@ -23,8 +31,10 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from types import FrameType
 
@@ -110,12 +120,80 @@ def _reap_all() -> None:
         time.sleep(0.01)
 
 
+def _join(procs_files: list[str]) -> None:
+    """Move this process into each control group (its children inherit them)."""
+    for path in procs_files:
+        with open(path, "w") as handle:  # noqa: PTH123 (stdlib only, fast)
+            handle.write(str(os.getpid()))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    return listener
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
+def _relay(client: socket.socket, path: str) -> None:
+    """One connection: the client's bytes to the Unix socket and back, until both sides end."""
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        upstream.connect(path)
+    except OSError:
+        client.close()
+        upstream.close()
+        return
+    back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+    back.start()
+    _pump(client, upstream)
+    back.join()
+    client.close()
+    upstream.close()
+
+
+def _serve(listener: socket.socket, path: str) -> None:
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            return
+        with contextlib.suppress(OSError):
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=_relay, args=(client, path), daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
     command = argv[2:]
     limits: dict[str, list[int]] = spec.get("limits", {})
     grace_s = float(spec.get("grace_s", 5.0))
     _become_subreaper()
+    try:
+        _join(spec.get("join", []))
+    except OSError as exc:
+        sys.stderr.write(f"launcher: cannot join the rollout's control group: {exc}\n")
+        return 127
+    forward = spec.get("forward")
+    listener = None
+    if forward is not None:
+        try:
+            listener = _listen(forward["host"], int(forward["port"]))
+        except OSError as exc:
+            sys.stderr.write(f"launcher: cannot listen on the rollout's endpoint: {exc}\n")
+            return 127
 
     def apply_limits() -> None:
         for name, (soft, hard) in limits.items():
@@ -126,6 +204,8 @@ def main(argv: list[str]) -> int:
     except (OSError, subprocess.SubprocessError) as exc:
         sys.stderr.write(f"launcher: cannot start {command[0]!r}: {exc}\n")
         return 127
+    if listener is not None and forward is not None:
+        threading.Thread(target=_serve, args=(listener, forward["unix"]), daemon=True).start()
 
     def on_alarm(signum: int, frame: FrameType | None) -> None:
         kill_tree(os.getpid(), include_root=False)

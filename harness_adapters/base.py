@@ -48,6 +48,9 @@ class ClientConfig:
     #: ``POST {"reward": float}`` here to report the rollout's reward.
     reward_url: str
     model: str
+    #: A Unix socket on this machine that serves this rollout's endpoint and nothing else (the
+    #: proxy's, for a sandboxed rollout without a network); None: reach ``base_url`` directly.
+    endpoint_socket: str | None = None
 
 
 def tail(text: str, limit: int = DETAIL_CHARS) -> str:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import ConfigError
-from harness_adapters.base import Task
+from harness_adapters.base import AgentFailed, Task
 from harness_adapters.rewards import VerifyContext
 from harness_adapters.workdir import copy_snapshot
 
@@ -107,6 +107,9 @@ def restore_files(snapshot: Path, work: Path, names: tuple[str, ...]) -> None:
             source, dest = pristine / name, work / name
             if not source.resolve().is_relative_to(pristine.resolve()):
                 raise ConfigError(f"test file {name!r} lies outside the repository")
+            # The agent made the working copy: a directory on the way may be a link out of it.
+            if not dest.parent.resolve().is_relative_to(work.resolve()):
+                raise AgentFailed(f"the agent replaced a directory of test file {name!r} with a link")
             if dest.is_dir() and not dest.is_symlink():
                 shutil.rmtree(dest)
             else:

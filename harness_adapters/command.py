@@ -20,9 +20,10 @@ the agent wrote to ``$LA_REWARD_FILE``, else ``None`` (the agent POSTed it, or g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from harness_adapters.base import DETAIL_CHARS, AgentFailed, ClientConfig, Infra
 from harness_adapters.lifecycle import Slots
 from harness_adapters.loading import load_object
 from harness_adapters.process import ProcessResult, ResourceLimits, run_process, scrubbed_env
+from harness_adapters.relay import EndpointRelay
 from harness_adapters.rewards import (
     RewardFile,
     RewardFn,
@@ -41,6 +43,7 @@ from harness_adapters.rewards import (
     VerifierCommand,
     VerifyContext,
 )
+from harness_adapters.sandbox import Confinement, Endpoint, Sandbox, SandboxKind, SandboxLimits
 from harness_adapters.templates import render_argv, split_command, task_env, template_values
 from harness_adapters.workdir import (
     KeepPolicy,
@@ -87,6 +90,45 @@ class ProcessOptions(BaseModel):
     """Seconds between SIGTERM and SIGKILL when a rollout is stopped."""
     max_concurrency: int | None = Field(default=None, ge=1)
     """Most agents of this adapter running at once (None: no limit of its own)."""
+    sandbox: SandboxKind = "none"
+    """Where every process of a rollout runs: ``bwrap`` (bubblewrap: its own namespaces, only
+    its rollout directory writable, no network but its endpoint), ``container`` (the task's
+    ``image_name`` under ``container_runtime``), or ``none`` (on the host, as the appliance's
+    user). The appliance sets it from ``[harness] sandbox``."""
+    allow_network: bool = False
+    """Let sandboxed processes reach the network as the appliance can (a task set that needs it)."""
+    sandbox_memory_mb: int | None = Field(default=None, ge=16)
+    """Memory of the whole rollout in MiB (control group; else RLIMIT_AS per process)."""
+    sandbox_processes: int | None = Field(default=None, ge=4)
+    """Processes and threads of the whole rollout at once."""
+    sandbox_cpus: float | None = Field(default=None, gt=0)
+    """CPUs' worth of time the whole rollout may use (control group quota)."""
+    sandbox_disk_mb: int | None = Field(default=None, ge=1)
+    """Disk the rollout's directory may take in MiB, and the size of its ``/tmp``."""
+    read_only_paths: list[Path] = Field(default_factory=list)
+    """More host paths a sandboxed rollout sees, read-only (an agent's own code)."""
+    hidden_paths: list[Path] = Field(default_factory=list)
+    """Host paths a sandboxed rollout never sees (the appliance adds its data directory)."""
+    container_runtime: str = "podman"
+    """``sandbox = "container"``: ``podman`` or ``docker``."""
+    image: str | None = None
+    """``sandbox = "container"``: the image for tasks that name no ``image_name``."""
+
+    def sandbox_policy(self) -> Sandbox:
+        return Sandbox(
+            kind=self.sandbox,
+            allow_network=self.allow_network,
+            limits=SandboxLimits(
+                memory_mb=self.sandbox_memory_mb,
+                processes=self.sandbox_processes,
+                cpus=self.sandbox_cpus,
+                disk_mb=self.sandbox_disk_mb,
+            ),
+            read_only=tuple(p.expanduser().resolve() for p in self.read_only_paths),
+            hidden=tuple(p.expanduser().resolve() for p in self.hidden_paths),
+            runtime=self.container_runtime,
+            image=self.image,
+        )
 
     def limits(self) -> ResourceLimits:
         return ResourceLimits(
@@ -147,6 +189,7 @@ class CommandAdapter:
         self._limits = self.config.limits()
         self._root = self.config.workdir_root or default_root()
         self._slots = Slots(self.config.max_concurrency)
+        self.sandbox = self.config.sandbox_policy()
         self.reward_sources: list[RewardSource] = (
             list(reward_sources) if reward_sources is not None else self._configured_rewards()
         )
@@ -232,21 +275,44 @@ class CommandAdapter:
         )
         failed = True
         try:
-            result = await run_process(
-                self.agent_argv(task, client, rdir),
-                cwd=rdir.work,
-                env=self._env(task, client, rdir),
-                stdout_path=rdir.log("agent", "stdout"),
-                stderr_path=rdir.log("agent", "stderr"),
-                limits=self._limits,
-                grace_s=self.config.kill_grace_s,
-            )
+            async with self._endpoint(client) as endpoint:
+                result = await run_process(
+                    self.agent_argv(task, client, rdir),
+                    cwd=rdir.work,
+                    env=self._env(task, client, rdir),
+                    stdout_path=rdir.log("agent", "stdout"),
+                    stderr_path=rdir.log("agent", "stderr"),
+                    limits=self._limits,
+                    grace_s=self.config.kill_grace_s,
+                    confinement=self._confinement(task, client.rollout_id, rdir, endpoint),
+                )
             self.check_agent(result, rdir)
             reward = await self.reward(task, rdir)
             failed = False
             return reward
         finally:
             await release_rollout_dir(rdir, failed=failed, keep=self.config.keep_workdirs)
+
+    @contextlib.asynccontextmanager
+    async def _endpoint(self, client: ClientConfig) -> AsyncIterator[Endpoint | None]:
+        """The rollout's endpoint as its sandbox reaches it: the proxy's own socket for the
+        rollout, else a relay to its URL; None where the rollout is not sandboxed or has the
+        network."""
+        if not self.sandbox.confined or self.sandbox.allow_network:
+            yield None
+        elif client.endpoint_socket is not None:
+            yield Endpoint.for_url(Path(client.endpoint_socket), client.base_url)
+        else:
+            async with EndpointRelay.open(client.base_url) as socket:
+                yield Endpoint.for_url(socket, client.base_url)
+
+    def _confinement(
+        self, task: Task, name: str, rdir: RolloutDir, endpoint: Endpoint | None
+    ) -> Confinement | None:
+        if not self.sandbox.confined:
+            return None
+        image = task.data.get("image_name") if isinstance(task.data.get("image_name"), str) else None
+        return Confinement(self.sandbox, writable=rdir.root, endpoint=endpoint, name=name, image=image)
 
     def check_agent(self, result: ProcessResult, rdir: RolloutDir) -> None:
         """Raise ``AgentFailed`` (with the stderr tail) unless the agent ended normally."""
@@ -256,7 +322,13 @@ class CommandAdapter:
 
     async def reward(self, task: Task, rdir: RolloutDir) -> float | None:
         """The first reward a reward source gives (the verifier's before the agent's own)."""
-        ctx = VerifyContext(rdir, self._env(task, None, rdir), self._limits, self.config.kill_grace_s)
+        ctx = VerifyContext(
+            rdir,
+            self._env(task, None, rdir),
+            self._limits,
+            self.config.kill_grace_s,
+            confine=lambda where, name: self._confinement(task, name, where, None),
+        )
         try:
             for source in self.reward_sources:
                 reward = await source.reward(task, ctx)

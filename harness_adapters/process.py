@@ -12,6 +12,14 @@ stop early, the whole process group gets SIGTERM, the agent ``grace_s`` seconds 
 then every descendant gets SIGKILL (from the launcher, or, if the launcher itself does not
 answer, from here by walking ``/proc``).
 
+In a sandbox (``confinement``), the launcher runs twice: outside it joins the rollout's
+control group (``cgroups``: memory, processes and CPU of the whole rollout) and starts
+``bwrap`` (or the container runtime), inside it applies the per-process limits, relays the
+rollout's endpoint and starts the command (``sandbox``). A watchdog (``watch``) ends the run
+when a rollout-wide limit is reached (the kernel refused a fork or killed for memory; the
+rollout's directory past its disk limit; where no control group could be made, more processes
+than allowed), and the result names that limit (``ProcessResult.breach``).
+
 In-process Python agents that start subprocesses should use ``run_process`` too: cancelling
 the agent's coroutine then stops the subprocess tree.
 """
@@ -30,8 +38,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness_adapters import _launcher
+from harness_adapters import _launcher, cgroups
 from harness_adapters.base import InfraError
+from harness_adapters.sandbox import CONTAINER_LAUNCHER, INNER_SOCKET, Confinement, bwrap_argv, container_argv
+from harness_adapters.watch import Watchdog
 
 LAUNCHER = Path(_launcher.__file__).resolve()
 #: Environment variables passed through from the appliance's own environment by default.
@@ -75,6 +85,9 @@ class ProcessResult:
     duration_s: float
     #: True if ``timeout_s`` ran out and the tree was stopped.
     timed_out: bool = False
+    #: The rollout-wide limit that ended the run, in words (``process limit reached (64
+    #: processes)``); None if none did.
+    breach: str | None = None
 
     def stdout_tail(self, limit: int = 4000) -> str:
         return read_tail(self.stdout_path, limit)
@@ -83,7 +96,10 @@ class ProcessResult:
         return read_tail(self.stderr_path, limit)
 
     def describe(self) -> str:
-        """``exit code 3``, ``exit code 137 (SIGKILL)``, or ``timed out after 5 s``."""
+        """``exit code 3``, ``exit code 137 (SIGKILL)``, ``timed out after 5 s``, or the limit
+        that ended it (``memory limit reached (512 MiB)``)."""
+        if self.breach is not None:
+            return f"stopped: {self.breach}"
         if self.timed_out:
             return f"timed out after {self.duration_s:.3g} s"
         return describe_exit(self.returncode)
@@ -169,6 +185,63 @@ async def _stop(process: asyncio.subprocess.Process, grace_s: float) -> None:
         await asyncio.wait_for(process.wait(), 5.0)
 
 
+def _spec(**fields: object) -> str:
+    return json.dumps({key: value for key, value in fields.items() if value is not None})
+
+
+def _confined_argv(
+    confinement: Confinement,
+    executable: str,
+    argv: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    limits: ResourceLimits,
+    grace_s: float,
+    group: cgroups.Group | None,
+) -> list[str]:
+    """The launcher outside (joining ``group``), the sandbox, and the launcher inside."""
+    sandbox = confinement.sandbox
+    rlimits = limits.rlimits()
+    if group is None and sandbox.limits.memory_mb is not None and "RLIMIT_AS" not in rlimits:
+        # No control group here: the rollout's memory bounds each process instead.
+        size = sandbox.limits.memory_mb * 1024 * 1024
+        rlimits["RLIMIT_AS"] = (size, size)
+    endpoint = confinement.endpoint
+    forward = (
+        {"host": endpoint.host, "port": endpoint.port, "unix": INNER_SOCKET} if endpoint is not None else None
+    )
+    if sandbox.kind == "container":
+        inner = ["python3", "-I", "-S", CONTAINER_LAUNCHER]
+        inner += [_spec(limits=rlimits, grace_s=grace_s, forward=forward), *argv]
+        command = container_argv(confinement, inner, cwd=cwd, env=env)
+    else:
+        inner = [sys.executable, "-I", "-S", str(LAUNCHER)]
+        inner += [_spec(limits=rlimits, grace_s=grace_s, forward=forward), executable, *argv[1:]]
+        command = bwrap_argv(confinement, inner, cwd=cwd)
+    outer = _spec(grace_s=grace_s, join=group.procs_files() if group is not None else None)
+    return [sys.executable, "-I", "-S", str(LAUNCHER), outer, *command]
+
+
+def _make_group(confinement: Confinement | None) -> cgroups.Group | None:
+    """The run's control group, where one can be made and the sandbox has limits for it."""
+    if confinement is None or confinement.sandbox.kind != "bwrap":
+        return None
+    wanted = confinement.sandbox.limits
+    limits = cgroups.GroupLimits(
+        memory_bytes=wanted.memory_mb * 1024 * 1024 if wanted.memory_mb is not None else None,
+        processes=wanted.processes,
+        cpus=wanted.cpus,
+    )
+    found = cgroups.find() if limits.any() else None
+    if found is None:
+        return None
+    try:
+        return found.create(f"{confinement.name}-{os.urandom(3).hex()}", limits)
+    except OSError as exc:
+        raise InfraError(f"could not make the rollout's control group: {exc}") from exc
+
+
 async def run_process(
     argv: Sequence[str],
     *,
@@ -179,48 +252,76 @@ async def run_process(
     limits: ResourceLimits | None = None,
     grace_s: float = 5.0,
     timeout_s: float | None = None,
+    confinement: Confinement | None = None,
 ) -> ProcessResult:
-    """Run ``argv`` to its end (or ``timeout_s``); stopping its whole tree if cancelled."""
+    """Run ``argv`` to its end (or ``timeout_s``, or a rollout-wide limit); stopping its whole
+    tree if cancelled. ``confinement``: run it in that sandbox (``none`` runs it as it is)."""
     if not argv:
         raise ValueError("empty command")
-    executable = resolve_executable(argv[0], env, cwd)
-    spec = json.dumps({"limits": (limits or ResourceLimits()).rlimits(), "grace_s": grace_s})
+    if confinement is not None and not confinement.sandbox.confined:
+        confinement = None
+    in_container = confinement is not None and confinement.sandbox.kind == "container"
+    executable = argv[0] if in_container else resolve_executable(argv[0], env, cwd)
+    group = await asyncio.to_thread(_make_group, confinement)
+    if confinement is not None:
+        command = _confined_argv(
+            confinement,
+            executable,
+            argv,
+            cwd=cwd,
+            env=env,
+            limits=limits or ResourceLimits(),
+            grace_s=grace_s,
+            group=group,
+        )
+    else:
+        spec = _spec(limits=(limits or ResourceLimits()).rlimits(), grace_s=grace_s)
+        command = [sys.executable, "-I", "-S", str(LAUNCHER), spec, executable, *argv[1:]]
     started = time.perf_counter()
     try:
-        with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",  # isolated: no PYTHON* variables, no user site, no script dir on sys.path
-                "-S",
-                str(LAUNCHER),
-                spec,
-                executable,
-                *argv[1:],
-                cwd=cwd,
-                env=dict(env),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=stderr,
-                start_new_session=True,
-            )
-    except OSError as exc:
-        raise InfraError(f"could not start {argv[0]!r}: {exc}") from exc
-    timed_out = False
-    try:
         try:
-            await asyncio.wait_for(process.wait(), timeout_s)
-        except TimeoutError:
-            timed_out = True
-            await _stop(process, grace_s)
-    except BaseException:
-        # Cancelled (the rollout's timeout, or the appliance stopping): stop the tree first.
-        if process.returncode is None:
-            await _stop(process, grace_s)
-        raise
+            with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
+                process = await asyncio.create_subprocess_exec(
+                    # -I: isolated (no PYTHON* variables, no user site, no script dir on sys.path)
+                    *command,
+                    cwd=cwd,
+                    env=dict(env),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stderr,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            raise InfraError(f"could not start {argv[0]!r}: {exc}") from exc
+        watchdog = Watchdog.start(
+            process.pid,
+            group=group,
+            sandbox=confinement.sandbox.limits if confinement is not None else None,
+            disk_root=confinement.writable if confinement is not None else None,
+            stop=lambda: _kill_now(process),
+        )
+        timed_out = False
+        try:
+            try:
+                await asyncio.wait_for(process.wait(), timeout_s)
+            except TimeoutError:
+                timed_out = True
+                await _stop(process, grace_s)
+        except BaseException:
+            # Cancelled (the rollout's timeout, or the appliance stopping): stop the tree first.
+            if process.returncode is None:
+                await _stop(process, grace_s)
+            raise
+        finally:
+            breach = await watchdog.close()
+    finally:
+        if group is not None:
+            await asyncio.to_thread(group.close)
     return ProcessResult(
         returncode=process.returncode if process.returncode is not None else -1,
         stdout_path=stdout_path,
         stderr_path=stderr_path,
         duration_s=time.perf_counter() - started,
-        timed_out=timed_out,
+        timed_out=timed_out and breach is None,
+        breach=breach,
     )

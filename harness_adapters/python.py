@@ -12,14 +12,21 @@ Two ways to run it (``isolation``):
   exception becomes ``AgentFailed`` with the traceback's tail.
 * ``"process"``: the function runs in ``python -m harness_adapters.python_worker`` under the
   ``command`` adapter, with everything that adapter gives: its own rollout directory,
-  scrubbed environment, resource limits, a process tree stopped on timeout, and a crash
-  (even of the interpreter) recorded with its stderr tail. Blocking code cannot stall the
-  appliance. The module must be importable in the child (the appliance's working directory
-  is on its ``PYTHONPATH``).
+  scrubbed environment, resource limits, a process tree stopped on timeout, a crash (even of
+  the interpreter) recorded with its stderr tail, and the appliance's sandbox (``[harness]
+  sandbox``: the agent's own code is made readable in it, ``agent_code``). Blocking code
+  cannot stall the appliance. The module must be importable in the child (the appliance's
+  working directory is on its ``PYTHONPATH``).
+
+``"none"`` cannot be sandboxed: the agent is code in the appliance's own process, which can
+read what the appliance can (its admin token, its log). Agents whose model output runs as
+commands or code belong in ``"process"`` (or the ``command`` adapter); the appliance says at
+start, in ``status`` and in ``doctor`` that agents run unsandboxed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import traceback
@@ -40,6 +47,22 @@ def load_agent(target: str) -> AgentFn:
     """Import ``package.module:function``; a readable ConfigError if it is not there."""
     agent: AgentFn = load_object(target, what="agent")
     return agent
+
+
+def agent_code(target: str) -> Path | None:
+    """Where the code of ``package.module:function`` lives: its top-level package's directory
+    (or module file); None for code in the project's own packages or an installed one, which a
+    sandbox sees already."""
+    top = target.split(":", 1)[0].split(".", 1)[0]
+    spec = importlib.util.find_spec(top)
+    if spec is None or spec.origin in (None, "built-in", "frozen"):
+        return None
+    origin = Path(spec.origin).resolve()
+    where = origin.parent if spec.submodule_search_locations else origin
+    installed = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix)]
+    if top in ("harness_adapters", "contracts") or any(where.is_relative_to(p) for p in installed):
+        return None
+    return where
 
 
 class PythonAdapter:
@@ -68,6 +91,11 @@ class PythonAdapter:
             path = [str(Path.cwd()), *filter(None, [os.environ.get("PYTHONPATH")])]
             env = {"PYTHONPATH": os.pathsep.join(path)}
             env |= process_options.pop("env", {})
+            # In a sandbox, the agent's own code is the one thing of the host it must read.
+            code = agent_code(agent)
+            if code is not None:
+                seen = list(process_options.get("read_only_paths", []))
+                process_options["read_only_paths"] = [*seen, code]
             self._process: CommandAdapter | None = CommandAdapter(
                 command=[sys.executable, "-m", "harness_adapters.python_worker", agent],
                 env=env,

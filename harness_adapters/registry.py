@@ -59,13 +59,18 @@ def makes_rollout_dirs(name: str, options: Mapping[str, Any]) -> bool:
 
 
 def load_adapter(
-    spec: str | Mapping[str, Any], *, workdir_root: Path | None = None, **options: Any
+    spec: str | Mapping[str, Any],
+    *,
+    workdir_root: Path | None = None,
+    process_defaults: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> HarnessAdapter:
     """Build an adapter from a name or dotted path and options, or from one table.
 
     ``workdir_root`` is the default place for rollout directories (the appliance passes its
-    data directory's ``rollouts/``); it goes only to adapters that make them, and an explicit
-    ``workdir_root`` option wins.
+    data directory's ``rollouts/``), and ``process_defaults`` more defaults of the same kind
+    (the appliance's sandbox and its limits); they go only to adapters that make rollout
+    directories, and an option the spec gives wins.
     """
     if isinstance(spec, Mapping):
         table = dict(spec)
@@ -75,8 +80,11 @@ def load_adapter(
         options = table | options
     else:
         name = spec
-    if workdir_root is not None and makes_rollout_dirs(name, options):
-        options.setdefault("workdir_root", workdir_root)
+    if makes_rollout_dirs(name, options):
+        if workdir_root is not None:
+            options.setdefault("workdir_root", workdir_root)
+        for key, value in (process_defaults or {}).items():
+            options.setdefault(key, value)
     factory = load_object(adapter_target(name), what="adapter")
     try:
         adapter = factory(**options)

@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Literal, Protocol
 
 from harness_adapters.base import AgentFailed, InfraError, Task
 from harness_adapters.process import ProcessResult, ResourceLimits, run_process
+from harness_adapters.sandbox import Confinement
 from harness_adapters.workdir import RolloutDir
 
 log = logging.getLogger(__name__)
@@ -45,17 +47,31 @@ class VerifyContext:
     env: dict[str, str]
     limits: ResourceLimits | None
     grace_s: float
+    #: The sandbox a verifier runs in, for a directory and a step's name (None: unsandboxed):
+    #: like the agent's, but without its endpoint, and seeing only the directory it runs in.
+    confine: Callable[[RolloutDir, str], Confinement | None] | None = None
 
-    async def run(self, name: str, argv: Sequence[str], *, timeout_s: float | None) -> ProcessResult:
+    async def run(
+        self, name: str, argv: Sequence[str], *, timeout_s: float | None, rdir: RolloutDir | None = None
+    ) -> ProcessResult:
+        """Run ``argv`` in ``rdir.work`` (default: the agent's working copy), its output in
+        ``<name>.stdout`` / ``<name>.stderr`` of the rollout directory. A fresh ``rdir`` (a
+        verifier's own checkout) is confined like the agent was, but sees none of the agent's
+        directory: only its own ``work``, ``home`` and ``tmp``."""
+        where = rdir or self.rdir
+        env = self.env
+        if rdir is not None:
+            env = env | {"HOME": str(rdir.home), "TMPDIR": str(rdir.tmp), "LA_WORKDIR": str(rdir.work)}
         return await run_process(
             argv,
-            cwd=self.rdir.work,
-            env=self.env,
+            cwd=where.work,
+            env=env,
             stdout_path=self.rdir.log(name, "stdout"),
             stderr_path=self.rdir.log(name, "stderr"),
             limits=self.limits,
             grace_s=self.grace_s,
             timeout_s=timeout_s,
+            confinement=self.confine(where, name) if self.confine is not None else None,
         )
 
 
@@ -125,8 +141,13 @@ class RewardFile:
 
     async def reward(self, task: Task, ctx: VerifyContext) -> float | None:
         try:
-            text = ctx.rdir.reward_file.read_text()
+            # Not followed if it is a link: the agent made this file, the host reads it.
+            fd = os.open(ctx.rdir.reward_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
+            return None
+        with os.fdopen(fd, "rb") as handle:
+            text = handle.read(4096).decode(errors="replace")
+        if not text.strip():
             return None
         value = parse_reward(text)
         if value is None:

@@ -50,6 +50,12 @@ def harness_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tasks", type=Path, help="task set: a JSONL or Parquet file or a datasets directory"
     )
+    parser.add_argument(
+        "--sandbox",
+        choices=("auto", "bwrap", "container", "none"),
+        help="where agent processes run: auto (default: bubblewrap where it runs, else refuse), bwrap, "
+        "container (the task's image_name under podman or docker), none (unsandboxed)",
+    )
 
 
 def adapter_flag(value: str | None) -> dict[str, Any] | None:

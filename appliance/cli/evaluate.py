@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _eval_config(args: argparse.Namespace, *, resolved: bool = True) -> ApplianceConfig:
     """The config of ``eval``'s flags (``config_from_flags``)."""
-    keys = ("data_dir", "model", "engine", "device", "port", "agent", "tasks")
+    keys = ("data_dir", "model", "engine", "device", "port", "agent", "tasks", "sandbox")
     return config_from_flags(args, keys, resolved=resolved)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from appliance.cli.common import loss_text, reward_text
 from appliance.config import recorded_value
+from appliance.rollouts.sandboxing import recorded_line
 from contracts.errors import ApplianceError
 
 
@@ -88,6 +89,7 @@ def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
         recorded_value(state.last_start.config, "export_dir") if state.last_start is not None else None
     )
     summary["disk_bytes"] = disk_usage(data_dir, Path(export_dir) if export_dir else None)
+    summary["agents"] = recorded_line(state.last_start.config) if state.last_start is not None else None
     summary["checkpoint"] = state.checkpoint
     summary["chain"] = _chain_status(db)
 
@@ -213,6 +215,8 @@ def _print_status(summary: dict[str, Any]) -> None:
         f"checkpoint {summary['checkpoint'] or '-'}  events {summary['events']}"
     )
     print(f"checksum chain {summary['chain']}")
+    if summary.get("agents"):
+        print(summary["agents"])
     disk = summary["disk_bytes"]
     print(
         f"disk {human_bytes(disk['total'])} ("

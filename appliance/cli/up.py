@@ -151,6 +151,7 @@ def _config_from(args: argparse.Namespace, *, resolved: bool = True) -> Applianc
         "push_transport",
         "loggers",
         "tasks",
+        "sandbox",
     )
     return config_from_flags(args, keys, resolved=resolved)
 
@@ -221,6 +222,7 @@ async def _up(config: ApplianceConfig, headless: bool) -> int:
                     f"store {config.db_path}  policy v{state.policy_version}  step {state.step}",
                     flush=True,
                 )
+                print(f"lightning-appliance: {appliance.isolation.line}", flush=True)
                 if appliance.tracker is not None:
                     print(f"lightning-appliance: {appliance.tracker.describe()}", flush=True)
                 reason = await appliance.run()

@@ -11,6 +11,8 @@ from typing import Any
 from appliance.config.checks import at_least, seconds
 from contracts.errors import ConfigError
 
+SANDBOX_SETTINGS = ("auto", "bwrap", "container", "none")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HarnessConfig:
@@ -50,6 +52,23 @@ class HarnessConfig:
     #: out) is failed, never trained; one all of whose calls were refused, or that made none,
     #: always is (1.0: only those).
     max_refused_fraction: float = 0.5
+    # -- sandboxes (harness_adapters.sandbox; appliance.rollouts.sandboxing) --
+    #: Where the agents and verifiers of the process adapters (command, mini-swe-agent, python
+    #: with isolation "process") run: "bwrap" (bubblewrap: own namespaces, only the rollout's
+    #: directory writable, no network but the rollout's endpoint), "container" (the task's
+    #: image_name under podman or docker), "none" (on the host as the appliance's user), or
+    #: "auto": bwrap where it runs, else refuse to start naming what to install.
+    sandbox: str = "auto"
+    #: Let sandboxed rollouts reach the network (a task set that needs it); the admin API and
+    #: the data directory stay out of reach.
+    allow_network: bool = False
+    #: Limits of one sandboxed rollout as a whole (all its processes): memory in MiB (swap
+    #: included), processes and threads at once, CPUs' worth of time (None: no cap), and the
+    #: disk its directory may take in MiB (also its /tmp's size). None: no limit.
+    sandbox_memory_mb: int | None = 8192
+    sandbox_processes: int | None = 1024
+    sandbox_cpus: float | None = None
+    sandbox_disk_mb: int | None = 20480
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.validation_fraction < 1.0:
@@ -59,6 +78,13 @@ class HarnessConfig:
         seconds("rollout_timeout_s", self.rollout_timeout_s)
         seconds("runner_lease_s", self.runner_lease_s)
         seconds("runner_claim_wait_s", self.runner_claim_wait_s)
+        if self.sandbox not in SANDBOX_SETTINGS:
+            raise ConfigError(f"sandbox must be one of {', '.join(SANDBOX_SETTINGS)}; got {self.sandbox!r}")
+        at_least("sandbox_memory_mb", self.sandbox_memory_mb, 16)
+        at_least("sandbox_processes", self.sandbox_processes, 4)
+        at_least("sandbox_disk_mb", self.sandbox_disk_mb, 1)
+        if self.sandbox_cpus is not None and not self.sandbox_cpus > 0:
+            raise ConfigError(f"sandbox_cpus must be above 0; got {self.sandbox_cpus}")
         if not 0.0 <= self.max_refused_fraction <= 1.0:
             raise ConfigError(f"max_refused_fraction must be in [0, 1]; got {self.max_refused_fraction}")
 

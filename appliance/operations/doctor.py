@@ -317,6 +317,24 @@ def check_data_dir(f: Facts) -> Check:
     return Check("data", "ok", f"{f.data_dir} is {f.data_dir_mode:04o}")
 
 
+def check_sandbox(f: Facts) -> Check:
+    """Where the run's agents would run: a sandbox asked for that bubblewrap cannot give fails
+    (the start would be refused), agents that would run unsandboxed warn."""
+    if f.process_adapter and f.sandbox in ("auto", "bwrap") and f.bwrap_problem is not None:
+        return Check(
+            "sandbox",
+            "fail",
+            f"sandbox {f.sandbox!r}: {f.bwrap_problem}",
+            'apt-get install bubblewrap, or sandbox = "none" to run agents unsandboxed',
+        )
+    if f.agents.startswith("agents run unsandboxed"):
+        fix = None
+        if f.process_adapter:
+            fix = 'sandbox = "auto" (bubblewrap)'
+        return Check("sandbox", "warn", f.agents, fix)
+    return Check("sandbox", "ok", f.agents)
+
+
 #: Every check, in the order they are printed.
 CHECKS: tuple[Callable[[Facts], Check], ...] = (
     check_python,
@@ -331,6 +349,7 @@ CHECKS: tuple[Callable[[Facts], Check], ...] = (
     check_shm,
     check_disk,
     check_data_dir,
+    check_sandbox,
 )
 
 

@@ -127,6 +127,13 @@ class Facts:
     data_umask: int = 0o077
     gpu_memory_utilization: float = 0.9
     vllm_url: str | None = None
+    #: ``[harness] sandbox`` as the config says it, whether the run's adapter starts agent
+    #: processes (the only ones a sandbox holds), why bubblewrap cannot run here (None: it can),
+    #: and the line the run would say about where its agents run.
+    sandbox: str = "auto"
+    process_adapter: bool = False
+    bwrap_problem: str | None = None
+    agents: str = ""
 
 
 # --- gathering ---------------------------------------------------------------------------------
@@ -174,7 +181,24 @@ def gather(config: ApplianceConfig, *, probe_vllm: bool = True) -> Facts:
         data_umask=umask_bits(config.data_umask),
         gpu_memory_utilization=config.engine.gpu_memory_utilization or MAX_UTILIZATION,
         vllm_url=config.engine.vllm_url,
+        **_sandbox_facts(config),
     )
+
+
+def _sandbox_facts(config: ApplianceConfig) -> dict[str, Any]:
+    from appliance.rollouts.sandboxing import describe, runs_processes
+    from harness_adapters.sandbox import bwrap_problem
+
+    problem = bwrap_problem()
+    kind = config.harness.sandbox
+    if kind == "auto":
+        kind = "none" if problem is not None else "bwrap"
+    return {
+        "sandbox": config.harness.sandbox,
+        "process_adapter": runs_processes(config.harness),
+        "bwrap_problem": problem,
+        "agents": describe(config.harness, kind),
+    }
 
 
 def _torch_facts() -> dict[str, Any]:

@@ -29,6 +29,7 @@ from appliance.proxy import (
     admin_feed,
     anthropic_messages,
     control,
+    endpoints,
     metrics,
     openai_chat,
     openai_completions,
@@ -235,7 +236,7 @@ def build_app(
     calls: CallService, registry: RolloutRegistry, settings: ProxySettings, conditions: Health | None = None
 ) -> web.Application:
     app = web.Application(
-        middlewares=[metrics.middleware, refusals.middleware, errors_middleware],
+        middlewares=[metrics.middleware, refusals.middleware, errors_middleware, endpoints.middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[HEALTH] = conditions or Health()
@@ -323,6 +324,9 @@ class ProxyServer:
         self._host = host
         self._port = port
         self.url = ""
+        #: Unix sockets of sandboxed rollouts, each serving its rollout's routes only.
+        self.sockets = endpoints.RolloutSockets(self._runner)
+        app[endpoints.SOCKETS] = self.sockets
 
     async def start(self) -> None:
         await self._runner.setup()
@@ -338,4 +342,5 @@ class ProxyServer:
         self.url = f"http://{host}:{port}"
 
     async def close(self) -> None:
+        await self.sockets.close_all()
         await self._runner.cleanup()

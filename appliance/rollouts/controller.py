@@ -20,6 +20,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
 
 from appliance.config import HarnessConfig
 from appliance.rollouts.registry import ActiveRollout, RolloutRegistry
@@ -29,6 +31,14 @@ from store.events import RewardReported, RolloutCreated, RolloutFinished
 from store.eventstore import EventStore
 
 log = logging.getLogger(__name__)
+
+
+class EndpointSockets(Protocol):
+    """The proxy's per-rollout sockets (``appliance.proxy.endpoints.RolloutSockets``)."""
+
+    async def open(self, rollout: str) -> Path: ...
+
+    async def close(self, rollout: str) -> None: ...
 
 
 class RolloutController:
@@ -44,10 +54,14 @@ class RolloutController:
         policy_version: Callable[[], int],
         harness: HarnessConfig,
         next_group_index: int = 0,
+        endpoints: EndpointSockets | None = None,
     ) -> None:
         """``harness``: the config's section; its ``rollout_timeout_s`` bounds each rollout,
         ``max_concurrent_agents`` the agents running at once (waiting for a slot is not timed),
-        ``infra_retries`` the retries of a failure before the agent started."""
+        ``infra_retries`` the retries of a failure before the agent started. ``endpoints``:
+        the proxy's per-rollout sockets, for sandboxed agents without a network (each rollout
+        gets one for its life, named in its ``ClientConfig.endpoint_socket``)."""
+        self._endpoints = endpoints
         self._store = store
         self._registry = registry
         self._adapter = adapter
@@ -136,6 +150,19 @@ class RolloutController:
         return actives
 
     async def _run(self, active: ActiveRollout, task: Task) -> None:
+        socket = None
+        if self._endpoints is not None:
+            try:
+                socket = await self._endpoints.open(active.rollout)
+            except OSError as exc:  # recorded like any failure before the agent started
+                log.warning("rollout %s: no endpoint socket: %s", active.rollout, exc)
+        try:
+            await self._run_with(active, task, str(socket) if socket is not None else None)
+        finally:
+            if self._endpoints is not None:
+                await self._endpoints.close(active.rollout)
+
+    async def _run_with(self, active: ActiveRollout, task: Task, socket: str | None) -> None:
         rollout = active.rollout
         base = f"{self._proxy_url()}/rollouts/{rollout}"
         client = ClientConfig(
@@ -144,6 +171,7 @@ class RolloutController:
             api_key=active.token,
             reward_url=base + "/reward",
             model=self._model_name,
+            endpoint_socket=socket,
         )
         started = time.perf_counter()
         status, error = "finished", ""

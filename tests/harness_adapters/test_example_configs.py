@@ -35,6 +35,7 @@ from harness_adapters.examples.agents.aider_agent import source_files
 from harness_adapters.examples.agents.answers import answer_reward
 from harness_adapters.mini_swe import MiniSweAgentAdapter
 from harness_adapters.registry import load_adapter
+from harness_adapters.sandbox import bwrap_problem
 from harness_adapters.tasks import TaskSet
 from harness_adapters.workdir import RolloutDir
 from store.events import LLMCallCompleted
@@ -156,6 +157,8 @@ async def test_one_rollout_of_the_harness(example: Example, tmp_path: Path, tiny
         rollout_timeout_s=90.0,
     )
     async with Appliance(config) as app:
+        # The default sandbox ("auto"): each harness runs in bubblewrap, unchanged.
+        assert app.isolation.kind == ("bwrap" if bwrap_problem() is None else "none"), app.isolation.line
         group = await app.controller.start_group(1)
         await wait_ended(app, 1, timeout_s=150)
         rollout = f"{group}-r0"

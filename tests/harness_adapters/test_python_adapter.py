@@ -96,3 +96,17 @@ def test_process_isolation_needs_a_dotted_path() -> None:
         PythonAdapter(agent, isolation="process")
     with pytest.raises(ConfigError, match="isolation must be"):
         PythonAdapter(PY_AGENT, isolation="thread")  # type: ignore[arg-type]
+
+
+async def test_process_isolation_runs_in_the_sandbox_with_the_agents_code(tmp_path: Path) -> None:
+    from harness_adapters.python import agent_code
+    from harness_adapters.sandbox import bwrap_problem
+
+    assert agent_code(PY_AGENT) == Path(__file__).parents[1]  # the tests package, nothing more
+    assert agent_code("harness_adapters.examples.retry_arithmetic:agent") is None  # seen already
+    if bwrap_problem() is not None:
+        pytest.skip(f"no bubblewrap: {bwrap_problem()}")
+    adapter = PythonAdapter(PY_AGENT, isolation="process", workdir_root=tmp_path, sandbox="bwrap")
+    with pytest.raises(AgentFailed, match="exit code 1") as caught:
+        await adapter.run(Task("t", {"behavior": "crash"}), client_config(port=18641))
+    assert str(caught.value).endswith("RuntimeError: boom-crash-marker")

@@ -1,0 +1,229 @@
+"""Sandboxed rollouts, with real bubblewrap: a hostile agent reaches only its own rollout.
+
+Each escape a policy could learn is tried by a real agent process (``agents/hostile.py``) under
+the ``command`` adapter with ``sandbox = "bwrap"``: reading the data directory's secrets,
+another rollout's directory, the user's home; signalling the appliance; a TCP connection on the
+host's loopback; writing outside its directory; a fork bomb, 10 GB of memory, a file past the
+disk limit, a daemon left behind, sleeping past the wall limit. Each is denied or ends the
+rollout with a reason naming the limit. Its own endpoint stays reachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from harness_adapters.base import AgentFailed, ClientConfig, Task
+from harness_adapters.command import CommandAdapter
+from harness_adapters.sandbox import Confinement, Endpoint, Sandbox, bwrap_argv, bwrap_problem, container_argv
+from tests.harness_adapters.support import AGENTS, alive
+
+HOSTILE = AGENTS / "hostile.py"
+
+pytestmark = pytest.mark.skipif(
+    bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}"
+)
+
+
+def hostile_adapter(root: Path, mode: str, *extra: str, **options: object) -> CommandAdapter:
+    settings: dict[str, object] = {
+        "sandbox": "bwrap",
+        "read_only_paths": [AGENTS],
+        "sandbox_memory_mb": 512,
+        "sandbox_processes": 64,
+        "sandbox_disk_mb": 64,
+        "workdir_root": root / "data" / "rollouts",
+        "hidden_paths": [root / "data"],
+        "kill_grace_s": 1.0,
+    } | options
+    return CommandAdapter(command=[sys.executable, str(HOSTILE), mode, *extra], **settings)  # type: ignore[arg-type]
+
+
+async def endpoint_server() -> tuple[web.AppRunner, int]:
+    """A stand-in for the proxy on loopback: the rollout's ``/models`` answers 200, anything
+    else too (so a 200 from it would show a route the sandbox should not reach)."""
+
+    async def anything(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, int(port)
+
+
+def client(rollout: str, port: int) -> ClientConfig:
+    base = f"http://127.0.0.1:{port}/rollouts/{rollout}"
+    return ClientConfig(rollout, base + "/v1", "la-key-" + rollout, base + "/reward", "m")
+
+
+async def test_a_hostile_agent_reaches_nothing_but_its_own_rollout(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "rollouts" / "other-rollout" / "work").mkdir(parents=True)
+    secrets = [
+        data / "admin_token",
+        data / "events.sqlite",
+        data / "rollouts" / "other-rollout" / "work" / "x",
+    ]
+    for path in secrets:
+        path.write_text("secret")
+    outside, port = await endpoint_server()
+    # A TCP service on the host's loopback that is not the rollout's endpoint.
+    served = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    tcp_port = served.sockets[0].getsockname()[1]
+    repo = Path(__file__).parents[2]
+    task = Task(
+        "t",
+        {
+            "secrets": [*map(str, secrets), "/etc/shadow", str(repo / "appliance" / "app.py")],
+            "hidden_dirs": [str(data), str(data / "rollouts"), str(Path.home()), str(repo)],
+            "pid": os.getpid(),
+            "tcp_port": tcp_port,
+        },
+    )
+    adapter = hostile_adapter(tmp_path, "probe", keep_workdirs="always")
+    try:
+        assert await adapter.run(task, client("r1", port)) is None
+    finally:
+        served.close()
+        await outside.cleanup()
+    (rdir,) = (data / "rollouts").glob("r1-*")
+    report = json.loads((rdir / "agent.stdout").read_text())
+    assert report["uid"] != 0
+    assert all(v.startswith("denied") for v in report["secrets"].values()), report["secrets"]
+    hidden = report["hidden_dirs"]
+    assert hidden[str(data)] == ["rollouts"], "only the way to its own directory"
+    assert hidden[str(data / "rollouts")] == [rdir.name], "no other rollout's directory"
+    assert set(hidden[str(Path.home())] or []) <= {".pyenv"}, "nothing of the user's home but Python"
+    assert set(hidden[str(repo)] or []) <= {"harness_adapters", "contracts", "tests", ".venv"}
+    assert "appliance" not in (hidden[str(repo)] or [])
+    assert report["signal"].startswith("denied: ProcessLookupError")
+    assert report["tcp"].startswith("denied")
+    assert report["interfaces"] == ["lo"]
+    assert len(report["processes"]) <= 4, report["processes"]
+    assert report["write_usr"].startswith("denied") and report["write_root"].startswith("denied")
+    assert report["user_ns"].startswith("denied")
+    assert report["endpoint"] == "200", "its own endpoint answers through the sandbox"
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("forkbomb", "process limit reached (64 processes)"),
+        ("memory", "memory limit reached (512 MiB)"),
+        ("bigfile", "disk limit reached (64 MiB"),
+    ],
+)
+async def test_a_limit_ends_the_rollout_with_its_name(tmp_path: Path, mode: str, reason: str) -> None:
+    adapter = hostile_adapter(tmp_path, mode)
+    with pytest.raises(AgentFailed) as failed:
+        await asyncio.wait_for(adapter.run(Task("t", {}), client("r1", 18640)), 60)
+    assert reason in str(failed.value)
+
+
+async def test_memory_without_a_control_group_bounds_each_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harness_adapters import cgroups
+
+    monkeypatch.setattr(cgroups, "_FOUND", [None])
+    adapter = hostile_adapter(tmp_path, "memory")
+    with pytest.raises(AgentFailed, match="MemoryError"):
+        await asyncio.wait_for(adapter.run(Task("t", {}), client("r1", 18640)), 60)
+
+
+async def test_processes_without_a_control_group_are_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harness_adapters import cgroups
+
+    monkeypatch.setattr(cgroups, "_FOUND", [None])
+    adapter = hostile_adapter(tmp_path, "forkbomb", sandbox_processes=16)
+    with pytest.raises(AgentFailed, match=r"process limit reached \(16 processes\)"):
+        await asyncio.wait_for(adapter.run(Task("t", {}), client("r1", 18640)), 60)
+
+
+def _marked(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return [pid for pid in found if alive(pid)]
+
+
+async def test_nothing_survives_the_rollout(tmp_path: Path) -> None:
+    marker = f"la-daemon-{os.getpid()}-{tmp_path.name}"
+    assert await hostile_adapter(tmp_path, "daemon", marker).run(Task("t", {}), client("r1", 18640)) is None
+    await asyncio.sleep(0.2)
+    assert _marked(marker) == [], "a daemon outlived its rollout"
+
+
+async def test_sleeping_past_the_wall_limit_leaves_nothing_running(tmp_path: Path) -> None:
+    adapter = hostile_adapter(tmp_path, "sleep")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(adapter.run(Task("t", {}), client("r1", 18640)), 1.5)
+    await asyncio.sleep(0.2)
+    assert _marked(str(HOSTILE) + "\0sleep") == []
+
+
+def test_the_bwrap_command_line(tmp_path: Path) -> None:
+    sandbox = Sandbox(kind="bwrap", hidden=(tmp_path / "data",), read_only=(tmp_path / "code",))
+    run = Confinement(
+        sandbox, writable=tmp_path / "data" / "r1", endpoint=Endpoint(tmp_path / "s", "127.0.0.1", 8640)
+    )
+    argv = bwrap_argv(run, ["agent"], cwd=tmp_path / "data" / "r1" / "work")
+    joined = " ".join(argv)
+    for flag in ("--unshare-user", "--unshare-pid", "--unshare-net", "--die-with-parent", "--disable-userns"):
+        assert flag in argv
+    # The data directory is covered after the read-only paths, and the rollout bound after that.
+    assert (
+        argv.index(str(tmp_path / "code"))
+        < argv.index(str(tmp_path / "data"))
+        < argv.index(str(run.writable))
+    )
+    assert f"--bind {tmp_path / 's'} /run/appliance/endpoint.sock" in joined
+    assert argv[-2:] == ["--", "agent"]
+    network = bwrap_argv(
+        Confinement(Sandbox(kind="bwrap", allow_network=True), writable=tmp_path), ["a"], cwd=tmp_path
+    )
+    assert "--unshare-net" not in network
+
+
+def test_the_container_command_line(tmp_path: Path) -> None:
+    from harness_adapters.sandbox import SandboxLimits
+
+    sandbox = Sandbox(
+        kind="container", limits=SandboxLimits(memory_mb=512, processes=64, cpus=1.5, disk_mb=100)
+    )
+    run = Confinement(
+        sandbox,
+        writable=tmp_path,
+        endpoint=Endpoint(tmp_path / "s", "127.0.0.1", 8640),
+        name="g1-r0",
+        image="img:1",
+    )
+    argv = container_argv(run, ["python3", "agent"], cwd=tmp_path / "work", env={"A": "1"})
+    assert argv[:3] == ["podman", "run", "--rm"]
+    pairs = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert pairs["--network"] == "none"
+    assert pairs["--memory"] == "512m" and pairs["--pids-limit"] == "64" and pairs["--cpus"] == "1.5"
+    assert pairs["--name"] == "la-g1-r0"
+    assert f"{tmp_path}:{tmp_path}:rw" in argv and f"{tmp_path / 's'}:/run/appliance/endpoint.sock" in argv
+    assert argv[argv.index("-w") + 1 : argv.index("-w") + 3] == [str(tmp_path / "work"), "img:1"]
+    assert argv[-2:] == ["python3", "agent"]
+    with pytest.raises(ValueError, match="image"):
+        container_argv(Confinement(sandbox, writable=tmp_path), ["a"], cwd=tmp_path, env={})
