@@ -11,10 +11,12 @@ the leader of a new session. It owns the agent's process tree:
   descendant (stopped first, so none can fork away) and reaps them, then exits with the
   agent's code (``128 + N`` if a signal ``N`` ended it, ``127`` if it could not be started).
 
-In a sandbox (``harness_adapters.sandbox``) it runs twice: outside, it first joins the
-rollout's control groups (``join``: the ``cgroup.procs`` files to write its pid to), so that
-every process after it is counted against the rollout's limits, then starts ``bwrap``; inside,
-it listens on the loopback address and port of the rollout's URL (``forward``) and relays each
+In a sandbox (``harness_adapters.sandbox``) it runs twice: outside, it joins the rollout's
+control groups (``join``: the ``cgroup.procs`` files to write its pid to), so that every
+process after it is counted against the rollout's limits, and becomes ``bwrap`` (``exec``);
+inside, as the first process of the sandbox's PID namespace but bwrap's own (``namespace``:
+when it exits the kernel ends every process left in it, so it neither reaps nor needs to be a
+subreaper), it listens on the loopback address and port of the rollout's URL (``forward``) and relays each
 connection to the rollout's Unix socket, before it starts the agent. The listening socket is
 made before the agent starts (a first call cannot come too early) and served by threads started
 after it (``preexec_fn`` stays safe).
@@ -26,17 +28,19 @@ It imports only the standard library and never the appliance, so it starts in ~2
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import resource
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
-from types import FrameType
+from typing import TYPE_CHECKING
+
+# Imported where used (socket and threading for the endpoint only, ctypes outside a namespace
+# only): every rollout starts this, and each import is milliseconds.
+if TYPE_CHECKING:
+    import socket
+    from types import FrameType
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -102,6 +106,8 @@ def _become_subreaper() -> None:
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
@@ -128,6 +134,8 @@ def _join(procs_files: list[str]) -> None:
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    import socket
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -137,6 +145,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _pump(source: socket.socket, sink: socket.socket) -> None:
+    import socket
+
     try:
         while data := source.recv(65536):
             sink.sendall(data)
@@ -149,6 +159,9 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 def _relay(client: socket.socket, path: str) -> None:
     """One connection: the client's bytes to the Unix socket and back, until both sides end."""
+    import socket
+    import threading
+
     upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         upstream.connect(path)
@@ -165,6 +178,9 @@ def _relay(client: socket.socket, path: str) -> None:
 
 
 def _serve(listener: socket.socket, path: str) -> None:
+    import socket
+    import threading
+
     while True:
         try:
             client, _ = listener.accept()
@@ -180,12 +196,23 @@ def main(argv: list[str]) -> int:
     command = argv[2:]
     limits: dict[str, list[int]] = spec.get("limits", {})
     grace_s = float(spec.get("grace_s", 5.0))
-    _become_subreaper()
     try:
         _join(spec.get("join", []))
     except OSError as exc:
         sys.stderr.write(f"launcher: cannot join the rollout's control group: {exc}\n")
         return 127
+    if spec.get("exec"):
+        # Outside a sandbox: become it (bwrap), in the control group, with nothing left to do.
+        try:
+            os.execvp(command[0], command)
+        except OSError as exc:
+            sys.stderr.write(f"launcher: cannot start {command[0]!r}: {exc}\n")
+            return 127
+    # In a PID namespace of its own the namespace ends with the launcher, and every process in
+    # it: nothing to reap, no subreaper needed.
+    in_namespace = bool(spec.get("namespace"))
+    if not in_namespace:
+        _become_subreaper()
     forward = spec.get("forward")
     listener = None
     if forward is not None:
@@ -194,6 +221,8 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             sys.stderr.write(f"launcher: cannot listen on the rollout's endpoint: {exc}\n")
             return 127
+
+    import subprocess
 
     def apply_limits() -> None:
         for name, (soft, hard) in limits.items():
@@ -205,6 +234,8 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"launcher: cannot start {command[0]!r}: {exc}\n")
         return 127
     if listener is not None and forward is not None:
+        import threading
+
         threading.Thread(target=_serve, args=(listener, forward["unix"]), daemon=True).start()
 
     def on_alarm(signum: int, frame: FrameType | None) -> None:
@@ -225,7 +256,8 @@ def main(argv: list[str]) -> int:
         signal.signal(signum, on_term)
     code = child.wait()
     signal.setitimer(signal.ITIMER_REAL, 0)
-    _reap_all()
+    if not in_namespace:
+        _reap_all()
     return code if code >= 0 else 128 - code
 
 

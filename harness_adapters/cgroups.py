@@ -169,8 +169,18 @@ class Cgroups:
         """A new group for one rollout with ``limits``; ``OSError`` if it cannot be made."""
         safe = _SAFE.sub("_", name)[:100] or "rollout"
         made: dict[str, Path] = {}
+        # Only the hierarchies a limit needs: on v1 each one the launcher joins costs it a
+        # migration (milliseconds each).
+        needed = {
+            "": True,
+            "memory": limits.memory_bytes is not None,
+            "pids": limits.processes is not None,
+            "cpu": limits.cpus is not None,
+        }
         try:
             for controller, parent in self.parents.items():
+                if not needed[controller]:
+                    continue
                 parent.mkdir(exist_ok=True)
                 directory = parent / safe
                 directory.mkdir()

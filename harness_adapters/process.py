@@ -12,10 +12,13 @@ stop early, the whole process group gets SIGTERM, the agent ``grace_s`` seconds 
 then every descendant gets SIGKILL (from the launcher, or, if the launcher itself does not
 answer, from here by walking ``/proc``).
 
-In a sandbox (``confinement``), the launcher runs twice: outside it joins the rollout's
-control group (``cgroups``: memory, processes and CPU of the whole rollout) and starts
-``bwrap`` (or the container runtime), inside it applies the per-process limits, relays the
-rollout's endpoint and starts the command (``sandbox``). A watchdog (``watch``) ends the run
+In a sandbox (``confinement``), the launcher runs twice: outside (only where the rollout has a
+control group: ``cgroups``, memory, processes and CPU of the whole rollout) it joins the group
+and becomes ``bwrap`` (or the container runtime); inside, as the first process of the
+sandbox's PID namespace, it applies the per-process limits, relays the rollout's endpoint and
+starts the command (``sandbox``). When it exits the kernel ends every process left in the
+namespace. A sandboxed run is stopped at once: the SIGTERM that reaches ``bwrap`` ends it, and
+``--die-with-parent`` takes the namespace with it (no grace period). A watchdog (``watch``) ends the run
 when a rollout-wide limit is reached (the kernel refused a fork or killed for memory; the
 rollout's directory past its disk limit; where no control group could be made, more processes
 than allowed), and the result names that limit (``ProcessResult.breach``).
@@ -44,6 +47,9 @@ from harness_adapters.sandbox import CONTAINER_LAUNCHER, INNER_SOCKET, Confineme
 from harness_adapters.watch import Watchdog
 
 LAUNCHER = Path(_launcher.__file__).resolve()
+#: This interpreter without ``..`` and such (links kept: a venv's ``python`` is a link, and the
+#: venv is found from the link's path): the path a sandbox binds.
+PYTHON = os.path.normpath(os.path.abspath(sys.executable))  # noqa: PTH100 (no resolving)
 #: Environment variables passed through from the appliance's own environment by default.
 BASE_ENV = ("PATH", "LANG", "LC_ALL", "TERM", "TZ")
 
@@ -213,14 +219,19 @@ def _confined_argv(
     )
     if sandbox.kind == "container":
         inner = ["python3", "-I", "-S", CONTAINER_LAUNCHER]
-        inner += [_spec(limits=rlimits, grace_s=grace_s, forward=forward), *argv]
+        inner += [_spec(limits=rlimits, grace_s=grace_s, forward=forward, namespace=True), *argv]
         command = container_argv(confinement, inner, cwd=cwd, env=env)
     else:
-        inner = [sys.executable, "-I", "-S", str(LAUNCHER)]
-        inner += [_spec(limits=rlimits, grace_s=grace_s, forward=forward), executable, *argv[1:]]
+        inner = [PYTHON, "-I", "-S", str(LAUNCHER)]
+        inner += [
+            _spec(limits=rlimits, grace_s=grace_s, forward=forward, namespace=True),
+            executable,
+            *argv[1:],
+        ]
         command = bwrap_argv(confinement, inner, cwd=cwd)
-    outer = _spec(grace_s=grace_s, join=group.procs_files() if group is not None else None)
-    return [sys.executable, "-I", "-S", str(LAUNCHER), outer, *command]
+    if group is None:
+        return command
+    return [PYTHON, "-I", "-S", str(LAUNCHER), _spec(join=group.procs_files(), exec=True), *command]
 
 
 def _make_group(confinement: Confinement | None) -> cgroups.Group | None:
@@ -276,7 +287,7 @@ async def run_process(
         )
     else:
         spec = _spec(limits=(limits or ResourceLimits()).rlimits(), grace_s=grace_s)
-        command = [sys.executable, "-I", "-S", str(LAUNCHER), spec, executable, *argv[1:]]
+        command = [PYTHON, "-I", "-S", str(LAUNCHER), spec, executable, *argv[1:]]
     started = time.perf_counter()
     try:
         try:
