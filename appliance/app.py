@@ -72,7 +72,6 @@ from appliance.training.service import TrainingService
 from appliance.training.setup import restore_training, start_training
 from contracts.errors import StopForced
 from harness_adapters.base import HarnessAdapter, Task
-from harness_adapters.registry import load_adapter
 from store.events import (
     ApplianceStarted,
     ApplianceStopped,
@@ -191,10 +190,9 @@ class Appliance:
         # that cannot work fails here in one line, before the model loads or the store is written.
         self._stack.enter_context(preflight.data_dir_lock(config.data_dir, umask_bits(config.data_umask)))
         plan = await asyncio.to_thread(preflight.check, config)
-        # Where the agents run: "auto" becomes bubblewrap here, or the start is refused in one line.
-        self.isolation = await asyncio.to_thread(sandboxing.resolve, config)
-        config = self.config = sandboxing.with_resolved_sandbox(config, self.isolation)
-        (log.warning if self.isolation.unsandboxed else log.info)("%s", self.isolation.line)
+        # Where the agents run: sandbox "auto" made bubblewrap, or the start refused in one line.
+        self.isolation, self.config = await asyncio.to_thread(sandboxing.start, config)
+        config = self.config
         check_backends(config.tracking.loggers)  # a tracker not installed: one line, nothing loaded
         if plan is not None:
             log.info("%s", "\n".join(describe(plan)))
@@ -265,11 +263,7 @@ class Appliance:
         self.health = Health()
         proxy_app = build_app(calls, self.registry, settings, self.health)
         proxy_app[RUN_STATE] = state  # the object the live projection keeps folding
-        adapter = self._adapter or load_adapter(
-            config.harness.adapter_spec(),
-            workdir_root=config.data_dir / "rollouts",
-            process_defaults=self.isolation.adapter_options,
-        )
+        adapter = self._adapter or sandboxing.load_run_adapter(config, self.isolation)
         # The external adapter's rollouts wait on a board that runners claim them from over HTTP.
         self.runners = attach_runners(adapter, self.registry, config.harness, live=lambda: self.live)
         if self.runners is not None:
@@ -325,7 +319,6 @@ class Appliance:
             policy_version=lambda: self.engine.policy_version,
             harness=config.harness,
             next_group_index=groups_so_far,
-            # A sandbox without a network reaches its rollout's routes through a socket of its own.
             endpoints=self.proxy.sockets if self.isolation.endpoint_sockets else None,
         )
         self._stack.push_async_callback(self.controller.close)

@@ -14,7 +14,9 @@ coding task is a task whose data holds (SWE-smith / SWE-bench field names where 
 ``FAIL_TO_PASS``    test ids that fail before the fix and pass after (optional)
 ``PASS_TO_PASS``    test ids that pass before and after (optional)
 ``test_files``      files restored from the snapshot before the tests run, so an agent cannot
-                    pass by editing the tests (optional; SWE-bench applies its ``test_patch``)
+                    pass by editing the tests (optional; SWE-bench applies its ``test_patch``);
+                    so are the files that configure the run (``CONFIG_FILES``: conftest.py,
+                    pytest.ini, ...), whatever the task says
 ``gold_patch``      a reference fix as a unified diff, to check the task set (optional; named so
                     because SWE-smith's own ``patch`` field is the bug, not the fix)
 ``image_name``      a container image for the ``kubernetes`` adapter (optional)
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 import shutil
 import tempfile
@@ -39,6 +42,21 @@ from contracts.errors import ConfigError
 from harness_adapters.base import AgentFailed, Task
 from harness_adapters.rewards import VerifyContext
 from harness_adapters.workdir import copy_snapshot
+
+#: Files that configure the interpreter or the test run wherever they are: an agent's own
+#: version of one never reaches the tests (restored from the snapshot, or removed).
+CONFIG_FILES = frozenset(
+    {
+        "conftest.py",
+        "pytest.ini",
+        ".pytest.ini",
+        "tox.ini",
+        "setup.cfg",
+        "pyproject.toml",
+        "sitecustomize.py",
+        "usercustomize.py",
+    }
+)
 
 
 def _strings(value: Any, name: str, task_id: str) -> tuple[str, ...]:
@@ -96,14 +114,25 @@ def default_test_cmd(test_ids: tuple[str, ...]) -> str:
     return "python -m pytest -q -p no:cacheprovider " + " ".join(shlex.quote(t) for t in test_ids)
 
 
+def config_files(root: Path) -> list[str]:
+    """Paths under ``root`` (relative, ``.git`` left out) of the files ``CONFIG_FILES`` names."""
+    found = []
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        for name in files:
+            if name in CONFIG_FILES or name.endswith(".pth"):
+                found.append(str((Path(directory) / name).relative_to(root)))
+    return found
+
+
 def restore_files(snapshot: Path, work: Path, names: tuple[str, ...]) -> None:
-    """Put ``names`` back as they are in the snapshot (blocking; run in a thread)."""
-    if not names:
-        return
+    """Put ``names`` back as they are in the snapshot, and every file that configures the test
+    run (``CONFIG_FILES``: the snapshot's version, or none) (blocking; run in a thread)."""
     with tempfile.TemporaryDirectory() as scratch:
         pristine = Path(scratch) / "repo"
         copy_snapshot(snapshot, pristine)
-        for name in names:
+        configs = sorted(set(config_files(work)) | set(config_files(pristine)))
+        for name in (*names, *configs):
             source, dest = pristine / name, work / name
             if not source.resolve().is_relative_to(pristine.resolve()):
                 raise ConfigError(f"test file {name!r} lies outside the repository")

@@ -20,12 +20,14 @@ the agent wrote to ``$LA_REWARD_FILE``, else ``None`` (the agent POSTed it, or g
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -44,6 +46,7 @@ from harness_adapters.rewards import (
     VerifyContext,
 )
 from harness_adapters.sandbox import Confinement, Endpoint, Sandbox, SandboxKind, SandboxLimits
+from harness_adapters.swebench import CodingTests, SweBenchInstance, is_swebench, prepare_workdir
 from harness_adapters.templates import render_argv, split_command, task_env, template_values
 from harness_adapters.workdir import (
     KeepPolicy,
@@ -76,6 +79,9 @@ class ProcessOptions(BaseModel):
     """Where rollout directories are made (default: ``$TMPDIR/lightning-appliance/rollouts``)."""
     repo_field: str = "repo"
     """Task field naming a directory or archive to copy in as the working directory."""
+    repos_dir: Path | None = None
+    """Where the git mirrors of SWE-bench instances are (``owner__name.git``): such a task's
+    working directory is its repository at ``base_commit`` (a task's own ``repos_dir`` wins)."""
     keep_workdirs: KeepPolicy = "failed"
     """Which rollout directories stay after the rollout: never, failed ones, or always."""
     memory_mb: int | None = None
@@ -152,6 +158,13 @@ class CommandConfig(ProcessOptions):
     """How the verifier gives the reward: ``exit_code``, ``stdout`` (last line) or ``auto``."""
     reward_function: str | None = None
     """``module:function(task, workdir) -> float``, used when there is no verifier."""
+    task_tests: bool = False
+    """Reward from the task's own tests (before any verifier): a SWE-bench instance's FAIL_TO_PASS
+    and PASS_TO_PASS on the agent's diff in a fresh checkout, a coding task's ``test_cmd``."""
+    scoring: Literal["binary", "fraction"] = "binary"
+    """``task_tests`` of a SWE-bench instance: 1.0 iff all pass, or the share that pass."""
+    tests_timeout_s: float = 300.0
+    """Seconds the task's tests may run (past it, the reward is 0.0)."""
 
 
 def endpoint_env(client: ClientConfig) -> dict[str, str]:
@@ -196,6 +209,9 @@ class CommandAdapter:
 
     def _configured_rewards(self) -> list[RewardSource]:
         sources: list[RewardSource] = []
+        if self.config.task_tests:
+            c = self.config
+            sources.append(CodingTests(c.tests_timeout_s, scoring=c.scoring, repos_dir=c.repos_dir))
         if self.config.verifier is not None:
             verifier_argv = split_command(self.config.verifier)
 
@@ -252,7 +268,7 @@ class CommandAdapter:
     def snapshot(self, task: Task) -> Path | None:
         """The directory or archive to copy in as the working directory, if the task names one."""
         value = task.data.get(self.config.repo_field)
-        if not value:
+        if not value or is_swebench(task):  # checked out from its mirror instead (``_run``)
             return None
         path = Path(str(value)).expanduser()
         if not path.exists():
@@ -275,7 +291,14 @@ class CommandAdapter:
         )
         failed = True
         try:
+            await asyncio.to_thread(prepare_workdir, task, rdir.work, repos_dir=self.config.repos_dir)
             async with self._endpoint(client) as endpoint:
+                if endpoint is not None:  # the URLs as the agent reaches them inside
+                    client = dataclasses.replace(
+                        client,
+                        base_url=endpoint.url(client.base_url),
+                        reward_url=endpoint.url(client.reward_url),
+                    )
                 result = await run_process(
                     self.agent_argv(task, client, rdir),
                     cwd=rdir.work,
@@ -312,7 +335,11 @@ class CommandAdapter:
         if not self.sandbox.confined:
             return None
         image = task.data.get("image_name") if isinstance(task.data.get("image_name"), str) else None
-        return Confinement(self.sandbox, writable=rdir.root, endpoint=endpoint, name=name, image=image)
+        sandbox = self.sandbox
+        if is_swebench(task):  # a checkout borrows its mirror's objects: readable, not writable
+            mirror = SweBenchInstance.from_task(task).mirror(self.config.repos_dir)
+            sandbox = dataclasses.replace(sandbox, read_only=(*sandbox.read_only, mirror))
+        return Confinement(sandbox, writable=rdir.root, endpoint=endpoint, name=name, image=image)
 
     def check_agent(self, result: ProcessResult, rdir: RolloutDir) -> None:
         """Raise ``AgentFailed`` (with the stderr tail) unless the agent ended normally."""

@@ -7,8 +7,10 @@ repository, with the rollout's URL and key in ``OPENAI_*`` (litellm's ``openai/`
 them) and the ``MSWEA_*`` variables that keep it from asking questions, looking up model costs,
 retrying a failed call for minutes, or reading the user's own config. Everything else (the
 rollout directory, scrubbed environment, limits, stopping the tree) is the ``command``
-adapter's; the reward is ``TaskTests``: the task's tests, run after mini exits, with the test
-files restored first (1.0 if they pass, else 0.0).
+adapter's; the reward is ``CodingTests``: for a SWE-bench instance (checked out from its
+mirror in ``repos_dir``) its FAIL_TO_PASS and PASS_TO_PASS tests on the agent's diff in a fresh
+checkout (``SweBenchTests``), else the task's tests run after mini exits, with the test files
+restored first (``TaskTests``; 1.0 if they pass, else 0.0).
 
 mini-swe-agent exits 0 when its run ends normally (submitted, step limit, repeated format
 errors), so an unsolved task is a finished rollout with reward 0.0 (a training signal), and
@@ -20,13 +22,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from harness_adapters.base import ClientConfig, Task
-from harness_adapters.coding import CodingTask, TaskTests
+from harness_adapters.coding import CodingTask
 from harness_adapters.command import CommandAdapter, CommandConfig, ProcessOptions
+from harness_adapters.swebench import CodingTests, is_swebench
 
 CONFIG = Path(__file__).with_name("mini_swe.yaml")
 
@@ -61,6 +64,8 @@ class MiniSweConfig(ProcessOptions):
     """Seconds the task's tests may run after the agent (past it, the reward is 0.0)."""
     restore_test_files: bool = True
     """Restore the task's ``test_files`` from the snapshot before running its tests."""
+    scoring: Literal["binary", "fraction"] = "binary"
+    """A SWE-bench instance's reward: 1.0 iff all its tests pass, or the share that pass."""
 
 
 class MiniSweAgentAdapter:
@@ -98,9 +103,12 @@ class MiniSweAgentAdapter:
         options = c.model_dump(include=set(ProcessOptions.model_fields)) | {"env": env}
         self.command = CommandAdapter(
             CommandConfig(command=argv, **options),
-            reward_sources=[TaskTests(c.test_timeout_s, c.restore_test_files)],
+            reward_sources=[
+                CodingTests(c.test_timeout_s, c.restore_test_files, scoring=c.scoring, repos_dir=c.repos_dir)
+            ],
         )
 
     async def run(self, task: Task, client: ClientConfig) -> float | None:
-        CodingTask.from_task(task)  # a readable ConfigError for a task that is not a coding task
+        if not is_swebench(task):
+            CodingTask.from_task(task)  # a readable ConfigError for a task that is not a coding task
         return await self.command.run(task, client)

@@ -40,6 +40,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from harness_adapters import _launcher, cgroups
 from harness_adapters.base import InfraError
@@ -191,6 +192,16 @@ async def _stop(process: asyncio.subprocess.Process, grace_s: float) -> None:
         await asyncio.wait_for(process.wait(), 5.0)
 
 
+def _log_file(path: Path) -> BinaryIO:
+    """A new file at ``path`` for a process's output. What was there goes first, unfollowed: a
+    verifier's log lies in a directory the agent could write, where it may have left a link to
+    a file of the host's."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, 0o666), "wb")
+
+
 def _spec(**fields: object) -> str:
     return json.dumps({key: value for key, value in fields.items() if value is not None})
 
@@ -291,7 +302,7 @@ async def run_process(
     started = time.perf_counter()
     try:
         try:
-            with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
+            with _log_file(stdout_path) as stdout, _log_file(stderr_path) as stderr:
                 process = await asyncio.create_subprocess_exec(
                     # -I: isolated (no PYTHON* variables, no user site, no script dir on sys.path)
                     *command,

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import contracts
 import harness_adapters
@@ -54,6 +54,8 @@ SANDBOX_UID = 1000
 INNER_SOCKET = "/run/appliance/endpoint.sock"
 #: Where the launcher appears inside a container (it runs on the image's ``python3``).
 CONTAINER_LAUNCHER = "/run/appliance/launcher.py"
+#: A URL's port under 1024 is relayed inside on this much more (the sandbox's user may not bind it).
+LOW_PORT_SHIFT = 10000
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 #: The parts of /etc a program needs to run (and nothing that holds a secret).
 ETC_FILES = (
@@ -106,10 +108,21 @@ class Endpoint:
 
     @classmethod
     def for_url(cls, socket: Path, base_url: str) -> Endpoint:
+        """Where the relay inside listens for ``base_url``: its host and port, but a port under
+        1024 (which the sandbox's unprivileged user may not listen on) moved up by
+        ``LOW_PORT_SHIFT`` (``url`` gives the URL the agent is then told)."""
         parts = urlsplit(base_url)
         host = parts.hostname or "127.0.0.1"
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        return cls(socket, listen_host(host), port)
+        return cls(socket, listen_host(host), port + LOW_PORT_SHIFT if port < 1024 else port)
+
+    def url(self, url: str) -> str:
+        """``url`` as the agent reaches it inside: the same, with the port the relay listens on."""
+        parts = urlsplit(url)
+        if parts.port == self.port:
+            return url
+        host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+        return urlunsplit(parts._replace(netloc=f"{host}:{self.port}"))
 
 
 def listen_host(host: str) -> str:
@@ -220,12 +233,13 @@ def bwrap_argv(run: Confinement, inner: Sequence[str], *, cwd: Path, bwrap: str 
     if not sandbox.allow_network:
         args.append("--unshare-net")
     _bind_system(args)
-    for path in [*_python_roots(), *_project_packages(), *sandbox.read_only]:
-        args += ["--ro-bind-try", str(path), str(path)]
     args += ["--proc", "/proc", "--dev", "/dev"]
     if sandbox.limits.disk_mb is not None:
         args += ["--size", str(sandbox.limits.disk_mb * MB)]
+    # The empty /tmp first: a path bound below may lie under it (pytest's, a user's scratch).
     args += ["--tmpfs", "/tmp", "--tmpfs", "/run"]
+    for path in [*_python_roots(), *_project_packages(), *sandbox.read_only]:
+        args += ["--ro-bind-try", str(path), str(path)]
     for path in sandbox.hidden:
         args += ["--tmpfs", str(path)]
     args += ["--bind", str(run.writable), str(run.writable)]

@@ -9,8 +9,9 @@ stream a run draws from. It knows nothing about adapters: a task is an id and a 
 * Splits: named by the source (a ``DatasetDict``, or files named ``train*``/``validation*``/
   ``test*``), else by a ``split`` field in each record, else drawn by a seeded hash of the task
   id (``validation_fraction``), which keeps a task in its split when others are added.
-* Relative paths in ``path_fields`` (``repo``, ``repo_dir``) are made absolute against the
-  task set file's directory, so a shipped task set works from any working directory.
+* Relative paths in ``path_fields`` (``repo``, ``repo_dir``, ``repos_dir``) are made absolute
+  against the task set file's directory, so a shipped task set works from any working
+  directory (a SWE-bench instance's ``repo``, "owner/name", is left as it is).
 * The stream is deterministic and resumable: ``stream(seed=s, start=i)`` yields exactly what
   the first stream yielded from position ``i`` on (each epoch in a seeded order). The
   controller draws ONE task per group and runs it ``group_size`` times (GRPO needs several
@@ -35,7 +36,7 @@ from contracts.errors import ConfigError
 from harness_adapters.base import Task
 
 ID_FIELDS = ("id", "instance_id", "task_id")
-PATH_FIELDS = ("repo", "repo_dir")
+PATH_FIELDS = ("repo", "repo_dir", "repos_dir")
 SPLIT_ALIASES = {
     "train": "train",
     "training": "train",
@@ -121,6 +122,8 @@ class TaskSet:
             if base_dir is not None:
                 for name_ in path_fields:
                     value = data.get(name_)
+                    if name_ == "repo" and "base_commit" in data:
+                        continue  # a SWE-bench instance's repo is "owner/name", not a path
                     if isinstance(value, str) and value and not Path(value).is_absolute():
                         data[name_] = str((base_dir / value).resolve())
             task_id = str(data[key]) if key is not None else f"{name}-{row}"

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, Protocol
 
-from appliance.cli import backup, doctor, evaluate, export, plan, status, tui, up
+from appliance.cli import backup, doctor, evaluate, export, plan, status, tasks, tui, up
 from appliance.cli.common import hard_exit
 from contracts.errors import ApplianceError, StopForced
 
@@ -56,6 +56,7 @@ COMMANDS: dict[str, Command] = {
     "tui": tui,
     "doctor": doctor,
     "plan": plan,
+    "tasks": tasks,
 }
 
 

@@ -14,6 +14,7 @@ appliance: no sandbox can hold it, and the line says so and how to get one.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,11 @@ from typing import Any
 
 from appliance.config import ApplianceConfig, HarnessConfig
 from contracts.errors import ConfigError
-from harness_adapters.registry import ALIASES, makes_rollout_dirs
+from harness_adapters.base import HarnessAdapter
+from harness_adapters.registry import ALIASES, load_adapter, makes_rollout_dirs
 from harness_adapters.sandbox import Sandbox, SandboxKind, SandboxUnavailable, resolve_kind
+
+log = logging.getLogger(__name__)
 
 UNSANDBOXED = "agents run unsandboxed"
 
@@ -104,6 +108,24 @@ def resolve(config: ApplianceConfig) -> AgentIsolation:
         adapter_options = {k: v for k, v in adapter_options.items() if k not in options}
     return AgentIsolation(
         kind, describe(harness, kind), adapter_options, endpoint_sockets=kind != "none" and not allow
+    )
+
+
+def start(config: ApplianceConfig) -> tuple[AgentIsolation, ApplianceConfig]:
+    """The run's isolation (logged: a warning where agents run unsandboxed) and its config with
+    the sandbox made concrete; a one-line ``ConfigError`` where it cannot run."""
+    isolation = resolve(config)
+    (log.warning if isolation.unsandboxed else log.info)("%s", isolation.line)
+    return isolation, with_resolved_sandbox(config, isolation)
+
+
+def load_run_adapter(config: ApplianceConfig, isolation: AgentIsolation) -> HarnessAdapter:
+    """The run's adapter: rollout directories under the data directory, and the isolation's
+    options (a sandbox and its limits) for the adapters that start processes."""
+    return load_adapter(
+        config.harness.adapter_spec(),
+        workdir_root=config.data_dir / "rollouts",
+        process_defaults=isolation.adapter_options,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tests.harness_adapters.support import PYTHON_BUGS, client_config
 APPLY_GOLD_PATCH = """sh -c 'printf "%s" "$TASK_GOLD_PATCH" | git apply -'"""
 
 
-def graded_adapter(command: str, root: Path) -> CommandAdapter:
+def graded_adapter(command: str | list[str], root: Path) -> CommandAdapter:
     return CommandAdapter(command=command, workdir_root=root, reward_sources=[TaskTests(timeout_s=120)])
 
 
@@ -66,3 +67,21 @@ def test_coding_schema_errors_and_defaults() -> None:
     assert coding.fail_to_pass == ("a.py::test_x",)
     assert coding.test_cmd == default_test_cmd(("a.py::test_x",))
     assert coding.test_cmd == "python -m pytest -q -p no:cacheprovider a.py::test_x"
+
+
+async def test_a_conftest_the_agent_adds_never_reaches_the_tests(tmp_path: Path) -> None:
+    task = TaskSet.load(PYTHON_BUGS)[0]
+    # Every test reported as passed: a conftest.py hook that rewrites each report.
+    hook = (
+        "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n"
+        "    outcome = yield\n"
+        "    outcome.get_result().outcome = 'passed'\n"
+    )
+    write = f"import pathlib; pathlib.Path('conftest.py').write_text({hook!r})"
+    cheat = [sys.executable, "-c", write]
+    assert await graded_adapter(cheat, tmp_path).run(task, client_config()) == 0.0
+    lenient = CommandAdapter(
+        command=cheat, workdir_root=tmp_path, reward_sources=[TaskTests(restore_test_files=False)]
+    )
+    assert await lenient.run(task, client_config("r2")) == 1.0, "without the restore, the cheat works"

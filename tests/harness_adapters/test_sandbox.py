@@ -227,3 +227,13 @@ def test_the_container_command_line(tmp_path: Path) -> None:
     assert argv[-2:] == ["python3", "agent"]
     with pytest.raises(ValueError, match="image"):
         container_argv(Confinement(sandbox, writable=tmp_path), ["a"], cwd=tmp_path, env={})
+
+
+def test_a_low_port_is_relayed_on_a_port_the_sandbox_may_listen_on(tmp_path: Path) -> None:
+    low = Endpoint.for_url(tmp_path / "s", "http://127.0.0.1:80/rollouts/r/v1")
+    assert (low.host, low.port) == ("127.0.0.1", 10080)
+    assert low.url("http://127.0.0.1:80/rollouts/r/reward") == "http://127.0.0.1:10080/rollouts/r/reward"
+    high = Endpoint.for_url(tmp_path / "s", "http://localhost:8640/rollouts/r/v1")
+    assert (high.host, high.port) == ("127.0.0.1", 8640)
+    assert high.url("http://localhost:8640/rollouts/r/v1") == "http://localhost:8640/rollouts/r/v1"
+    assert Endpoint.for_url(tmp_path / "s", "http://10.1.2.3:8640/v1").host == "127.0.0.1"
