@@ -291,6 +291,7 @@ class Appliance:
                     config=config.to_json(),
                     trainer_ranks=trainer_ranks,
                     placement=plan.to_json() if plan is not None else {},
+                    agents=self.isolation.line,
                 )
             ]
         )

@@ -127,6 +127,9 @@ class ApplianceStarted(Event):
     #: each engine replica and of the trainer ranks, the memory figures, fits and why); empty in
     #: logs written before it existed, or when the model was not known before loading.
     placement: JsonObject = field(default_factory=dict)
+    #: Where this start's agents run, in one line ("agents run sandboxed (bwrap; ...)", "agents
+    #: run unsandboxed ..."); empty in logs written before it existed.
+    agents: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -149,6 +149,8 @@ class DashboardModel:
     model: str = ""
     engine: str = ""
     config: dict[str, object] = field(default_factory=dict)
+    #: Where the agents run (``ApplianceStarted.agents``: sandboxed, or "agents run unsandboxed").
+    agents: str = ""
     stopped: str = ""
     timeline: deque[PhaseSpan] = field(default_factory=lambda: deque(maxlen=TIMELINE_SPANS))
     #: metric key -> [(step, value)], in step order.
@@ -199,6 +201,7 @@ class DashboardModel:
                     event.config,
                     "",
                 )
+                self.agents = event.agents
                 if self._started_ts:  # the previous start recorded no stop: it ran until its last event
                     self._ran_s += max(0.0, self._previous_ts - self._started_ts)
                 self._started_ts, self._stop_source = ts, ""

@@ -89,7 +89,8 @@ def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
         recorded_value(state.last_start.config, "export_dir") if state.last_start is not None else None
     )
     summary["disk_bytes"] = disk_usage(data_dir, Path(export_dir) if export_dir else None)
-    summary["agents"] = recorded_line(state.last_start.config) if state.last_start is not None else None
+    start = state.last_start
+    summary["agents"] = (start.agents or recorded_line(start.config)) if start is not None else None
     summary["checkpoint"] = state.checkpoint
     summary["chain"] = _chain_status(db)
 

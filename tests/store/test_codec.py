@@ -249,6 +249,7 @@ _STORED_ORDER: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "config",
             "trainer_ranks",
             "placement",
+            "agents",
         ),
         (),
     ),

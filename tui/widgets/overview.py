@@ -115,6 +115,9 @@ class OverviewPanel(Static):
         breaker_lines(text, model, now, width)
         if model.model:
             text.append(f"model {model.model} on {model.engine}  run {state.run_id[:12]}\n", style="dim")
+        if model.agents:
+            unsandboxed = model.agents.startswith("agents run unsandboxed")
+            text.append(f"{model.agents}\n", style="bold yellow" if unsandboxed else "dim")
 
         counts = model.counts()
         text.append("rollouts ", style="dim")

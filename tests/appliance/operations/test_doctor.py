@@ -89,7 +89,7 @@ def only(facts: Facts, name: str) -> Check:
 def test_a_healthy_machine_passes_every_check(box: Facts) -> None:
     checks = doctor.run_checks(box)
     assert [c.name for c in checks] == [
-        "python", "torch", "gpu", "device", "verl", "vllm", "venvs", "ram", "cpu", "shm", "disk", "data",
+        "python", "torch", "gpu", "device", "verl", "vllm", "venvs", "ram", "cpu", "shm", "disk", "data", "sandbox",
     ]  # fmt: skip
     assert [c for c in checks if c.status != "ok"] == []
     assert all(c.fix is None for c in checks)
@@ -543,3 +543,32 @@ def test_doctor_probes_the_real_vllm_venv(tmp_path: Path) -> None:
     ), checks["venvs"]
     text = cli("doctor", "--engine", "vllm", "--data-dir", str(tmp_path / "run"), timeout=180)
     assert any(line.startswith("ok    vllm  ") for line in text.stdout.splitlines()), text.stdout
+
+
+def test_sandbox_check() -> None:
+    from appliance.operations.doctor import check_sandbox
+
+    missing = "bubblewrap is not installed (apt-get install bubblewrap, or dnf install bubblewrap)"
+    refused = check_sandbox(
+        dataclasses.replace(CPU_BOX, sandbox="auto", process_adapter=True, bwrap_problem=missing)
+    )
+    assert refused.status == "fail" and "apt-get install bubblewrap" in (refused.fix or "")
+    in_process = check_sandbox(
+        dataclasses.replace(
+            CPU_BOX,
+            process_adapter=False,
+            bwrap_problem=missing,
+            agents="agents run unsandboxed: the python adapter runs agents inside the appliance's process",
+        )
+    )
+    assert in_process.status == "warn" and in_process.fix is None, "no bubblewrap needed for it"
+    chosen = check_sandbox(
+        dataclasses.replace(
+            CPU_BOX, sandbox="none", process_adapter=True, agents='agents run unsandboxed (sandbox = "none")'
+        )
+    )
+    assert chosen.status == "warn" and "auto" in (chosen.fix or "")
+    boxed = check_sandbox(
+        dataclasses.replace(CPU_BOX, process_adapter=True, agents="agents run sandboxed (bwrap; no network)")
+    )
+    assert boxed.status == "ok"

@@ -66,6 +66,19 @@ async def test_sandboxed_rollouts_reach_only_their_own_routes(tmp_path: Path, ti
     finally:
         await store.close()
     assert report.events > 0
+    # The startup, status and the dashboard say where the agents ran.
+    from appliance.cli.status import status_report
+    from tui.model import DashboardModel
+
+    line = status_report(data_dir)["agents"]
+    assert line == "agents run sandboxed (bwrap; no network but the rollout's endpoint)"
+    model = DashboardModel()
+    store = await EventStore.open(data_dir / "events.sqlite", readonly=True)
+    try:
+        model.extend(await store.read(types={"ApplianceStarted"}))
+    finally:
+        await store.close()
+    assert model.agents == line
     assert ended and all(isinstance(e, RolloutFinished) and e.status == "finished" for e in ended), ended
     reports = [json.loads(p.read_text()) for p in (data_dir / "rollouts").glob("*/agent.stdout")]
     assert len(reports) == 2
