@@ -89,7 +89,8 @@ def only(facts: Facts, name: str) -> Check:
 def test_a_healthy_machine_passes_every_check(box: Facts) -> None:
     checks = doctor.run_checks(box)
     assert [c.name for c in checks] == [
-        "python", "torch", "gpu", "device", "verl", "vllm", "venvs", "ram", "cpu", "shm", "disk", "data", "sandbox",
+        "python", "torch", "gpu", "device", "verl", "vllm", "venvs", "ram", "cpu", "shm", "disk", "data",
+        "sandbox",
     ]  # fmt: skip
     assert [c for c in checks if c.status != "ok"] == []
     assert all(c.fix is None for c in checks)
