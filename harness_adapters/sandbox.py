@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import os
 import shutil
 import subprocess
 import sys
@@ -260,16 +261,14 @@ def container_argv(
     if not image:
         raise ValueError("sandbox 'container' needs an image: the task's image_name or the adapter's image")
     limits = sandbox.limits
-    args = [runtime or sandbox.runtime, "run", "--rm", "--init", "--name", _container_name(run.name)]
+    name = f"{_container_name(run.name)}-{os.urandom(3).hex()}"
+    args = [runtime or sandbox.runtime, "run", "--rm", "--init", "--name", name]
     args += ["--network", "host" if sandbox.allow_network else "none"]
-    args += [
-        "--user",
-        f"{SANDBOX_UID}:{SANDBOX_UID}",
-        "--cap-drop",
-        "ALL",
-        "--security-opt",
-        "no-new-privileges",
-    ]
+    # The appliance's own user inside (its rollout directory is owner-only), no capabilities.
+    uid, gid = os.getuid(), os.getgid()
+    if uid != 0:
+        args += ["--userns", "keep-id"]
+    args += ["--user", f"{uid}:{gid}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
     if limits.memory_mb is not None:
         args += ["--memory", f"{limits.memory_mb}m", "--memory-swap", f"{limits.memory_mb}m"]
     if limits.processes is not None:
@@ -281,6 +280,14 @@ def container_argv(
     for path in [*_python_roots(), *_project_packages(), *sandbox.read_only]:
         if path.exists():
             args += ["-v", f"{path}:{path}:ro"]
+    # A hidden path under a read-only bind is covered by an empty directory of the rollout's own
+    # (the runtime mounts parents first; a tmpfs there would not cover the bind, and a read-only
+    # cover would leave no room for the mount points under it).
+    shown = [*_python_roots(), *_project_packages(), *sandbox.read_only]
+    for i, path in enumerate(p for p in sandbox.hidden if any(p.is_relative_to(r) for r in shown)):
+        cover = run.writable / ".hidden" / str(i)
+        cover.mkdir(parents=True, exist_ok=True)
+        args += ["-v", f"{cover}:{path}:rw"]
     args += ["-v", f"{Path(_launcher.__file__).resolve()}:{CONTAINER_LAUNCHER}:ro"]
     args += ["-v", f"{run.writable}:{run.writable}:rw"]
     if run.endpoint is not None:

@@ -91,7 +91,8 @@ async def test_a_hostile_agent_reaches_nothing_but_its_own_rollout(tmp_path: Pat
             "tcp_port": tcp_port,
         },
     )
-    adapter = hostile_adapter(tmp_path, "probe", keep_workdirs="always")
+    # tmp_path (which holds the data directory) readable: the data directory stays hidden.
+    adapter = hostile_adapter(tmp_path, "probe", keep_workdirs="always", read_only_paths=[AGENTS, tmp_path])
     try:
         assert await adapter.run(task, client("r1", port)) is None
     finally:
@@ -221,7 +222,8 @@ def test_the_container_command_line(tmp_path: Path) -> None:
     pairs = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     assert pairs["--network"] == "none"
     assert pairs["--memory"] == "512m" and pairs["--pids-limit"] == "64" and pairs["--cpus"] == "1.5"
-    assert pairs["--name"] == "la-g1-r0"
+    assert pairs["--name"].startswith("la-g1-r0-")
+    assert pairs["--user"] == f"{os.getuid()}:{os.getgid()}" and pairs["--cap-drop"] == "ALL"
     assert f"{tmp_path}:{tmp_path}:rw" in argv and f"{tmp_path / 's'}:/run/appliance/endpoint.sock" in argv
     assert argv[argv.index("-w") + 1 : argv.index("-w") + 3] == [str(tmp_path / "work"), "img:1"]
     assert argv[-2:] == ["python3", "agent"]
@@ -237,3 +239,84 @@ def test_a_low_port_is_relayed_on_a_port_the_sandbox_may_listen_on(tmp_path: Pat
     assert (high.host, high.port) == ("127.0.0.1", 8640)
     assert high.url("http://localhost:8640/rollouts/r/v1") == "http://localhost:8640/rollouts/r/v1"
     assert Endpoint.for_url(tmp_path / "s", "http://10.1.2.3:8640/v1").host == "127.0.0.1"
+
+
+#: What podman needs on a machine like CI's (cgroup v1, root without CAP_SYS_RESOURCE): runc,
+#: file limits under the hard ones (crun refuses both, and cgroup v1 in hybrid mode).
+CONTAINERS_CONF = """[containers]
+default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
+
+
+@pytest.fixture(scope="module")
+def podman_image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """An image of nothing but the top-level links (the host's ``/usr`` is bound read-only, so
+    the host's ``python3`` runs the launcher inside), and the podman config that runs it; the
+    test is skipped, with podman's own words, where podman cannot run a container here."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed (apt-get install podman runc)")
+    root = tmp_path_factory.mktemp("image")
+    conf = root / "containers.conf"
+    conf.write_text(CONTAINERS_CONF)
+    tree = root / "tree"
+    for name in ("usr", "tmp", "run", "etc", "proc", "sys", "dev"):
+        (tree / name).mkdir(parents=True)
+    for name in ("bin", "lib", "lib64", "sbin"):
+        (tree / name).symlink_to(f"usr/{name}")
+    with tarfile.open(root / "image.tar", "w") as tar:
+        tar.add(tree, arcname=".")
+    env = {**os.environ, "CONTAINERS_CONF": str(conf)}
+    image = f"localhost/la-test-empty:{os.getpid()}"
+    made = subprocess.run(
+        ["podman", "import", "-q", str(root / "image.tar"), image], env=env, capture_output=True
+    )
+    ran = made.returncode == 0 and subprocess.run(
+        ["podman", "run", "--rm", "--network", "none", "-v", "/usr:/usr:ro", image, "/usr/bin/true"],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    if not ran or ran.returncode != 0:
+        said = (made.stderr or (ran.stderr if ran else b"")).decode(errors="replace").strip().splitlines()
+        pytest.skip(f"podman cannot run a container here: {said[-1] if said else 'no reason given'}")
+    return image, conf
+
+
+async def test_a_hostile_agent_in_a_container_reaches_nothing_but_its_endpoint(
+    tmp_path: Path, podman_image: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image, conf = podman_image
+    monkeypatch.setenv("CONTAINERS_CONF", str(conf))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "admin_token").write_text("secret")
+    outside, port = await endpoint_server()
+    adapter = hostile_adapter(
+        tmp_path,
+        "probe",
+        sandbox="container",
+        image=image,
+        read_only_paths=[AGENTS, Path("/usr"), tmp_path],  # tmp_path holds the data directory
+        passthrough_env=["CONTAINERS_CONF"],
+        keep_workdirs="always",
+    )
+    task = Task("t", {"secrets": [str(data / "admin_token"), "/etc/shadow"], "hidden_dirs": [str(data)]})
+    try:
+        assert await adapter.run(task, client("r1", port)) is None
+    finally:
+        await outside.cleanup()
+    (rdir,) = (data / "rollouts").glob("r1-*")
+    report = json.loads((rdir / "agent.stdout").read_text())
+    assert all(v.startswith("denied") for v in report["secrets"].values()), report["secrets"]
+    assert report["hidden_dirs"][str(data)] == ["rollouts"]
+    assert report["interfaces"] == ["lo"]
+    assert report["write_usr"].startswith("denied")
+    assert report["endpoint"] == "200", "its own endpoint answers through the container"
