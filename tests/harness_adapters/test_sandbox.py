@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -253,7 +254,7 @@ events_logger = "file"
 
 
 @pytest.fixture(scope="module")
-def podman_image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+def podman_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """An image of nothing but the top-level links (the host's ``/usr`` is bound read-only, so
     the host's ``python3`` runs the launcher inside), and the podman config that runs it; the
     test is skipped, with podman's own words, where podman cannot run a container here."""
@@ -287,7 +288,8 @@ def podman_image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     if not ran or ran.returncode != 0:
         said = (made.stderr or (ran.stderr if ran else b"")).decode(errors="replace").strip().splitlines()
         pytest.skip(f"podman cannot run a container here: {said[-1] if said else 'no reason given'}")
-    return image, conf
+    yield image, conf
+    subprocess.run(["podman", "rmi", "-f", image], env=env, capture_output=True, check=False)
 
 
 async def test_a_hostile_agent_in_a_container_reaches_nothing_but_its_endpoint(
