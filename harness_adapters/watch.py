@@ -8,8 +8,9 @@ the run with the limit's name. Checked every ``TICK_S``:
   would otherwise spin until the rollout's timeout, and an agent that lost a process to the OOM
   killer is not the agent that was started;
 * without a control group, the number of processes under the launcher (counted in ``/proc``);
-* every ``DISK_EVERY`` ticks, the disk the rollout's directory takes (allocated blocks, walked
-  in a thread), against ``SandboxLimits.disk_mb``.
+* every ``DISK_EVERY`` ticks (5 s: a large repository takes milliseconds to walk), the
+  disk the rollout's directory takes (allocated blocks, walked in a thread), against
+  ``SandboxLimits.disk_mb``.
 
 It never raises into the run: ``close`` stops it and returns the breach, or None.
 """
@@ -31,7 +32,7 @@ from harness_adapters.sandbox import SandboxLimits
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25
-DISK_EVERY = 8
+DISK_EVERY = 20
 
 
 def disk_usage(root: Path) -> int:

@@ -127,7 +127,7 @@ async def test_a_hostile_agent_reaches_nothing_but_its_own_rollout(tmp_path: Pat
     ],
 )
 async def test_a_limit_ends_the_rollout_with_its_name(tmp_path: Path, mode: str, reason: str) -> None:
-    adapter = hostile_adapter(tmp_path, mode)
+    adapter = hostile_adapter(tmp_path, mode, keep_workdirs="never")
     with pytest.raises(AgentFailed) as failed:
         await asyncio.wait_for(adapter.run(Task("t", {}), client("r1", 18640)), 60)
     assert reason in str(failed.value)

@@ -117,6 +117,7 @@ async def test_each_escape_ends_its_rollout_and_the_run_goes_on(tmp_path: Path, 
         "command": [sys.executable, str(AGENTS / "hostile.py"), "{mode}", marker],
         "read_only_paths": [str(AGENTS)],
         "kill_grace_s": 1.0,
+        "keep_workdirs": "never",
     }
     config = make_config(
         tmp_path,

@@ -114,7 +114,7 @@ def main(mode: str) -> int:
         return 0
     if mode == "bigfile":
         with open("big", "wb") as handle:  # noqa: PTH123
-            for _ in range(1024):
+            for _ in range(200):  # 200 MiB, past a test's 64 MiB limit
                 handle.write(b"\0" * (1024 * 1024))
         time.sleep(30)
         return 0
