@@ -104,7 +104,7 @@ bootstrap: $(STAMP) sandbox-tools
 # "auto"; the appliance refuses to start agent processes without it unless sandbox = "none").
 # Installed with apt-get where it is missing, as root or through `sudo -n`; elsewhere make says
 # what to install and goes on (the tests that need it are skipped, `doctor` fails its check).
-SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
+SUDO = $(if $(filter 0,$(shell id -u 2>/dev/null)),,sudo -n)
 sandbox-tools:
 	@command -v bwrap >/dev/null 2>&1 || { \
 	  if command -v apt-get >/dev/null 2>&1 && { [ -z "$(SUDO)" ] || sudo -n true 2>/dev/null; }; then \

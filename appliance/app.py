@@ -190,7 +190,6 @@ class Appliance:
         # that cannot work fails here in one line, before the model loads or the store is written.
         self._stack.enter_context(preflight.data_dir_lock(config.data_dir, umask_bits(config.data_umask)))
         plan = await asyncio.to_thread(preflight.check, config)
-        # Where the agents run: sandbox "auto" made bubblewrap, or the start refused in one line.
         self.isolation, self.config = await asyncio.to_thread(sandboxing.start, config)
         config = self.config
         check_backends(config.tracking.loggers)  # a tracker not installed: one line, nothing loaded
