@@ -11,15 +11,13 @@ the leader of a new session. It owns the agent's process tree:
   descendant (stopped first, so none can fork away) and reaps them, then exits with the
   agent's code (``128 + N`` if a signal ``N`` ended it, ``127`` if it could not be started).
 
-In a sandbox (``harness_adapters.sandbox``) it runs twice: outside, it joins the rollout's
-control groups (``join``: the ``cgroup.procs`` files to write its pid to), so that every
-process after it is counted against the rollout's limits, and becomes ``bwrap`` (``exec``);
-inside, as the first process of the sandbox's PID namespace but bwrap's own (``namespace``:
-when it exits the kernel ends every process left in it, so it neither reaps nor needs to be a
-subreaper), it listens on the loopback address and port of the rollout's URL (``forward``) and relays each
-connection to the rollout's Unix socket, before it starts the agent. The listening socket is
-made before the agent starts (a first call cannot come too early) and served by threads started
-after it (``preexec_fn`` stays safe).
+In a sandbox (``harness_adapters.sandbox``) it runs inside, as the first process of the
+sandbox's PID namespace but bwrap's own (``namespace``: when it exits the kernel ends every
+process left in it, so it neither reaps nor needs to be a subreaper). There it listens on the
+loopback address and port of the rollout's URL (``forward``) and relays each connection to the
+rollout's Unix socket, before it starts the agent. The listening socket is made before the
+agent starts (a first call cannot come too early) and served by threads started after it
+(``preexec_fn`` stays safe).
 
 It imports only the standard library and never the appliance, so it starts in ~20 ms. The
 ``/proc`` helpers are also used by the parent side to kill a launcher that does not answer.
@@ -126,13 +124,6 @@ def _reap_all() -> None:
         time.sleep(0.01)
 
 
-def _join(procs_files: list[str]) -> None:
-    """Move this process into each control group (its children inherit them)."""
-    for path in procs_files:
-        with open(path, "w") as handle:  # noqa: PTH123 (stdlib only, fast)
-            handle.write(str(os.getpid()))
-
-
 def _listen(host: str, port: int) -> socket.socket:
     import socket
 
@@ -196,18 +187,6 @@ def main(argv: list[str]) -> int:
     command = argv[2:]
     limits: dict[str, list[int]] = spec.get("limits", {})
     grace_s = float(spec.get("grace_s", 5.0))
-    try:
-        _join(spec.get("join", []))
-    except OSError as exc:
-        sys.stderr.write(f"launcher: cannot join the rollout's control group: {exc}\n")
-        return 127
-    if spec.get("exec"):
-        # Outside a sandbox: become it (bwrap), in the control group, with nothing left to do.
-        try:
-            os.execvp(command[0], command)
-        except OSError as exc:
-            sys.stderr.write(f"launcher: cannot start {command[0]!r}: {exc}\n")
-            return 127
     # In a PID namespace of its own the namespace ends with the launcher, and every process in
     # it: nothing to reap, no subreaper needed.
     in_namespace = bool(spec.get("namespace"))

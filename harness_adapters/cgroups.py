@@ -274,6 +274,8 @@ def find() -> Cgroups | None:
         _FOUND.append(found)
         if found is not None:
             atexit.register(_remove_parents, found)
+            with contextlib.suppress(OSError):
+                _remove_stale(found)
     return _FOUND[0]
 
 
@@ -281,6 +283,21 @@ def _remove_parents(found: Cgroups) -> None:
     for parent in found.parents.values():
         with contextlib.suppress(OSError):
             parent.rmdir()
+
+
+def _remove_stale(found: Cgroups) -> None:
+    """The empty groups an appliance that did not exit cleanly left beside ours (a process gone,
+    its groups empty: the kernel refuses to remove one that still holds a process)."""
+    for parent in found.parents.values():
+        for sibling in parent.parent.glob("lightning-appliance-*"):
+            pid = sibling.name.rsplit("-", 1)[-1]
+            if sibling == parent or not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                continue
+            for group in [p for p in sibling.iterdir() if p.is_dir()]:
+                with contextlib.suppress(OSError):
+                    group.rmdir()
+            with contextlib.suppress(OSError):
+                sibling.rmdir()
 
 
 def _search() -> Cgroups | None:

@@ -12,16 +12,16 @@ stop early, the whole process group gets SIGTERM, the agent ``grace_s`` seconds 
 then every descendant gets SIGKILL (from the launcher, or, if the launcher itself does not
 answer, from here by walking ``/proc``).
 
-In a sandbox (``confinement``), the launcher runs twice: outside (only where the rollout has a
-control group: ``cgroups``, memory, processes and CPU of the whole rollout) it joins the group
-and becomes ``bwrap`` (or the container runtime); inside, as the first process of the
-sandbox's PID namespace, it applies the per-process limits, relays the rollout's endpoint and
-starts the command (``sandbox``). When it exits the kernel ends every process left in the
-namespace. A sandboxed run is stopped at once: the SIGTERM that reaches ``bwrap`` ends it, and
-``--die-with-parent`` takes the namespace with it (no grace period). A watchdog (``watch``) ends the run
-when a rollout-wide limit is reached (the kernel refused a fork or killed for memory; the
-rollout's directory past its disk limit; where no control group could be made, more processes
-than allowed), and the result names that limit (``ProcessResult.breach``).
+In a sandbox (``confinement``) the command is ``bwrap`` (or the container runtime), started,
+where the rollout has a control group (``cgroups``: memory, processes and CPU of the whole
+rollout), by a shell that first joins it (``JOIN_AND_EXEC``); inside, the launcher, as the first
+process of the sandbox's PID namespace, applies the per-process limits, relays the rollout's
+endpoint and starts the command (``sandbox``). When it exits the kernel ends every process left
+in the namespace. A sandboxed run is stopped at once: the SIGTERM that reaches ``bwrap`` ends
+it, and ``--die-with-parent`` takes the namespace with it (no grace period). A watchdog
+(``watch``) ends the run when a rollout-wide limit is reached (the kernel refused a fork or
+killed for memory; the rollout's directory past its disk limit; where no control group could be
+made, more processes than allowed), and the result names that limit (``ProcessResult.breach``).
 
 In-process Python agents that start subprocesses should use ``run_process`` too: cancelling
 the agent's coroutine then stops the subprocess tree.
@@ -242,7 +242,17 @@ def _confined_argv(
         command = bwrap_argv(confinement, inner, cwd=cwd)
     if group is None:
         return command
-    return [PYTHON, "-I", "-S", str(LAUNCHER), _spec(join=group.procs_files(), exec=True), *command]
+    # Into the control group, then become the sandbox: a shell does it in a millisecond, where
+    # an interpreter would take ten.
+    files = group.procs_files()
+    return ["/bin/sh", "-c", JOIN_AND_EXEC, "join", str(len(files)), *files, *command]
+
+
+#: ``sh -c JOIN_AND_EXEC join N FILE... COMMAND...``: write this shell's pid to each of the N
+#: files (``cgroup.procs``), then exec COMMAND (in the groups; its children are too).
+JOIN_AND_EXEC = (
+    'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 127; shift; n=$((n-1)); done; exec "$@"'
+)
 
 
 def _make_group(confinement: Confinement | None) -> cgroups.Group | None:
