@@ -59,6 +59,12 @@ def _refs(node: Any) -> Iterator[str]:
             stack.extend(item)
 
 
+def _array_index(part: str) -> int | None:
+    """A JSON Pointer's array index: ASCII digits only (``str.isdigit`` is true for "²", which
+    ``int`` refuses) and short enough for ``int``."""
+    return int(part) if part.isascii() and part.isdigit() and len(part) <= 9 else None
+
+
 def _resolve(root: Any, ref: str) -> Any:
     """The schema ``ref`` (a JSON Pointer fragment) names in ``root``, or ``_UNRESOLVED``."""
     node = root
@@ -69,7 +75,13 @@ def _resolve(root: Any, ref: str) -> Any:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, Mapping) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif (
+            isinstance(node, list)
+            and part.isascii()
+            and part.isdigit()
+            and len(part) <= 9
+            and int(part) < len(node)
+        ):
             node = node[int(part)]
         else:
             return _UNRESOLVED

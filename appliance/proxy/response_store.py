@@ -218,7 +218,9 @@ def _page_query(query: Mapping[str, str]) -> tuple[str, int, str | None]:
     if order not in ("asc", "desc"):
         raise BadRequest(f"'order' must be asc or desc; got {shown(order)}", param="order")
     raw = query.get("limit", str(PAGE_DEFAULT))
-    limit = int(raw) if raw.isdigit() else 0
+    # ASCII digits only, and few of them: str.isdigit() is true for "²" and "①", which int()
+    # refuses, and int() refuses past 4,300 digits.
+    limit = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 6 else 0
     if not 1 <= limit <= PAGE_MAX:
         raise BadRequest(f"'limit' must be an integer from 1 to {PAGE_MAX}; got {shown(raw)}", param="limit")
     return order, limit, query.get("after")

@@ -348,3 +348,15 @@ def test_a_schema_no_finite_value_matches_is_a_bad_request_naming_the_recursion(
 )
 def test_a_recursive_schema_with_a_finite_value_is_accepted(schema: dict[str, Any]) -> None:
     assert no_finite_value(schema) is None
+
+
+@pytest.mark.parametrize("index", ["\u00b2", "\u2460", "9" * 5000, "1"])
+def test_a_ref_indexing_an_array_with_other_digits_is_not_an_error(index: str) -> None:
+    """``#/$defs/l/²``: a digit to ``str.isdigit`` that ``int`` refuses names nothing (an
+    unresolved reference, left to the grammar compiler), never a server error."""
+    schema = {
+        "$defs": {"l": [{"type": "string"}]},
+        "type": "object",
+        "properties": {"a": {"$ref": f"#/$defs/l/{index}"}},
+    }
+    assert no_finite_value(schema) is None

@@ -264,6 +264,10 @@ async def test_stored_responses_survive_a_restart(tmp_path: Path, tiny_model_dir
         ("/{id}/input_items?order=sideways", "order"),
         ("/{id}/input_items?limit=0", "limit"),
         ("/{id}/input_items?limit=101", "limit"),
+        # Digits str.isdigit() takes and int() refuses, and more digits than int() reads.
+        ("/{id}/input_items?limit=%C2%B2", "limit"),
+        ("/{id}/input_items?limit=%E2%91%A0", "limit"),
+        ("/{id}/input_items?limit=" + "9" * 4301, "limit"),
         ("/{id}/input_items?after=nope", "after"),
     ],
 )
