@@ -43,10 +43,17 @@ def _coerce(name: str, value: Any) -> Any:
         if kind is Path:
             return Path(value)
         if kind is tuple:  # a list of names: a TOML array, or comma-separated in the environment
-            items = value.split(",") if isinstance(value, str) else value
+            if isinstance(value, str):  # spaces after a comma are the writer's, not the names'
+                items = [i.strip() for i in value.split(",")] if value.strip() else []
+                if not all(items) or (items and value != value.strip()):
+                    raise ConfigError(
+                        f"{name}: an empty or space-padded name in {value!r} (names, one comma between)"
+                    )
+            else:
+                items = value
             if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
                 raise TypeError
-            return tuple(i.strip() for i in items if i.strip())
+            return tuple(items)
         if kind is dict and isinstance(value, str):
             # A bare adapter name (``APPLIANCE_ADAPTER=external``) is that adapter, no options.
             bare = name == "adapter" and not value.lstrip().startswith("{")

@@ -54,6 +54,11 @@ def test_the_off_policy_correction_and_lone_rounds_from_the_file(tmp_path: Path)
     assert not load_config(env={}).scheduler.validation_holds_admissions  # off unless asked
 
 
+def test_names_from_the_environment_may_have_spaces_after_commas() -> None:
+    assert load_config(env={"APPLIANCE_SERVED_MODEL_NAMES": "a, b"}).proxy.served_model_names == ("a", "b")
+    assert load_config(env={"APPLIANCE_SERVED_MODEL_NAMES": ""}).proxy.served_model_names == ()
+
+
 def test_adapter_from_json_environment() -> None:
     config = load_config(env={"APPLIANCE_ADAPTER": '{"adapter": "python", "agent": "m:f"}'})
     assert config.harness.adapter == {"adapter": "python", "agent": "m:f"}
@@ -71,6 +76,10 @@ def test_adapter_from_json_environment() -> None:
         ({"APPLIANCE_VALIDATE_EVERY": "-2"}, "validate_every must be 0"),
         ({"APPLIANCE_VALIDATION_TASKS": "0"}, "validation_tasks must be at least 1"),
         ({"APPLIANCE_VALIDATION_TEMPERATURE": "9"}, "validation_temperature must be between"),
+        ({"APPLIANCE_SERVED_MODEL_NAMES": ",,"}, "served_model_names: an empty or space-padded name"),
+        ({"APPLIANCE_SERVED_MODEL_NAMES": " a "}, "served_model_names: an empty or space-padded name"),
+        ({"APPLIANCE_SERVED_MODEL_NAMES": "a,,b"}, "served_model_names: an empty or space-padded name"),
+        ({"APPLIANCE_SANDBOX": "chroot"}, "sandbox must be one of"),
     ],
 )
 def test_bad_settings_are_one_readable_error(env: dict[str, str], message: str) -> None:
