@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_check_report import PhaseFailed, one_line
+from gpu_check_report import PhaseFailed, last_line, one_line
 
 # --- versions -------------------------------------------------------------------------------------
 
@@ -56,7 +56,7 @@ def vllm_versions(python: Path) -> dict[str, Any]:
         check=False,
     )
     if done.returncode != 0:
-        raise PhaseFailed(f"{python} could not report its torch: {one_line(done.stderr[-2000:])}")
+        raise PhaseFailed(f"{python} could not report its torch: {last_line(done.stderr[-2000:])}")
     versions: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return versions
 

@@ -243,6 +243,13 @@ def one_line(text: str, limit: int = 400) -> str:
     return first[:limit]
 
 
+def last_line(text: str, limit: int = 400) -> str:
+    """The last non-empty line: what a traceback on stderr says went wrong (its first line is
+    "Traceback (most recent call last):")."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip()[:limit] if lines else ""
+
+
 def nvidia_smi(arguments: list[str]) -> str | None:
     try:
         done = subprocess.run(

@@ -275,3 +275,18 @@ def test_the_watchdog_ends_a_stuck_run_at_its_limit() -> None:
     assert done.returncode == 1
     verdict = json.loads(done.stdout.splitlines()[-1])
     assert verdict["verdict"] == "fail" and verdict["failed"] == ["the run's time limit"]
+
+
+def test_a_broken_vllm_venv_is_reported_by_its_tracebacks_last_line(tmp_path: Path) -> None:
+    """The versions phase names what went wrong (the last line of vLLM's interpreter's
+    traceback), not "Traceback (most recent call last):"."""
+    import gpu_check_probe
+    import gpu_check_report
+
+    broken = tmp_path / "python"
+    broken.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import no_such_module_for_vllm' \"$@\"\n")
+    broken.chmod(0o755)
+    with pytest.raises(gpu_check_report.PhaseFailed) as failed:
+        gpu_check_probe.vllm_versions(broken)
+    assert "ModuleNotFoundError: No module named 'no_such_module_for_vllm'" in str(failed.value)
+    assert "Traceback" not in str(failed.value)
