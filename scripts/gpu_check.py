@@ -172,7 +172,13 @@ async def run(check: Check) -> None:
             if not args.torch_only:
                 raise PhaseFailed(f"vLLM's interpreter {python} does not exist: run `make vllm` first")
             return {"appliance": own, "vllm": None, "torch_match": None, "nccl_match": None}
-        other = await asyncio.to_thread(vllm_versions, python)
+        try:
+            other = await asyncio.to_thread(vllm_versions, python)
+        except PhaseFailed as exc:
+            if not args.torch_only:
+                raise
+            # This mode never uses vLLM's venv: a broken one is a fact to record, not a failure.
+            return {"appliance": own, "vllm": {"error": str(exc)}, "torch_match": None, "nccl_match": None}
         torch_match = own["torch"].split("+")[0] == other["torch"].split("+")[0]
         nccl_match = own["nccl"] == other["nccl"]
         return {

@@ -107,12 +107,24 @@ def test_a_lora_run_pushes_adapters_alone_and_serves_them_after_level_2(
 ) -> None:
     """With LoRA every push carries the adapters alone; after sleep level 2 (the weights
     discarded, a wake's fresh storage) the adapter push must bring the base weights back with it
-    (the torch engine once served NaNs there)."""
-    status, phases, verdict = run_check(
-        ["--torch-only", "--lora-rank", "4", "--model", str(tiny_model_dir), "--work-dir", str(tmp_path)]
-    )
+    (the torch engine once served NaNs there). A broken vLLM venv beside it is recorded, not a
+    failure: this mode never uses it."""
+    broken = tmp_path / "broken-vllm-python"
+    broken.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import no_such_module_for_vllm' \"$@\"\n")
+    broken.chmod(0o755)
+    arguments = [
+        "--torch-only",
+        "--lora-rank",
+        "4",
+        "--model",
+        str(tiny_model_dir),
+        "--work-dir",
+        str(tmp_path),
+    ]
+    status, phases, verdict = run_check([*arguments, "--vllm-python", str(broken)])
     assert verdict == {"verdict": "pass", "failed": [], "not_run": []}, phases
     assert status == 0
+    assert "no_such_module_for_vllm" in phases["versions"]["vllm"]["error"]
     pushes = [phases[name] for name in ("cycle_1/push", "cycle_2/push", "sleep_2/push")]
     assert [push["adapter_rank"] for push in pushes] == [4, 4, 4]
     assert phases["cycle_1/logprobs"]["moved"] > phases["cycle_1/logprobs"]["max_abs_diff"]
