@@ -84,6 +84,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -484,9 +485,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)
     if args.work_dir is not None:
         return checked_run(args)
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-        args.work_dir = work
-        return checked_run(args)
+    # Removed after a pass; kept after a failure, with vLLM's log and the run's data in it.
+    args.work_dir = tempfile.mkdtemp(prefix="gpu-check-")
+    code = checked_run(args)
+    if code == 0:
+        shutil.rmtree(args.work_dir, ignore_errors=True)
+    else:
+        print(
+            f"gpu_check: the work directory is kept (vLLM's log, the run's data): {args.work_dir}",
+            file=sys.stderr,
+        )
+    return code
 
 
 if __name__ == "__main__":

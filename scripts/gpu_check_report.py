@@ -174,7 +174,7 @@ class Check:
         except Exception as exc:
             if self.args.verbose:
                 traceback.print_exc(file=sys.stderr)
-            fields = {"error": f"{type(exc).__name__}: {one_line(str(exc))}"}
+            fields = failure_fields(exc)
         seconds = time.monotonic() - started
         ok = completed and bool(fields.pop("check_ok", True))
         if memory:
@@ -241,6 +241,21 @@ class Check:
 def one_line(text: str, limit: int = 400) -> str:
     first = text.strip().splitlines()[0] if text.strip() else ""
     return first[:limit]
+
+
+#: Lines of a failure's text (a vLLM server's log tail, say) kept in its phase's line.
+TAIL_LINES = 20
+
+
+def failure_fields(exc: BaseException) -> dict[str, Any]:
+    """A failed phase's ``error`` (the exception's first line), and its text's last
+    ``TAIL_LINES`` lines as ``log_tail`` when there is more (a failed vLLM start carries its
+    log's end: the likeliest failure of a first GPU run must not leave its cause behind)."""
+    fields: dict[str, Any] = {"error": f"{type(exc).__name__}: {one_line(str(exc))}"}
+    lines = str(exc).strip().splitlines()
+    if len(lines) > 1:
+        fields["log_tail"] = lines[-TAIL_LINES:]
+    return fields
 
 
 def last_line(text: str, limit: int = 400) -> str:

@@ -302,3 +302,17 @@ def test_a_broken_vllm_venv_is_reported_by_its_tracebacks_last_line(tmp_path: Pa
         gpu_check_probe.vllm_versions(broken)
     assert "ModuleNotFoundError: No module named 'no_such_module_for_vllm'" in str(failed.value)
     assert "Traceback" not in str(failed.value)
+
+
+def test_a_failed_phase_keeps_the_end_of_its_failures_text() -> None:
+    """A vLLM start that fails carries its log's end in its message: the phase's line keeps its
+    last lines, not only the first."""
+    import gpu_check_report
+
+    log = "\n".join(f"vllm log line {i}" for i in range(50))
+    fields = gpu_check_report.failure_fields(
+        RuntimeError(f"the vLLM server exited with code 1; its log ends with:\n{log}")
+    )
+    assert fields["error"] == "RuntimeError: the vLLM server exited with code 1; its log ends with:"
+    assert fields["log_tail"] == [f"vllm log line {i}" for i in range(30, 50)]
+    assert gpu_check_report.failure_fields(ValueError("one line")) == {"error": "ValueError: one line"}
