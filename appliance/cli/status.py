@@ -29,12 +29,23 @@ def add_parser(sub: Any) -> None:
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
     status.add_argument(
         "--failures",
-        type=int,
+        type=_count,
         nargs="?",
         const=10,
         metavar="N",
         help="also list the last N failed rollouts (default 10) with rollout id, task and reason",
     )
+
+
+def _count(text: str) -> int:
+    """``--failures N``: a count, 0 or more (argparse turns the error into one line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of rollouts, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

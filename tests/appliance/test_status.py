@@ -120,3 +120,13 @@ def test_disk_usage_counts_nothing_for_a_missing_directory(tmp_path: Path) -> No
 )
 def test_human_bytes(n: int, text: str) -> None:
     assert human_bytes(n) == text
+
+
+@pytest.mark.parametrize(("value", "said"), [("-1", "must be 0 or more, not -1"), ("x", "whole number")])
+def test_a_negative_failure_count_is_refused(
+    value: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["status", "--data-dir", str(tmp_path), "--failures", value])
+    assert refused.value.code == 2
+    assert said in capsys.readouterr().err
