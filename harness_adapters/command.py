@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness_adapters.base import DETAIL_CHARS, AgentFailed, ClientConfig, InfraError, Task
+from harness_adapters.gitrepos import commit_store
 from harness_adapters.lifecycle import Slots
 from harness_adapters.loading import load_object
 from harness_adapters.process import ProcessResult, ResourceLimits, run_process, scrubbed_env
@@ -336,9 +337,10 @@ class CommandAdapter:
             return None
         image = task.data.get("image_name") if isinstance(task.data.get("image_name"), str) else None
         sandbox = self.sandbox
-        if is_swebench(task):  # a checkout borrows its mirror's objects: readable, not writable
-            mirror = SweBenchInstance.from_task(task).mirror(self.config.repos_dir)
-            sandbox = dataclasses.replace(sandbox, read_only=(*sandbox.read_only, mirror))
+        if is_swebench(task):  # a checkout borrows its commit's objects: readable, not writable
+            instance = SweBenchInstance.from_task(task)
+            store = commit_store(instance.mirror(self.config.repos_dir), instance.base_commit)
+            sandbox = dataclasses.replace(sandbox, read_only=(*sandbox.read_only, store))
         return Confinement(sandbox, writable=rdir.root, endpoint=endpoint, name=name, image=image)
 
     def check_agent(self, result: ProcessResult, rdir: RolloutDir) -> None:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -154,10 +156,47 @@ def resolve_commit(mirror: Path, commit: str) -> str:
     return result.stdout.decode().strip()
 
 
+def stores_dir() -> Path:
+    """Where the commits' own object stores are kept (``commit_store``): this user's, owner-only."""
+    return Path(tempfile.gettempdir()) / f"lightning-appliance-commits-{os.getuid()}"
+
+
+def commit_store(mirror: Path, commit: str) -> Path:
+    """A bare repository holding ``commit``'s objects and nothing else (a depth-1 fetch from the
+    mirror), made once per mirror and commit and shared by every rollout of it (blocking).
+
+    A checkout borrows its objects from here, not from the mirror: the mirror holds the
+    repository's later history, the fix among it, which an agent could read in the objects a
+    checkout borrows (``git cat-file --batch-all-objects``)."""
+    full = resolve_commit(mirror, commit)
+    root = stores_dir()
+    root.mkdir(mode=0o700, exist_ok=True)
+    store = root / f"{mirror.name.removesuffix('.git')}-{full}.git"
+    if (store / "shallow").is_file():
+        return store
+    scratch = Path(tempfile.mkdtemp(prefix=".making-", dir=root))
+    try:
+        made = git(["init", "--quiet", "--bare", "--template=", str(scratch)])
+        if made.returncode == 0:
+            made = git(["fetch", "--quiet", "--depth=1", f"file://{mirror.resolve()}", full], git_dir=scratch)
+        if made.returncode != 0:
+            raise InfraError(f"could not take commit {full[:12]} out of {str(mirror)!r}: {_stderr(made)}")
+        try:
+            scratch.rename(store)  # whole or not at all; a rollout beside this one may win
+        except OSError:
+            if not (store / "shallow").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return store
+
+
 def checkout(mirror: Path, commit: str, dest: Path) -> None:
     """The files of ``commit`` in ``dest`` (absent or empty), with a ``.git`` that borrows the
-    mirror's objects and whose only ref is the detached ``HEAD`` (blocking)."""
+    objects of the commit alone (``commit_store``) and whose only ref is the detached ``HEAD``
+    (blocking)."""
     full = resolve_commit(mirror, commit)
+    store = commit_store(mirror, full)
     dest.mkdir(parents=True, exist_ok=True)
     if any(dest.iterdir()):
         raise InfraError(f"cannot check out into {str(dest)!r}: it is not empty")
@@ -165,7 +204,8 @@ def checkout(mirror: Path, commit: str, dest: Path) -> None:
     if result.returncode != 0:
         raise InfraError(f"git init {str(dest)!r}: {_stderr(result)}")
     (dest / ".git" / "objects" / "info").mkdir(parents=True, exist_ok=True)
-    (dest / ".git" / "objects" / "info" / "alternates").write_text(f"{mirror / 'objects'}\n")
+    (dest / ".git" / "objects" / "info" / "alternates").write_text(f"{store / 'objects'}\n")
+    shutil.copyfile(store / "shallow", dest / ".git" / "shallow")  # its history ends here
     result = git(["checkout", "--quiet", "--detach", full], git_dir=dest / ".git", work_tree=dest, cwd=dest)
     if result.returncode != 0:
         raise InfraError(f"git checkout {full[:12]} into {str(dest)!r}: {_stderr(result)}")

@@ -23,6 +23,7 @@ import pytest
 from contracts.errors import ConfigError
 from harness_adapters.base import Task
 from harness_adapters.command import CommandAdapter
+from harness_adapters.gitrepos import commit_store
 from harness_adapters.rewards import RewardSource
 from harness_adapters.sandbox import bwrap_problem
 from harness_adapters.swebench import (
@@ -288,7 +289,7 @@ def test_a_missing_commit_is_named(task_set: tuple[Path, Path, list[dict[str, An
 # --- the checkout ---------------------------------------------------------------------------------
 
 
-def test_a_checkout_borrows_the_mirror_and_hides_the_future(
+def test_a_checkout_borrows_its_commits_objects_and_hides_the_future(
     task_set: tuple[Path, Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     repos_dir, jsonl, records = task_set
@@ -296,15 +297,24 @@ def test_a_checkout_borrows_the_mirror_and_hides_the_future(
     dest = tmp_path / "work"
     assert prepare_workdir(task, dest, repos_dir=None)
     mirror = repos_dir / "acme__calc.git"
+    store = commit_store(mirror, records[0]["base_commit"])
     alternates = (dest / ".git" / "objects" / "info" / "alternates").read_text().strip()
-    assert Path(alternates) == mirror.resolve() / "objects"
+    assert Path(alternates) == store / "objects", "the commit's own objects, shared, not the mirror's"
     own_objects = [p for p in (dest / ".git" / "objects").rglob("*") if p.is_file() and "info" not in p.parts]
-    assert own_objects == [], "a checkout copies no objects of the mirror"
+    assert own_objects == [], "a checkout copies no objects"
     assert git(dest, "rev-parse", "HEAD").strip() == records[0]["base_commit"]
     assert git(dest, "status", "--porcelain") == ""
     assert (dest / "calc" / "__init__.py").read_text() == REPOS["acme/calc"]["base"]["calc/__init__.py"]
-    # The upstream fix is in the mirror, but no ref of the checkout leads to it.
+    # The upstream fix is in the mirror, but nothing the checkout can read holds it: no ref, and
+    # no object (the mirror's would all be readable through its alternates).
     assert git(dest, "log", "--all", "--format=%s").split() == ["base"]
+    fix = git(mirror, "rev-parse", "HEAD").strip()
+    assert fix != records[0]["base_commit"]
+    readable = git(dest, "cat-file", "--batch-all-objects", "--batch-check=%(objectname) %(objecttype)")
+    commits = [line.split()[0] for line in readable.splitlines() if line.endswith(" commit")]
+    assert commits == [records[0]["base_commit"]]
+    # A second rollout of the commit reuses its store.
+    assert commit_store(mirror, records[0]["base_commit"]) == store
 
 
 # --- the verifier ---------------------------------------------------------------------------------
