@@ -30,6 +30,7 @@ when its first process does, so no daemon survives the rollout).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import ipaddress
 import os
@@ -202,6 +203,7 @@ def _project_packages() -> list[Path]:
 def _etc_dir() -> Path:
     """A directory holding the sandbox's ``passwd`` and ``group`` (made once per process)."""
     directory = Path(tempfile.mkdtemp(prefix="lightning-appliance-etc-"))
+    atexit.register(shutil.rmtree, directory, True)
     (directory / "passwd").write_text(
         f"root:x:0:0:root:/root:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/sh\n"
         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
