@@ -112,10 +112,10 @@ def resolve(config: ApplianceConfig) -> AgentIsolation:
 
 
 def start(config: ApplianceConfig) -> tuple[AgentIsolation, ApplianceConfig]:
-    """The run's isolation (logged: a warning where agents run unsandboxed) and its config with
-    the sandbox made concrete; a one-line ``ConfigError`` where it cannot run."""
+    """The run's isolation (logged; ``up`` prints its line once, the dashboard shows it) and its
+    config with the sandbox made concrete; a one-line ``ConfigError`` where it cannot run."""
     isolation = resolve(config)
-    (log.warning if isolation.unsandboxed else log.info)("%s", isolation.line)
+    log.info("%s", isolation.line)
     return isolation, with_resolved_sandbox(config, isolation)
 
 
