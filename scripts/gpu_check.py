@@ -491,10 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code == 0:
         shutil.rmtree(args.work_dir, ignore_errors=True)
     else:
-        print(
-            f"gpu_check: the work directory is kept (vLLM's log, the run's data): {args.work_dir}",
-            file=sys.stderr,
-        )
+        print(f"gpu_check: kept for what failed (vLLM's log, the data): {args.work_dir}", file=sys.stderr)
     return code
 
 
