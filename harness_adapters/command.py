@@ -292,7 +292,7 @@ class CommandAdapter:
         )
         failed = True
         try:
-            await asyncio.to_thread(prepare_workdir, task, rdir.work, repos_dir=self.config.repos_dir)
+            sandbox = await asyncio.to_thread(self._prepare, task, rdir)
             async with self._endpoint(client) as endpoint:
                 if endpoint is not None:  # the URLs as the agent reaches them inside
                     client = dataclasses.replace(
@@ -308,10 +308,10 @@ class CommandAdapter:
                     stderr_path=rdir.log("agent", "stderr"),
                     limits=self._limits,
                     grace_s=self.config.kill_grace_s,
-                    confinement=self._confinement(task, client.rollout_id, rdir, endpoint),
+                    confinement=self._confinement(sandbox, task, client.rollout_id, rdir, endpoint),
                 )
             self.check_agent(result, rdir)
-            reward = await self.reward(task, rdir)
+            reward = await self.reward(task, rdir, sandbox=sandbox)
             failed = False
             return reward
         finally:
@@ -330,17 +330,21 @@ class CommandAdapter:
             async with EndpointRelay.open(client.base_url) as socket:
                 yield Endpoint.for_url(socket, client.base_url)
 
+    def _prepare(self, task: Task, rdir: RolloutDir) -> Sandbox:
+        """The working copy of a SWE-bench instance checked out, and the rollout's sandbox: the
+        adapter's, with such a checkout's commit store readable (blocking: once per rollout)."""
+        if not prepare_workdir(task, rdir.work, repos_dir=self.config.repos_dir):
+            return self.sandbox
+        instance = SweBenchInstance.from_task(task)
+        store = commit_store(instance.mirror(self.config.repos_dir), instance.base_commit)
+        return dataclasses.replace(self.sandbox, read_only=(*self.sandbox.read_only, store))
+
     def _confinement(
-        self, task: Task, name: str, rdir: RolloutDir, endpoint: Endpoint | None
+        self, sandbox: Sandbox, task: Task, name: str, rdir: RolloutDir, endpoint: Endpoint | None
     ) -> Confinement | None:
-        if not self.sandbox.confined:
+        if not sandbox.confined:
             return None
         image = task.data.get("image_name") if isinstance(task.data.get("image_name"), str) else None
-        sandbox = self.sandbox
-        if is_swebench(task):  # a checkout borrows its commit's objects: readable, not writable
-            instance = SweBenchInstance.from_task(task)
-            store = commit_store(instance.mirror(self.config.repos_dir), instance.base_commit)
-            sandbox = dataclasses.replace(sandbox, read_only=(*sandbox.read_only, store))
         return Confinement(sandbox, writable=rdir.root, endpoint=endpoint, name=name, image=image)
 
     def check_agent(self, result: ProcessResult, rdir: RolloutDir) -> None:
@@ -349,14 +353,16 @@ class CommandAdapter:
             detail = result.stderr_tail(DETAIL_CHARS) or result.stdout_tail(DETAIL_CHARS)
             raise AgentFailed(f"agent {result.describe()}", detail=detail)
 
-    async def reward(self, task: Task, rdir: RolloutDir) -> float | None:
-        """The first reward a reward source gives (the verifier's before the agent's own)."""
+    async def reward(self, task: Task, rdir: RolloutDir, *, sandbox: Sandbox | None = None) -> float | None:
+        """The first reward a reward source gives (the verifier's before the agent's own), each
+        verifier in ``sandbox`` (default: the adapter's)."""
+        box = sandbox or self.sandbox
         ctx = VerifyContext(
             rdir,
             self._env(task, None, rdir),
             self._limits,
             self.config.kill_grace_s,
-            confine=lambda where, name: self._confinement(task, name, where, None),
+            confine=lambda where, name: self._confinement(box, task, name, where, None),
         )
         try:
             for source in self.reward_sources:

@@ -16,7 +16,8 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from urllib.parse import urlsplit
+
+from harness_adapters.sandbox import host_and_port
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -37,9 +38,7 @@ class EndpointRelay:
     @contextlib.asynccontextmanager
     async def open(base_url: str) -> AsyncIterator[Path]:
         """A Unix socket relayed to ``base_url``'s host and port, for the life of the block."""
-        parts = urlsplit(base_url)
-        host = parts.hostname or "127.0.0.1"
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host, port = host_and_port(base_url)
         connections: set[asyncio.Task[None]] = set()
 
         async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -113,9 +113,7 @@ class Endpoint:
         """Where the relay inside listens for ``base_url``: its host and port, but a port under
         1024 (which the sandbox's unprivileged user may not listen on) moved up by
         ``LOW_PORT_SHIFT`` (``url`` gives the URL the agent is then told)."""
-        parts = urlsplit(base_url)
-        host = parts.hostname or "127.0.0.1"
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host, port = host_and_port(base_url)
         return cls(socket, listen_host(host), port + LOW_PORT_SHIFT if port < 1024 else port)
 
     def url(self, url: str) -> str:
@@ -125,6 +123,12 @@ class Endpoint:
             return url
         host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
         return urlunsplit(parts._replace(netloc=f"{host}:{self.port}"))
+
+
+def host_and_port(url: str) -> tuple[str, int]:
+    """The host and port ``url`` names (its scheme's port when it gives none)."""
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def listen_host(host: str) -> str:
@@ -184,6 +188,12 @@ class Confinement:
     image: str | None = None
 
 
+def _shown(sandbox: Sandbox) -> list[Path]:
+    """Every host path a sandbox sees read-only: the Python, the project's packages, its own."""
+    return [*_python_roots(), *_project_packages(), *sandbox.read_only]
+
+
+@functools.cache
 def _python_roots() -> list[Path]:
     """The Python installation the agent runs on: the venv and the base it was made from."""
     roots = {
@@ -194,6 +204,7 @@ def _python_roots() -> list[Path]:
     return sorted(r for r in roots if not any(r.is_relative_to(d) for d in ("/usr", "/bin", "/lib")))
 
 
+@functools.cache
 def _project_packages() -> list[Path]:
     """The project packages a harness may import (example agents, the python worker)."""
     return [Path(harness_adapters.__file__).resolve().parent, Path(contracts.__file__).resolve().parent]
@@ -241,7 +252,7 @@ def bwrap_argv(run: Confinement, inner: Sequence[str], *, cwd: Path, bwrap: str 
         args += ["--size", str(sandbox.limits.disk_mb * MB)]
     # The empty /tmp first: a path bound below may lie under it (pytest's, a user's scratch).
     args += ["--tmpfs", "/tmp", "--tmpfs", "/run"]
-    for path in [*_python_roots(), *_project_packages(), *sandbox.read_only]:
+    for path in _shown(sandbox):
         args += ["--ro-bind-try", str(path), str(path)]
     for path in sandbox.hidden:
         args += ["--tmpfs", str(path)]
@@ -279,13 +290,13 @@ def container_argv(
         args += ["--cpus", f"{limits.cpus:g}"]
     tmp = "/tmp:rw,exec" + (f",size={limits.disk_mb}m" if limits.disk_mb is not None else "")
     args += ["--tmpfs", tmp]
-    for path in [*_python_roots(), *_project_packages(), *sandbox.read_only]:
+    for path in _shown(sandbox):
         if path.exists():
             args += ["-v", f"{path}:{path}:ro"]
     # A hidden path under a read-only bind is covered by an empty directory of the rollout's own
     # (the runtime mounts parents first; a tmpfs there would not cover the bind, and a read-only
     # cover would leave no room for the mount points under it).
-    shown = [*_python_roots(), *_project_packages(), *sandbox.read_only]
+    shown = _shown(sandbox)
     for i, path in enumerate(p for p in sandbox.hidden if any(p.is_relative_to(r) for r in shown)):
         cover = run.writable / ".hidden" / str(i)
         cover.mkdir(parents=True, exist_ok=True)
