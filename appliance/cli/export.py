@@ -1,8 +1,11 @@
 """``lightning-appliance export``: a run's recorded rollouts as a dataset file.
 
 Owns the command's flags (format, shape, the filters) and its one line; reading the event log
-and writing the rows is ``appliance.reporting.export``'s. Not the model export (the final
-policy a clean stop of ``up`` writes to ``export_dir``).
+and writing the rows is ``appliance.reporting.export``'s. A request that cannot be done (no run
+at ``--data-dir``, a shape and a filter that do not go together, a bad ``--steps``) is refused
+before that module, and the trainer's stack its rows need (torch, verl), is imported: in well
+under a second, as ``up``'s refusals. Not the model export (the final policy a clean stop of
+``up`` writes to ``export_dir``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from appliance.config import load_config, umask_bits
+from appliance.reporting.export_request import (
+    PURPOSES,
+    STATUSES,
+    ExportFilter,
+    check_request,
+    parse_steps,
+    purpose_name,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -40,9 +51,11 @@ def add_parser(sub: Any) -> None:
     dataset.add_argument("--out", type=Path, required=True, help="the dataset file to write")
     dataset.add_argument(
         "--purpose",
-        choices=("training", "validation", "evaluation"),
+        choices=PURPOSES,
+        type=purpose_name,
         action="append",
-        help="only rollouts played for this (repeatable; default all)",
+        help="only rollouts played for this, as the rows' purpose names it (repeatable; default all; "
+        "training: train)",
     )
     dataset.add_argument("--min-reward", type=float, help="only rollouts with a reward of at least this")
     dataset.add_argument(
@@ -61,21 +74,17 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``lightning-appliance export``: the run's rollouts as a dataset file (``appliance.reporting``)."""
-    from appliance.reporting.export import (
-        PURPOSES,
-        STATUSES,
-        ExportFilter,
-        export_dataset,
-        parse_steps,
-    )
-
     where = ExportFilter(
-        purposes=frozenset(PURPOSES[p] for p in args.purpose) if args.purpose else None,
+        purposes=frozenset(args.purpose) if args.purpose else None,
         min_reward=args.min_reward,
         steps=parse_steps(args.steps) if args.steps is not None else None,
         statuses=STATUSES[args.status],
     )
+    check_request(args.data_dir, shape=args.shape, fmt=args.format, where=where)
     umask = umask_bits(load_config(resolved=False).data_umask)  # APPLIANCE_DATA_UMASK
+    # Only now: the row builders import the trainer's stack (torch, verl), ~5-15 s.
+    from appliance.reporting.export import export_dataset
+
     report = export_dataset(
         args.data_dir, args.out, shape=args.shape, fmt=args.format, where=where, umask=umask
     )

@@ -27,6 +27,7 @@ from appliance.config import SchedulerConfig, TrainerConfig, recorded_value
 from appliance.training.batch import step_batch
 from contracts.errors import ApplianceError
 from store.events import LLMCallCompleted, TrainStepCompleted
+from store.outcomes import reason_of
 from store.projections import RolloutView, RunState
 from trainer.samples import Sample
 
@@ -63,6 +64,7 @@ SFT_SCHEMA = pa.schema(
         ("tools", pa.string()),
         *_ROLLOUT_COLUMNS,
         ("status", pa.string()),
+        ("failure_reason", pa.string()),
         ("policy_version", pa.int64()),
         ("calls", pa.int64()),
         ("surface", pa.string()),
@@ -86,6 +88,8 @@ TOKENS_SCHEMA = pa.schema(
 )
 
 Row = dict[str, Any]
+#: Characters of a failed rollout's reason kept in its row (``store.projections.one_line``).
+FAILURE_WIDTH = 300
 
 
 def _message_json(message: Message) -> Row:
@@ -145,6 +149,8 @@ def sft_row(view: RolloutView, step: int | None) -> Row | None:
         "tools": tools,
         **_rollout_columns(view, step),
         "status": view.status,
+        # Why it failed, on one line as ``status --failures`` says it (None: it did not fail).
+        "failure_reason": reason_of(view, FAILURE_WIDTH) if view.status == "failed" else None,
         "policy_version": view.created_version,
         "calls": len(view.calls),
         "surface": last.surface,

@@ -1,7 +1,9 @@
 """``lightning-appliance export``: a run's recorded rollouts as a dataset file (JSONL or Parquet).
 
-Owns the filters, the writers and the streaming pass over the log; the two row shapes are
-``appliance.reporting.dataset_rows``'s. Neither owns the samples (``trainer.samples``), the
+Owns the writers and the streaming pass over the log; the two row shapes are
+``appliance.reporting.dataset_rows``'s, the request (its names, the filters, its refusals)
+``appliance.reporting.export_request``'s, which the command line checks before importing this
+module (the row builders load torch and verl). Neither owns the samples (``trainer.samples``), the
 advantages (``trainer.advantage``), the staleness mask
 (``appliance.training.batch``) nor the rule of which rollouts a step trains
 (``store.projections.RunState.trainable``): the rows call them, with the settings the run recorded
@@ -27,7 +29,8 @@ it completed. A rollout no step or round consumed yet has none and is left out b
 
 Status: only ``finished`` rollouts by default (a failed rollout's conversation ends in an error,
 not an answer to learn from); ``--status failed|any`` exports them too (``sft`` only: ``tokens``
-rows are trained samples, and only finished rollouts with a reward are trained).
+rows are trained samples, and only finished rollouts with a reward are trained), each failed
+row with its ``failure_reason`` (one line, as ``status --failures`` shows it).
 
 Memory: the log is read a page at a time (``store.eventstore.iter_events_sync``, read-only: a live
 run's writer is not blocked), folded into a :class:`RunState` whose rollouts are written out and
@@ -44,7 +47,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal, Protocol, get_args
+from typing import IO, Protocol
 
 import orjson
 import pyarrow as pa  # type: ignore[import-untyped]
@@ -58,6 +61,13 @@ from appliance.reporting.dataset_rows import (
     token_rows,
     trained_rollouts,
 )
+from appliance.reporting.export_request import (
+    PURPOSES,
+    STATUSES,
+    ExportFilter,
+    check_request,
+    parse_steps,
+)
 from contracts.errors import ApplianceError
 from store.events import (
     EvaluationCompleted,
@@ -68,47 +78,12 @@ from store.events import (
     ValidationCompleted,
 )
 from store.eventstore import iter_events_sync
-from store.projections import RolloutView, RunState
+from store.projections import RunState
 
-__all__ = ["ExportFilter", "ExportReport", "export_dataset", "parse_steps"]
+__all__ = ["PURPOSES", "STATUSES", "ExportFilter", "ExportReport", "export_dataset", "parse_steps"]
 
-Shape = Literal["sft", "tokens"]
-Format = Literal["jsonl", "parquet"]
-SHAPES: tuple[str, ...] = get_args(Shape)
-FORMATS: tuple[str, ...] = get_args(Format)
-#: ``--purpose`` names -> ``RolloutCreated.purpose``.
-PURPOSES = {"training": "train", "validation": "validation", "evaluation": "evaluation"}
-#: ``--status`` names -> the rollout statuses they keep.
-STATUSES = {"finished": ("finished",), "failed": ("failed",), "any": ("finished", "failed", "running")}
-EVENTS = "events.sqlite"
 #: Rows per Parquet row group (what is held before a write).
 ROW_GROUP = 512
-
-
-@dataclass(frozen=True, slots=True)
-class ExportFilter:
-    """Which rollouts are exported (every condition must hold)."""
-
-    #: ``RolloutCreated.purpose`` values kept (None: all).
-    purposes: frozenset[str] | None = None
-    #: Rollouts with a reward of at least this (one without a reward is then left out).
-    min_reward: float | None = None
-    #: Steps kept, both ends inclusive, either open (see the module docstring).
-    steps: tuple[int | None, int | None] | None = None
-    statuses: tuple[str, ...] = ("finished",)
-
-    def keeps(self, view: RolloutView, step: int | None) -> bool:
-        if self.purposes is not None and view.purpose not in self.purposes:
-            return False
-        if view.status not in self.statuses:
-            return False
-        if self.min_reward is not None and (view.reward is None or view.reward < self.min_reward):
-            return False
-        if self.steps is not None:
-            low, high = self.steps
-            if step is None or (low is not None and step < low) or (high is not None and step > high):
-                return False
-        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,20 +107,6 @@ class ExportReport:
             f"exported {self.rows} {self.shape} rows ({self.rollouts} rollouts) from {self.events} events"
             f" to {self.path} ({self.format}){skipped}"
         )
-
-
-def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """``"A:B"``, ``"A:"``, ``":B"`` or ``"A"`` as inclusive bounds; ``ApplianceError`` otherwise."""
-    low, sep, high = text.partition(":")
-    try:
-        bounds = (int(low) if low.strip() else None, int(high) if high.strip() else None)
-    except ValueError:
-        raise ApplianceError(f"--steps takes A:B, A: or :B (training steps); got {text!r}") from None
-    if not sep:
-        bounds = (bounds[0], bounds[0])
-    if bounds[0] is not None and bounds[1] is not None and bounds[0] > bounds[1]:
-        raise ApplianceError(f"--steps {text!r} is empty: {bounds[0]} > {bounds[1]}")
-    return bounds
 
 
 # --- writers ---------------------------------------------------------------------------------------
@@ -278,22 +239,7 @@ def export_dataset(
     """Write the rollouts of the run at ``data_dir`` (a live one, read-only, or a backup) kept by
     ``where`` to ``out`` as ``shape`` rows in ``fmt``; the file gets the modes ``umask`` leaves."""
     where = where or ExportFilter()
-    if shape not in SHAPES:
-        raise ApplianceError(f"--shape must be one of {', '.join(SHAPES)}; got {shape!r}")
-    if fmt not in FORMATS:
-        raise ApplianceError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    if shape == "tokens" and where.statuses != ("finished",):
-        raise ApplianceError(
-            "--shape tokens holds trained samples, all from finished rollouts: drop --status"
-        )
-    if shape == "tokens" and where.purposes is not None and "train" not in where.purposes:
-        raise ApplianceError(
-            "--shape tokens holds trained samples; validation and evaluation rollouts are never trained"
-            " (use --shape sft)"
-        )
-    source = data_dir / EVENTS
-    if not source.is_file():
-        raise ApplianceError(f"no run at {data_dir} (no {EVENTS}); pass --data-dir DIR")
+    source = check_request(data_dir, shape=shape, fmt=fmt, where=where)
     partial = out.with_name(out.name + ".partial")
     previous = os.umask(umask)
     try:

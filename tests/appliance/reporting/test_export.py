@@ -231,7 +231,7 @@ def test_the_command_line(log_dir: Path, tmp_path: Path, capsys: pytest.CaptureF
         "--out",
         str(out),
     ]
-    assert main([*argv, "--steps", "1:1", "--purpose", "training"]) == 0
+    assert main([*argv, "--steps", "1:1", "--purpose", "train"]) == 0
     line = capsys.readouterr().out
     assert line.startswith("exported 3 tokens rows (3 rollouts) from ") and str(out) in line
     assert len(rows(out)) == 3
