@@ -46,7 +46,7 @@ from appliance.chat.formats import CHATML, ChatFormat
 from appliance.chat.messages import Message
 from appliance.chat.template import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 from appliance.chat.tokenizer import Tokenizer
-from appliance.chat.turns import CUT_CALL, SampledTurn, TurnMatch, match_turn, returned_part
+from appliance.chat.turns import CUT_CALL, SampledTurn, TurnMatch, match_turn, resembles, returned_part
 from store.tokens import Tokens, pack_ids
 
 GENERATION_PROMPT = f"{IM_START}assistant\n"
@@ -414,5 +414,12 @@ class Conversation:
         assert text.startswith(GENERATION_PROMPT) and text.endswith(_TURN_END)
         body = text[len(GENERATION_PROMPT) : len(text) - len(_TURN_END)]
         candidates = self._by_prompt.get(digest, ())
-        elsewhere = not candidates and message.key in self._sampled_keys
+        elsewhere = not candidates and (
+            message.key in self._sampled_keys
+            or any(
+                resembles(self.tokenizer, message, body, turn)
+                for turns in self._by_prompt.values()
+                for turn in turns
+            )
+        )
         return match_turn(self.tokenizer, plan.stop - 1, message, body, candidates, elsewhere)

@@ -109,7 +109,7 @@ def match_turn(
 
     ``body`` is the turn's text as rendered between the generation prompt and ``<|im_end|>``;
     ``candidates`` the turns sampled after the same prompt, newest first; ``sampled_elsewhere``
-    whether a turn with the same key was sampled after another prompt."""
+    whether, with no candidates, the turn ``resembles`` one sampled after another prompt."""
     for turn in candidates:
         if _same_but_arguments(message, turn.message):
             n = len(turn.ids)
@@ -126,33 +126,52 @@ def match_turn(
         )
         return None, TurnMatch(index, "unmatched", reason)
     for turn in candidates:
-        decoded = turn.decoded(tokenizer)
-        with_stop = None if turn.stop is None else decoded[: turn.stop_at + len(turn.stop)]
-        n = len(turn.ids)
-        if body == decoded:
-            kind = "stop" if with_stop == decoded else "text"
-            what = (
-                "the sampled text" if kind == "text" else f"the returned text + its stop string {turn.stop!r}"
-            )
-            return list(turn.ids), TurnMatch(index, kind, what, n, n)
-        if with_stop is not None and body.startswith(with_stop):
-            kind, what = "stop", f"the returned text + its stop string {turn.stop!r}"
-            if len(body) > len(with_stop) and not decoded.startswith(body):
-                what += f" + {len(body) - len(with_stop)} chars the harness added"
-        elif decoded.startswith(body):
-            kind, what = "prefix", f"a prefix ({len(body)} of {len(decoded)} chars) of the sampled text"
-        elif body.startswith(decoded):
-            kind, what = "extended", f"the sampled text + {len(body) - len(decoded)} chars the harness added"
-        else:
-            continue
-        k, covered = _whole_tokens_within(tokenizer, turn.ids, body)
-        if k == 0:
-            continue
-        rest = body[len(covered) :]
-        boundary = "" if not rest else f"; its last {len(rest)} chars tokenized"
-        match = TurnMatch(index, kind, f"{what}{boundary}", k, n)
-        return [*turn.ids[:k], *tokenizer.encode(rest)], match
+        found = _by_text(tokenizer, index, body, turn)
+        if found is not None:
+            return found
     return None, TurnMatch(index, "unmatched", _difference(message, candidates[0].message))
+
+
+def _by_text(
+    tokenizer: Tokenizer, index: int, body: str, turn: SampledTurn
+) -> tuple[list[int], TurnMatch] | None:
+    """The ids to splice for a turn rendering to ``body`` and how it matches ``turn``'s sampled
+    text by the text rules above (``stop``, ``text``, ``extended``, ``prefix``); None if by none
+    (or if not one whole sampled token lies within it)."""
+    decoded = turn.decoded(tokenizer)
+    with_stop = None if turn.stop is None else decoded[: turn.stop_at + len(turn.stop)]
+    n = len(turn.ids)
+    if body == decoded:
+        kind = "stop" if with_stop == decoded else "text"
+        what = "the sampled text" if kind == "text" else f"the returned text + its stop string {turn.stop!r}"
+        return list(turn.ids), TurnMatch(index, kind, what, n, n)
+    if with_stop is not None and body.startswith(with_stop):
+        kind, what = "stop", f"the returned text + its stop string {turn.stop!r}"
+        if len(body) > len(with_stop) and not decoded.startswith(body):
+            what += f" + {len(body) - len(with_stop)} chars the harness added"
+    elif decoded.startswith(body):
+        kind, what = "prefix", f"a prefix ({len(body)} of {len(decoded)} chars) of the sampled text"
+    elif body.startswith(decoded):
+        kind, what = "extended", f"the sampled text + {len(body) - len(decoded)} chars the harness added"
+    else:
+        return None
+    k, covered = _whole_tokens_within(tokenizer, turn.ids, body)
+    if k == 0:
+        return None
+    rest = body[len(covered) :]
+    boundary = "" if not rest else f"; its last {len(rest)} chars tokenized"
+    return [*turn.ids[:k], *tokenizer.encode(rest)], TurnMatch(index, kind, f"{what}{boundary}", k, n)
+
+
+def resembles(tokenizer: Tokenizer, message: Message, body: str, turn: SampledTurn) -> bool:
+    """Whether a turn sent back as ``message`` (rendering to ``body``) would have matched
+    ``turn`` by one of the rules above, had it come after the prompt ``turn`` was sampled after:
+    what tells a turn whose prompt changed from one never sampled, changed by the harness or not."""
+    return (
+        message.key == turn.message.key
+        or _same_but_arguments(message, turn.message)
+        or _by_text(tokenizer, 0, body, turn) is not None
+    )
 
 
 #: How a turn that leaves out the rest of its sampled text after its last tool call is described.

@@ -100,3 +100,33 @@ def test_a_bounded_conversation_forgets_its_oldest_sampled_turns(tokenizer: Toke
         rendered = unbounded.render([question])
         unbounded.remember(rendered.digest, answer, [*tokenizer.encode(answer.content), tokenizer.im_end_id])
     assert all(not unbounded.render([asked[i], answers[i], Message("user", "?")]).turns for i in range(5))
+
+
+@pytest.mark.parametrize(
+    "sent",
+    ["print(1)\n", "print(1)\n</code>", "print(1)\n</code>\nCalling tools: ...", "print(1)"],
+    ids=["as-returned", "stop-appended", "stop-and-more-appended", "prefix"],
+)
+def test_a_changed_turn_after_a_changed_prompt_is_diagnosed_as_the_turn_itself_would_be(
+    tokenizer: Tokenizer, sent: str
+) -> None:
+    # A turn the harness sent back changed in a way that would splice (its stop string or more
+    # text appended), after an earlier message changed: it was sampled, only after another prompt.
+    conversation = Conversation(tokenizer)
+    first = conversation.render([Message("user", "write code")])
+    returned = Message("assistant", "print(1)\n")
+    sampled = tokenizer.encode("print(1)\n</code>")
+    conversation.remember(first.digest, returned, sampled, "</code>", len(returned.content))
+
+    same = conversation.render(
+        [Message("user", "write code"), Message("assistant", sent), Message("user", "ok")]
+    )
+    assert same.unmatched_assistant_turns == 0 and same.spliced_tokens > 0  # the same prompt: spliced
+    changed = [Message("user", "write more code"), Message("assistant", sent), Message("user", "ok")]
+    (turn,) = conversation.render(changed).turns
+    assert (turn.kind, turn.reason) == (
+        "unmatched",
+        "sampled after a different prompt (an earlier message changed)",
+    )
+    (never,) = Conversation(tokenizer).render(changed).turns
+    assert (never.kind, never.reason) == ("unmatched", "never sampled")

@@ -315,3 +315,30 @@ async def test_few_shot_and_rewritten_turns_are_reported_with_their_reason(
     assert three.unmatched_assistant_turns == 3
     assert three.assistant_turns[-1]["reason"] == "tool call 0 differs (arguments)"
     assert all(isinstance(c, LLMCallCompleted) for c in (one, two, three))
+
+
+@pytest.mark.parametrize("appended", ["", "</code>"], ids=["as-returned", "stop-reappended"])
+async def test_a_turn_after_a_changed_message_is_said_to_be_sampled_after_another_prompt(
+    app: Appliance, engine: ScriptedEngine, tokenizer: Tokenizer, appended: str
+) -> None:
+    """A CodeAgent turn sent back after an earlier message changed is reported alike whether the
+    harness re-appended its stop string or not: sampled, but after a different prompt."""
+    code = "Thought: add them\n<code>\nprint(1 + 1)\n"
+    engine.script(
+        [*tokenizer.encode(code + "</code>\nObservation:"), tokenizer.im_end_id],
+        [*tokenizer.encode("Done"), tokenizer.im_end_id],
+    )
+    history = [{"role": "system", "content": "Write code."}, {"role": "user", "content": "1 + 1?"}]
+    returned = await chat(app, history, stop=CODE_STOPS)
+    changed = [
+        {"role": "system", "content": "Write Python code."},
+        history[1],
+        {"role": "assistant", "content": returned + appended},
+        {"role": "user", "content": "2"},
+    ]
+    await chat(app, changed, stop=CODE_STOPS)
+    _, two = await recorded_calls(app)
+    reason = "sampled after a different prompt (an earlier message changed)"
+    assert two.assistant_turns == (
+        {"message": 2, "kind": "unmatched", "reason": reason, "spliced": 0, "sampled": 0},
+    )
