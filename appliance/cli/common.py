@@ -3,23 +3,27 @@
 Owns the flags more than one subcommand takes (``--config``, the model and engine flags and the
 harness flags of ``up`` and ``eval``, the placement flags of ``up`` and ``plan``) and how they become a config
 (``config_from_flags``: each flag is the config field of its name), the ``(env APPLIANCE_<NAME>)``
-note on a flag's help, the event loop a command runs on (uvloop when available), the hard exit
-of a stop that cannot wait, and how a step's reward and loss are printed (progress lines and
-``status`` alike). It knows no subcommand.
+note on a flag's help, the claim of a run's data directory that leaves nothing behind when the
+start is refused (``claim``), the event loop a command runs on (uvloop when available), the hard
+exit of a stop that cannot wait, and how a step's reward and loss are printed (progress lines
+and ``status`` alike). It knows no subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from appliance.config import ENV_PREFIX, ApplianceConfig, config_keys, load_config
+from appliance.operations import preflight
 from contracts.errors import ConfigError
 
 
@@ -74,14 +78,18 @@ def adapter_flag(value: str | None) -> dict[str, Any] | None:
 
 
 def config_from_flags(
-    args: argparse.Namespace, keys: Sequence[str], *, resolved: bool = True
+    args: argparse.Namespace,
+    keys: Sequence[str],
+    *,
+    resolved: bool = True,
+    base: dict[str, Any] | None = None,
 ) -> ApplianceConfig:
     """The config ``args`` asks for: the flags named in ``keys``, each the config field of its
     name (the flat, user-facing one: ``load_config`` puts it into its section), and
-    ``--adapter``, over ``--config``'s file and the environment."""
+    ``--adapter``, over ``--config``'s file, the environment and ``base`` (``load_config``)."""
     overrides: dict[str, Any] = {k: getattr(args, k) for k in keys}
     overrides["adapter"] = adapter_flag(args.adapter)
-    return load_config(args.config, overrides, resolved=resolved)
+    return load_config(args.config, overrides, resolved=resolved, base=base)
 
 
 def placement_flags(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +115,44 @@ def name_env_variables(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if action.dest in keys and action.option_strings and action.help != argparse.SUPPRESS:
             action.help = f"{action.help or ''} (env {ENV_PREFIX}{action.dest.upper()})".lstrip()
+
+
+@contextlib.contextmanager
+def claim(config: ApplianceConfig) -> Iterator[Path]:
+    """``preflight.claim(config)`` (the data directory locked, the checks that need no torch),
+    leaving nothing behind when it refuses: the data directory and the parents it made, and the
+    lock file it created in a directory that was there, are removed again. A run that started
+    keeps them. Yields the lock file's path."""
+    data_dir = config.data_dir
+    made = [d for d in (data_dir, *data_dir.parents) if not d.exists()]  # the deepest first
+    lock = data_dir / preflight.LOCK_NAME
+    lock_was_there = lock.exists()
+    with contextlib.ExitStack() as held:
+        try:
+            path = held.enter_context(preflight.claim(config))
+        except BaseException:
+            if not lock_was_there:
+                _remove_lock(lock)
+            for directory in made:
+                with contextlib.suppress(OSError):  # not empty: someone else's now
+                    directory.rmdir()
+            raise
+        yield path
+
+
+def _remove_lock(lock: Path) -> None:
+    """Remove the lock file ``lock`` unless another process holds it by now."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.unlink()  # while held: whoever opens it next makes a new one
+    except OSError:  # BlockingIOError: another appliance's now
+        pass
+    finally:
+        os.close(fd)
 
 
 def reward_text(reward: float | None) -> str:

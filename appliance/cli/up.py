@@ -1,10 +1,11 @@
 """``lightning-appliance up``: run the appliance until it is stopped or reaches ``--steps``.
 
 Owns ``up``'s flags and the config they make, the checks that refuse a start before torch is
-imported (the data directory's lock, a port in use, a full disk, a tracker not installed), the
-run in front of the dashboard (stdout a terminal) or with progress lines (``--headless`` or
-not a terminal), and its exit status: 0 a stop, 1 a run that could not go on
-(``EXIT_RUN_FAILED``), 2 a start refused. What the signals do is ``stopper``'s.
+imported (the data directory's lock, a port in use, a full disk, a tracker not installed; a
+refused start leaves nothing it created, ``common.claim``), the run in front of the dashboard
+(stdout a terminal) or with progress lines (``--headless`` or not a terminal), and its exit
+status: 0 a stop, 1 a run that could not go on (``EXIT_RUN_FAILED``), 2 a start refused. What
+the signals do is ``stopper``'s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.cli.common import (
+    claim,
     config_flag,
     config_from_flags,
     engine_flags,
@@ -31,7 +33,6 @@ from appliance.cli.common import (
 )
 from appliance.cli.stopper import Stopper
 from appliance.config import VERL_ONLY, ApplianceConfig
-from appliance.operations import preflight
 
 
 def add_parser(sub: Any) -> None:
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         from appliance.reporting.trackers import check_backends
 
         check_backends(config.tracking.loggers)  # a tracker that is not installed: one line
-        with preflight.claim(config):
+        with claim(config):  # a refused start leaves no directory or lock file behind
             return run_async(_up(config.with_resolved_device(), args.headless))
     finally:
         # The run has stopped: a signal from here on (an impatient Ctrl-C) changes nothing.

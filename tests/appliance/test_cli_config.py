@@ -4,6 +4,7 @@ status 2, in well under a second of work, before torch is imported or the machin
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,37 @@ def test_a_weight_group_on_collocated_gpus_is_refused_before_torch_is_imported(t
     assert "appliance.config" in imported
     assert not {name for name in imported if name == "torch" or name.startswith("torch.")}
     assert not (tmp_path / "run").exists()
+
+
+def up_refused(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "up", "--headless", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_refused_up_leaves_nothing_it_created(tmp_path: Path) -> None:
+    """A port another process listens on refuses the start; the data directory it would have
+    used (and the parents it would have made) are not left behind, nor a lock file in one
+    that was there already."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        fresh = tmp_path / "new" / "run"
+        done = up_refused("--port", port, "--data-dir", str(fresh))
+        assert done.returncode == 2, done.stderr
+        assert f"port {port}" in done.stderr and "in use" in done.stderr, done.stderr
+        assert list(tmp_path.iterdir()) == []
+        # A directory that was there (empty, or with a file of its own) stays as it was.
+        existing = tmp_path / "existing"
+        existing.mkdir()
+        (existing / "notes.txt").write_text("mine")
+        done = up_refused("--port", port, "--data-dir", str(existing))
+        assert done.returncode == 2, done.stderr
+        assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
