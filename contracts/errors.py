@@ -119,7 +119,12 @@ class ContextTooLong(BadRequest, code="context_length_exceeded"):
     name (``openai.chat``, ``openai.completions``, ``openai.responses``, ``anthropic.messages``).
 
     ``code`` stays ``context_length_exceeded`` on the error itself; the OpenAI body carries what
-    the real API sends, which for the legacy completions endpoint is ``code`` and ``param`` null."""
+    the real API sends, which for the legacy completions endpoint is ``code`` and ``param`` null.
+
+    ``asked_tokens`` is the completion length the request asked for where a limit (``capped_by``,
+    the appliance's ``max_tokens_cap`` unless said otherwise) made it ``completion_tokens``: the
+    numbers above are the capped ones (clients compute a smaller length from them), and a
+    sentence after them says what was asked and what the limit made of it."""
 
     def __init__(
         self,
@@ -128,12 +133,28 @@ class ContextTooLong(BadRequest, code="context_length_exceeded"):
         completion_tokens: int,
         max_context: int,
         surface: str = "openai.chat",
+        asked_tokens: int | None = None,
+        capped_by: str = "the appliance's max_tokens_cap",
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = completion_tokens
         self.max_context = max_context
         self.surface = surface
-        super().__init__(self._openai_message(), param=_OVERFLOW_PARAMS.get(surface, "messages"))
+        self.asked_tokens = asked_tokens
+        self.capped_by = capped_by
+        capped = self._capped()
+        message = self._openai_message() + (f" {capped}." if capped else "")
+        super().__init__(message, param=_OVERFLOW_PARAMS.get(surface, "messages"))
+
+    def _capped(self) -> str:
+        """What the request asked and what a limit made of it; empty where nothing was capped
+        (or the prompt alone overflows, which no length changes)."""
+        asked = self.asked_tokens
+        if asked is None or asked == self.completion_tokens or self.prompt_alone_exceeds:
+            return ""
+        return (
+            f"{asked} completion tokens were asked for; {self.capped_by} made that {self.completion_tokens}"
+        )
 
     @property
     def prompt_alone_exceeds(self) -> bool:
@@ -177,6 +198,7 @@ class ContextTooLong(BadRequest, code="context_length_exceeded"):
             "input length and `max_tokens` exceed context limit: "
             f"{self.prompt_tokens} + {self.completion_tokens} > {self.max_context}, "
             "decrease input length or `max_tokens` and try again"
+            + (f" ({capped})" if (capped := self._capped()) else "")
         )
 
 

@@ -225,6 +225,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
         stop=validate.stop_strings(body, "stop_sequences"),
         stream=stream,
         structure=forced,
+        max_tokens_asked=max_tokens,
     )
 
 

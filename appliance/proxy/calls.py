@@ -186,12 +186,15 @@ class CallService:
         stop: tuple[str, ...] = (),
         prompt_logprobs: int | None = None,
         fit_context: bool = False,
+        asked_max_tokens: int | None = None,
     ) -> PreparedCall:
         """Validate a rendered prompt's call; raises before anything is generated or recorded.
 
         ``params.max_tokens`` 0 samples nothing (nothing is recorded); with ``prompt_logprobs``
         the prompt is still scored. ``fit_context``: the client set no length, so the call may
-        generate up to what the context leaves, if that is less than ``params.max_tokens``."""
+        generate up to what the context leaves, if that is less than ``params.max_tokens``.
+        ``asked_max_tokens``: the length the client asked, which an overflow's message compares
+        with what the cap (or the rollout's own limit) made of it."""
         started = time.perf_counter()
         if rollout.temperature_override is not None:
             params = replace(params, temperature=rollout.temperature_override)
@@ -210,6 +213,12 @@ class CallService:
                 completion_tokens=params.max_tokens,
                 max_context=self.engine.max_context,
                 surface=surface,
+                asked_tokens=asked_max_tokens,
+                capped_by=(
+                    "the appliance's max_tokens_cap"
+                    if rollout.max_tokens_override is None
+                    else "the rollout's max_tokens"
+                ),
             )
         if not params.stop_token_ids:
             params = replace(params, stop_token_ids=(self.tokenizer.im_end_id,))

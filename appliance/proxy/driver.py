@@ -128,6 +128,7 @@ def prepare(
                 stop=request.stop,
                 prompt_logprobs=request.prompt_logprobs,
                 fit_context=request.fit_context,
+                asked_max_tokens=request.max_tokens_asked,
             )
             prepared.append((call, index))
     return prepared

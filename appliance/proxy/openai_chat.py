@@ -84,6 +84,7 @@ class ChatSurface:
             include_usage=usage,
             structure=structure,
             fit_context=fits_context(settings, max_tokens),
+            max_tokens_asked=max_tokens,
         )
 
     def whole(self, request: CallRequest, answers: Sequence[Answer]) -> dict[str, Any]:

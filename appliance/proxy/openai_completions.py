@@ -122,6 +122,7 @@ class CompletionsSurface:
             include_usage=usage,
             options={"echo": echo},
             fit_context=fits_context(settings, max_tokens),
+            max_tokens_asked=max_tokens,
         )
 
     def whole(self, request: CallRequest, answers: Sequence[Answer]) -> dict[str, Any]:

@@ -318,6 +318,7 @@ def _parse(
         logprobs=logprobs,
         options={"echo": echo, "store": store},
         fit_context=fits_context(settings, max_output),
+        max_tokens_asked=max_output,
         structure=forced_tool(tool_choice) or output_format(fmt, fmt, "text"),
     )
 

@@ -69,6 +69,9 @@ class CallRequest:
     #: The client set no completion length (and the config sets no default): a prompt that
     #: leaves less room than ``params.max_tokens`` gets what room there is instead of a 400.
     fit_context: bool = False
+    #: The completion length the request asked for (None: none), before ``max_tokens_cap``:
+    #: an overflow says what the cap made of it.
+    max_tokens_asked: int | None = None
     #: What only this surface's shapes need (Completions' ``echo``, the fields a Responses object
     #: repeats), passed back to it untouched.
     options: Mapping[str, Any] = field(default_factory=dict)

@@ -326,3 +326,33 @@ async def _top_k_calls(app: Appliance) -> None:
     await claude.close()
     calls = await recorded_calls(app)
     assert [c.sampling["top_k"] for c in calls] == [0, 1, 1, 1, 0, 1, 0, 1]
+
+
+async def test_an_overflow_says_what_was_asked_and_what_the_cap_made_of_it(app: Appliance) -> None:
+    """A completion length past ``max_tokens_cap`` is capped before the context is checked: the
+    overflow's numbers are the capped ones (clients compute a smaller length from them), and the
+    message says what the request asked and what the cap made of it."""
+    active = rollout(app)
+    hi = [{"role": "user", "content": "hi"}]
+    note = "100000 completion tokens were asked for; the appliance's max_tokens_cap made that 2048"
+    async with sdk(app, active) as client:
+        with pytest.raises(openai.BadRequestError) as chat:
+            await client.chat.completions.create(model="m", messages=hi, max_tokens=100_000)  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError) as responses:
+            await client.responses.create(model="m", input="hi", max_output_tokens=100_000)
+        with pytest.raises(openai.BadRequestError) as fits:
+            await client.chat.completions.create(model="m", messages=hi, max_tokens=2048)  # type: ignore[arg-type]
+    async with anthropic_sdk(app, active) as claude:
+        with pytest.raises(anthropic.BadRequestError) as messages:
+            # A timeout of its own: the SDK refuses so long a completion without one.
+            await claude.messages.create(model=app.model_name, max_tokens=100_000, messages=hi, timeout=30)  # type: ignore[arg-type]
+    for caught in (chat, responses):
+        body = caught.value.body
+        assert isinstance(body, dict) and note in body["message"], body
+    assert OPENAI_OVERFLOW.match(chat.value.body["message"])  # type: ignore[index]
+    assert "asked for" not in str(fits.value)  # nothing was capped: nothing to say
+    body = messages.value.body
+    assert isinstance(body, dict)
+    text = body["error"]["message"]
+    assert re.match(r"input length and `max_tokens` exceed context limit: \d+ \+ 2048 > 2048, ", text)
+    assert note in text, text
