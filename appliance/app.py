@@ -18,13 +18,16 @@ frozen, the youngest generation collected less often). Nothing else constructs t
 a real run, so tests that build an ``Appliance`` exercise the production wiring.
 
 Recovery rules on start: rollouts that were running when the process died are recorded as
-failed ("interrupted"); finished rollouts that no step consumed stay available for training;
+failed ("interrupted", ``appliance.rollouts.controller.record_interrupted``); finished rollouts
+that no step consumed stay available for training;
 the engine and trainer load the weights of the last ``PolicyVersionPublished`` (with the
 optimizer state of the last full checkpoint, see ``appliance.training.service``).
 
 A clean stop (``run`` returned: the step target, a signal, or an operator's "stop") saves a
 full checkpoint (``CheckpointSaved`` "shutdown") and exports the policy as a Hugging Face model
-directory (``ModelExported``, config ``export_dir``), unless nothing was ever trained.
+directory (``ModelExported``, config ``export_dir``), unless nothing was ever trained. Its start
+and stop are recorded with the command that made it ("up"; "eval" for an evaluation, which is
+not the run's start nor its stop), the stop with its reason and whether the run failed.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from appliance.proxy.runners import RUNNERS
 from appliance.proxy.server import ProxyServer, build_app
 from appliance.reporting.trackers import BACKENDS, Tracker, check_backends
 from appliance.rollouts import sandboxing
-from appliance.rollouts.controller import RolloutController
+from appliance.rollouts.controller import RolloutController, record_interrupted
 from appliance.rollouts.evaluation import evaluate
 from appliance.rollouts.external import RunnerBoard
 from appliance.rollouts.external import attach as attach_runners
@@ -76,7 +79,6 @@ from store.events import (
     ApplianceStarted,
     ApplianceStopped,
     EvaluationCompleted,
-    RolloutFinished,
     TrainStepCompleted,
 )
 from store.eventstore import EventStore
@@ -107,12 +109,15 @@ class Appliance:
         adapter: HarnessAdapter | None = None,
         on_step: StepCallback | None = None,
         on_notice: Callable[[str], None] | None = None,
+        command: str = "up",
     ) -> None:
+        """``command``: what its start and stop are recorded as, "up" (the run) or "eval"."""
         self.config = config.with_resolved_device()  # device "auto": cuda or cpu, from here on
         self._adapter = adapter
         self._on_step = on_step
         self._on_notice = on_notice
         self._stack = AsyncExitStack()
+        self._command = command
         self._stop_reason = "stopped"
         self._stop_requested = False
         #: This process recorded its ``ApplianceStarted``: only then does it record a stop.
@@ -204,7 +209,7 @@ class Appliance:
         while page := await self.store.read(state.position, limit=REPLAY_PAGE):
             for stored in page:
                 state.apply(stored.event, stored.position)
-        await self._recover(state)
+        await record_interrupted(self.store, state)
         if any(name in BACKENDS for name in config.tracking.loggers):
             # Opened before the model loads (a backend that cannot start fails the start), closed
             # after the parts that record steps, before the store: its last rows are written then.
@@ -291,6 +296,7 @@ class Appliance:
                     trainer_ranks=trainer_ranks,
                     placement=plan.to_json() if plan is not None else {},
                     agents=self.isolation.line,
+                    command=self._command,
                 )
             ]
         )
@@ -353,6 +359,7 @@ class Appliance:
     async def evaluate(self, tasks: Sequence[Task], *, split: str, repeat: int = 1) -> EvaluationCompleted:
         """Run every task ``repeat`` times on the policy served now, with no training, and record
         the result (``appliance.rollouts.evaluation``); the scheduler is not started."""
+        self._stop_reason = "evaluation ended"
         return await evaluate(
             controller=self.controller,
             live=self.live,
@@ -363,28 +370,14 @@ class Appliance:
             repeat=repeat,
         )
 
-    async def _recover(self, state: RunState) -> None:
-        """Record as failed every rollout a previous process left running."""
-        interrupted = [
-            RolloutFinished(
-                ts=time.time(),
-                rollout=view.rollout,
-                status="failed",
-                error="interrupted: the appliance stopped while the rollout was running",
-            )
-            for view in state.running()
-        ]
-        if interrupted:
-            positions = await self.store.append(interrupted)
-            for event, position in zip(interrupted, positions, strict=True):
-                state.apply(event, position)
-            log.info("recovered %d interrupted rollouts", len(interrupted))
-
     async def _record_stop(self) -> None:
         if not self._recorded_start:  # it failed to start: a stop of nothing is not an event
             return
         with contextlib.suppress(Exception):
-            await self.store.append([ApplianceStopped(ts=time.time(), reason=self._stop_reason)])
+            stopped = ApplianceStopped(
+                ts=time.time(), reason=self._stop_reason, failed=self.failed, command=self._command
+            )
+            await self.store.append([stopped])
 
     def request_stop(self) -> None:
         """Ask the run to stop after what it is doing now (safe from a signal handler). The stop

@@ -130,6 +130,9 @@ class ApplianceStarted(Event):
     #: Where this start's agents run, in one line ("agents run sandboxed (bwrap; ...)", "agents
     #: run unsandboxed ..."); empty in logs written before it existed.
     agents: str = ""
+    #: The command that started it: "up" (the run) or "eval" (an evaluation, which trains
+    #: nothing: its start and stop are not the run's, ``RunState.last_start``/``last_stop``).
+    command: str = "up"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,6 +140,10 @@ class ApplianceStopped(Event):
     """The process stopped cleanly (a crash leaves no such event)."""
 
     reason: str
+    #: The run stopped because it could not go on (the circuit breaker gave up): ``up`` exits 1.
+    failed: bool = False
+    #: The command whose process stopped: "up" or "eval" (as its ``ApplianceStarted``).
+    command: str = "up"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -390,6 +397,10 @@ class _Evaluated(_OfPolicy, group=True):
 class EvaluationCompleted(_Round, _Evaluated):
     """An evaluation (``lightning-appliance eval``) ended: every task of ``split`` run ``repeat``
     times on the policy at ``policy_version``, with no training."""
+
+    #: The agent it played (``appliance.rollouts.evaluation.agent_label``); empty in logs
+    #: written before it existed.
+    agent: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

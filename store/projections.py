@@ -33,6 +33,7 @@ from store.codec import StoredEvent
 from store.events import (
     AdmissionsPaused,
     ApplianceStarted,
+    ApplianceStopped,
     CallRewardReported,
     CheckpointSaved,
     ControlRequested,
@@ -137,8 +138,13 @@ class RunState:
     phase: str = "idle"
     #: How many times the appliance started on this store (1 + restarts).
     starts: int = 0
-    #: The latest start (its settings and trainer ranks), if any.
+    #: The latest start of the run (``up``: its settings and trainer ranks), if any; an
+    #: evaluation's start (``command`` "eval") is not the run's and leaves it.
     last_start: ApplianceStarted | None = None
+    #: How the run's latest start ended: its ``ApplianceStopped`` (the reason, whether it
+    #: failed), or None while it runs or when it ended without one (a crash). An evaluation's
+    #: stop is not the run's and leaves it.
+    last_stop: ApplianceStopped | None = None
     #: Position of the last event applied (0 when positions are not known).
     position: int = 0
     rollouts: dict[str, RolloutView] = field(default_factory=dict)
@@ -182,7 +188,8 @@ class RunState:
             case ApplianceStarted():
                 self.run_id = event.run_id
                 self.starts += 1
-                self.last_start = event
+                if event.command == "up":
+                    self.last_start, self.last_stop = event, None
                 self.stop_requested = False
                 # A start is a fresh try: the back-off and the trips in a row of the last process
                 # (which may have stopped on ``breaker_max_trips``) do not hold it back.
@@ -256,8 +263,11 @@ class RunState:
                     if view := self.rollouts.get(rollout):
                         view.trained_step = event.step
                 self._release(event.rollouts)
+            case ApplianceStopped():
+                if event.command == "up":
+                    self.last_stop = event
             case _:
-                pass  # ApplianceStopped and types this fold does not track
+                pass  # types this fold does not track
 
     def _release(self, rollouts: Iterable[str]) -> None:
         """Drop the calls of consumed rollouts (their counts stay; the log keeps the calls)."""

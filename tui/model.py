@@ -195,18 +195,20 @@ class DashboardModel:
         self.last_ts = max(self.last_ts, ts)
         match event:
             case events.ApplianceStarted():
-                self.model, self.engine, self.config, self.stopped = (
-                    event.model,
-                    event.engine,
-                    event.config,
-                    "",
-                )
-                self.agents = event.agents
+                if event.command == "up":  # an evaluation's start is not the run's
+                    self.model, self.engine, self.config, self.stopped = (
+                        event.model,
+                        event.engine,
+                        event.config,
+                        "",
+                    )
+                    self.agents = event.agents
                 if self._started_ts:  # the previous start recorded no stop: it ran until its last event
                     self._ran_s += max(0.0, self._previous_ts - self._started_ts)
                 self._started_ts, self._stop_source = ts, ""
             case events.ApplianceStopped():
-                self.stopped = event.reason
+                if event.command == "up":  # an evaluation's stop leaves the run's reason
+                    self.stopped = event.reason
                 self._open("idle", ts)
                 if self._started_ts:
                     self._ran_s += max(0.0, ts - self._started_ts)
@@ -379,9 +381,10 @@ def describe(event: events.Event) -> str:
     """One line of text for the event log."""
     match event:
         case events.ApplianceStarted():
-            return f"started {event.model} on {event.engine} at v{event.resumed_from_version}"
+            what = "started" if event.command == "up" else f"{event.command} started"
+            return f"{what} {event.model} on {event.engine} at v{event.resumed_from_version}"
         case events.ApplianceStopped():
-            return f"stopped: {event.reason}"
+            return f"{'stopped' if event.command == 'up' else event.command + ' ended'}: {event.reason}"
         case events.PhaseChanged():
             return f"phase {event.phase} (v{event.policy_version})"
         case events.RolloutCreated():

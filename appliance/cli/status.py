@@ -1,9 +1,11 @@
 """``lightning-appliance status``: the run in a data directory, summarised from its store.
 
-Owns the summary (``status_report``: phase, policy, steps, rollouts by state and why they
-failed, validation and evaluation rounds, the checksum chain, the disk the run takes by part)
-and its text (or ``--json``). It reads the store read-only, also while another process is
-writing it; a broken checksum chain is reported, not a failure.
+Owns the summary (``status_report``: phase, policy, how the run's latest start stopped and
+why, steps, rollouts by state and why they failed, validation and evaluation rounds (the agent
+an evaluation played; "no rollout finished" for a round every rollout of which failed), the
+checksum chain, the disk the run takes by part) and its text (or ``--json``). It reads the
+store read-only, also while another process is writing it; a broken checksum chain is
+reported, not a failure.
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
     start = state.last_start
     summary["agents"] = (start.agents or recorded_line(start.config)) if start is not None else None
     summary["checkpoint"] = state.checkpoint
+    stop = state.last_stop  # the run's (``up``'s); an evaluation's stop is not the run's
+    summary["stopped"] = (
+        None if stop is None else {"reason": stop.reason, "failed": stop.failed, "ts": stop.ts}
+    )
     summary["chain"] = _chain_status(db)
 
     def round_reasons(rollouts: Sequence[str]) -> list[dict[str, Any]]:
@@ -125,6 +131,7 @@ def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
         {
             "split": e.split,
             "repeat": e.repeat,
+            "agent": e.agent,
             "step": e.step,
             "policy_version": e.policy_version,
             "rollouts": len(e.rollouts),
@@ -213,6 +220,19 @@ def _groups(reasons: list[dict[str, Any]]) -> list[tuple[str, int]]:
     return [(str(g["reason"]), int(g["count"])) for g in reasons]
 
 
+def _round_text(round_: dict[str, Any]) -> str:
+    """A validation or evaluation round's reward and failures; a round none of whose rollouts
+    finished has no reward to show (``no rollout finished: 6 failed: ...``)."""
+    from store.outcomes import count_text, none_finished_text
+
+    groups = _groups(round_["failure_reasons"])
+    if round_["rollouts"] and round_["failed"] == round_["rollouts"]:
+        return none_finished_text(round_["failed"], groups)
+    return f"reward {round_['reward_mean']:.3f} +- {round_['reward_std']:.3f}  " + count_text(
+        round_["failed"], groups
+    )
+
+
 def _print_status(summary: dict[str, Any]) -> None:
     from store.outcomes import count_text
 
@@ -226,6 +246,9 @@ def _print_status(summary: dict[str, Any]) -> None:
         f"policy v{summary['policy_version']}  step {summary['step']}  "
         f"checkpoint {summary['checkpoint'] or '-'}  events {summary['events']}"
     )
+    if (stopped := summary.get("stopped")) is not None:
+        label = "stopped (the run could not go on)" if stopped["failed"] else "stopped"
+        print(f"{label}: {stopped['reason']}")
     print(f"checksum chain {summary['chain']}")
     if summary.get("agents"):
         print(summary["agents"])
@@ -250,15 +273,14 @@ def _print_status(summary: dict[str, Any]) -> None:
     for v in summary["validations"]:
         print(
             f"  validation at step {v['step']:>4}  policy v{v['policy_version']}  "
-            f"rollouts {v['rollouts']:>3}  reward {v['reward_mean']:.3f} +- {v['reward_std']:.3f}  "
-            + count_text(v["failed"], _groups(v["failure_reasons"]))
+            f"rollouts {v['rollouts']:>3}  " + _round_text(v)
         )
     for e in summary.get("evaluations", []):
         print(
             f"  eval {e['split']} at step {e['step']:>4}  policy v{e['policy_version']}  "
             f"rollouts {e['rollouts']:>3} ({e['repeat']}x)  "
-            f"reward {e['reward_mean']:.3f} +- {e['reward_std']:.3f}  "
-            + count_text(e["failed"], _groups(e["failure_reasons"]))
+            + _round_text(e)
+            + (f"  agent {e['agent']}" if e.get("agent") else "")
         )
     if "failures" in summary:
         failures = summary["failures"]

@@ -130,12 +130,15 @@ def load_config(
     env: Mapping[str, str] | None = None,
     *,
     resolved: bool = True,
+    base: Mapping[str, Any] | None = None,
 ) -> ApplianceConfig:
-    """The config of a run: the defaults, then ``path`` (TOML, flat keys or sections), then the
-    ``APPLIANCE_*`` variables of ``env`` (None: ``os.environ``), then ``overrides`` (flags; a
-    None value is a flag not given). ``device`` = "auto" comes back resolved (which imports
-    torch) unless ``resolved`` is False: then ``with_resolved_device`` does it later."""
-    values: dict[str, Any] = {}
+    """The config of a run: the defaults, then ``base`` (fields a recorded run gives, flat or
+    in sections: ``eval`` takes the run's harness), then ``path`` (TOML, flat keys or
+    sections), then the ``APPLIANCE_*`` variables of ``env`` (None: ``os.environ``), then
+    ``overrides`` (flags; a None value is a flag not given). ``device`` = "auto" comes back
+    resolved (which imports torch) unless ``resolved`` is False: then ``with_resolved_device``
+    does it later."""
+    values: dict[str, Any] = _read(base or {}, "the run's recorded config")
     if path is not None:
         try:
             raw = tomllib.loads(path.read_text())

@@ -29,6 +29,7 @@ from harness_adapters.base import ClientConfig, HarnessAdapter, Task
 from harness_adapters.lifecycle import RetryPolicy, run_with_retries
 from store.events import RewardReported, RolloutCreated, RolloutFinished
 from store.eventstore import EventStore
+from store.projections import RunState, one_line
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +197,12 @@ class RolloutController:
             # An agent that gave up after its calls were refused: the refusal comes first.
             if active.refused and (verdict := calls_verdict(active, self._max_refused_fraction)):
                 error = f"{verdict}\n{error}"
-            log.warning("rollout %s failed: %s", rollout, error)
+            _log_failure(rollout, error)
         finally:
             self._registry.unregister(rollout)
         if status == "finished" and (verdict := calls_verdict(active, self._max_refused_fraction)):
             status, error = "failed", verdict
-            log.warning("rollout %s failed: %s", rollout, error)
+            _log_failure(rollout, error)
         finished = RolloutFinished(
             ts=time.time(),
             rollout=rollout,
@@ -239,3 +240,31 @@ def calls_verdict(active: ActiveRollout, max_refused_fraction: float) -> str:
     if not recorded + refused:
         return "made no model call: the agent ended without calling the model (nothing to train on)"
     return ""
+
+
+def _log_failure(rollout: str, error: str) -> None:
+    """One line per failed rollout (a traceback's first line and its end); the whole reason,
+    traceback and all, is the log's ``RolloutFinished`` (the dashboard, ``status --failures``)
+    and, with ``--verbose``, a debug record."""
+    log.warning("rollout %s failed: %s", rollout, one_line(error))
+    if "\n" in error.strip():
+        log.debug("rollout %s failed:\n%s", rollout, error)
+
+
+async def record_interrupted(store: EventStore, state: RunState) -> None:
+    """On a start: record as failed every rollout a previous process left running (``state``
+    is the log folded so far, and takes the new events too)."""
+    interrupted = [
+        RolloutFinished(
+            ts=time.time(),
+            rollout=view.rollout,
+            status="failed",
+            error="interrupted: the appliance stopped while the rollout was running",
+        )
+        for view in state.running()
+    ]
+    if interrupted:
+        positions = await store.append(interrupted)
+        for event, position in zip(interrupted, positions, strict=True):
+            state.apply(event, position)
+        log.info("recovered %d interrupted rollouts", len(interrupted))

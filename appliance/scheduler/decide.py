@@ -40,8 +40,9 @@ always crashes), admissions pause (``PauseAdmissions``; the runner records it an
 back-off). While ``admissions_paused`` no group is admitted; steps, validation rounds,
 checkpoints and stops go on, so the groups already ready are still trained. After
 ``breaker_max_trips`` trips in a row (no training rollout finished between them) the breaker
-gives up: the run stops (``Stop`` with ``failure``) naming the last failure, once a validation
-round or a step under way has ended. The trips are counted from the process's start
+gives up: the trip that would be the last is the stop itself (``Stop`` with ``failure``, not a
+``PauseAdmissions``), naming the last failure, once a validation round or a step under way has
+ended (nothing is admitted meanwhile). The trips are counted from the process's start
 (``RunState`` clears them at ``ApplianceStarted``), so a stopped run resumes.
 
 Staleness bound (``eta``): group number ``g`` (0-based, in admission order) is trained at the
@@ -255,11 +256,15 @@ def breaker_trips(policy: SchedulePolicy, obs: Observation) -> bool:
 
 
 def breaker_gives_up(policy: SchedulePolicy, obs: Observation) -> Stop | None:
-    """The stop of a run whose breaker tripped ``breaker_max_trips`` times in a row, or None."""
-    if policy.breaker_max_trips <= 0 or obs.breaker_trips < policy.breaker_max_trips:
+    """The stop of a run whose breaker reaches ``breaker_max_trips`` trips in a row (the trips
+    recorded, and the one due now: the final trip stops the run instead of pausing it), or None."""
+    if policy.breaker_max_trips <= 0:
+        return None
+    trips = obs.breaker_trips + (1 if breaker_trips(policy, obs) else 0)
+    if trips < policy.breaker_max_trips:
         return None
     return Stop(
-        f"the circuit breaker tripped {obs.breaker_trips} time{'s' if obs.breaker_trips > 1 else ''} in a "
+        f"the circuit breaker tripped {trips} time{'s' if trips > 1 else ''} in a "
         f"row (breaker_max_trips) with no training rollout finished; last failure: "
         f"{obs.last_failure or 'no reason recorded'}",
         failure=True,

@@ -14,14 +14,15 @@ requested checkpoints (between steps) and validation rounds: it starts a round's
 the evaluation sampling and records ``ValidationCompleted`` when they have all ended. When
 ``decide`` trips the circuit breaker it records ``AdmissionsPaused`` with the back-off (doubled
 per trip in a row, capped), and while the back-off runs ``/healthz`` names the cause and a
-notice says so; both clear when it ends. The trip that reaches ``breaker_max_trips`` is recorded
-too, but no back-off is shown: ``decide`` stops the run next, and ``failed`` says so.
+notice says so; both clear when it ends. The trip that would reach ``breaker_max_trips`` is no
+pause: ``decide`` stops the run instead (``ApplianceStopped`` with the breaker's reason), and
+``failed`` says so. A notice is one line for the person watching: the ``on_notice`` callback
+when there is one (headless ``up`` prints it), else the log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,8 +47,6 @@ from appliance.scheduler.switch import SwitchEffects
 from harness_adapters.base import Task
 from store.events import AdmissionsPaused
 from store.projections import one_line
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +131,8 @@ class SchedulerRunner(SwitchEffects):
             for action in actions:
                 match action:
                     case Stop(reason=reason, failure=failure):
+                        # The reason is the stop's (``ApplianceStopped``, ``up``'s last line).
                         self.failed = failure
-                        if failure:
-                            log.error("%s", reason)
                         await self._phase_changed("idle")
                         return reason
                     case StartGroups(count=count):
@@ -166,12 +164,7 @@ class SchedulerRunner(SwitchEffects):
         )
         await self._record(trip)
         await self.live.wait_for(self.live.store.last_position)  # the state knows the trip
-        if not self._final_trip(trip):
-            self._show_breaker(trip)
-
-    def _final_trip(self, trip: AdmissionsPaused) -> bool:
-        """The trip that reaches ``breaker_max_trips``: the run stops instead of backing off."""
-        return 0 < self.policy.breaker_max_trips <= trip.trips
+        self._show_breaker(trip)
 
     def _show_breaker(self, trip: AdmissionsPaused) -> None:
         """Report a running back-off on ``/healthz`` and as a notice."""
@@ -182,7 +175,6 @@ class SchedulerRunner(SwitchEffects):
         )
         if trip.trips > 1:
             line += f" (trip {trip.trips} in a row)"
-        log.warning("%s", line)
         self.health.set("breaker", line)
         self._notice(line)
 
@@ -190,12 +182,11 @@ class SchedulerRunner(SwitchEffects):
         """Whether the breaker's back-off runs now; keeps ``/healthz`` and the notices in step
         (also for a back-off recorded before a restart, and once it is over)."""
         trip = self.live.state.admissions_paused_at(time.time())
-        if trip is not None and self._breaker_shown != trip.ts and not self._final_trip(trip):
+        if trip is not None and self._breaker_shown != trip.ts:
             self._show_breaker(trip)
         elif trip is None and self._breaker_shown is not None:
             self._breaker_shown = None
             self.health.clear("breaker")
-            log.warning("admissions resumed")
             self._notice("admissions resumed")
         return trip is not None
 

@@ -115,7 +115,6 @@ class SwitchEffects:
                     f"the {phase} phase of step {step} has run for more than {self.phase_timeout_s:g} s "
                     f"(phase_timeout_s)"
                 )
-                log.warning("%s", reason)
                 self.health.set("phase", reason)
                 await self._record(
                     PhaseOverran(
@@ -151,7 +150,6 @@ class SwitchEffects:
                 + (f", {result.remaining} calls still in flight" if result.remaining else "")
                 + "; the step goes on"
             )
-            log.warning("%s", reason)
             await self._record(
                 PhaseOverran(
                     ts=time.time(),
@@ -170,8 +168,12 @@ class SwitchEffects:
         )
 
     def _notice(self, line: str) -> None:
+        """One line for the person watching, once: the ``on_notice`` callback (headless ``up``
+        prints it), else the log at WARNING."""
         if self.on_notice is not None:
             self.on_notice(line)
+        else:
+            log.warning("%s", line)
 
     def _begin_split_step(self, groups: tuple[str, ...]) -> None:
         """Split mode: start one step beside the loop; until its push has ended the phase is

@@ -383,6 +383,9 @@ GAVE_UP = Stop(
         # Fewer trips in a row than the limit: the back-off runs, then admissions resume.
         (GIVES_UP, obs(breaker_trips=2, admissions_paused=True, last_failure=CRASHED), []),
         (GIVES_UP, obs(breaker_trips=2, last_failure=CRASHED), [StartGroups(2)]),
+        # The trip that would be the last is the stop itself, not a pause before it.
+        (GIVES_UP, obs(breaker_trips=2, consecutive_failures=8, last_failure=CRASHED), [GAVE_UP]),
+        (GIVES_UP, obs(breaker_trips=1, consecutive_failures=8, last_failure=CRASHED), [PauseAdmissions(8)]),
         # The trip that reaches the limit: the run stops naming the last failure, back-off or not,
         # rollouts running or not (they are cancelled by the stop).
         (GIVES_UP, obs(breaker_trips=3, admissions_paused=True, last_failure=CRASHED), [GAVE_UP]),
