@@ -92,3 +92,10 @@ def failures_text(failed: Iterable[RolloutView], label: str = "failed") -> str:
     failed: ``status`` its failed rollouts, evaluation also those finished without a reward)."""
     views = list(failed)
     return count_text(len(views), grouped_reasons(views), label)
+
+
+def none_finished_text(count: int, groups: Sequence[tuple[str, int]]) -> str:
+    """A round in which every rollout failed, so there is no reward to report: ``no rollout
+    finished: 6 failed: ValueError: boom x6`` (the reasons as :func:`count_text` gives them)."""
+    reasons = reasons_text(groups)
+    return f"no rollout finished: {count} failed" + (f": {reasons}" if reasons else "")

@@ -1,7 +1,11 @@
 """``lightning-appliance eval``: the run's current policy on a split's tasks, with no training.
 
-Owns ``eval``'s flags, where its tasks come from (a validation round's, every held-out task
-with ``--all``, or every task of ``--split train``), and the line (or ``--json``) it prints.
+Owns ``eval``'s flags, the harness it plays (the run's, as its latest ``up`` recorded it:
+agent, adapter, tasks, model, seed and validation settings, under ``--config``, the environment
+and the flags, ``appliance.rollouts.evaluation.run_harness``), where its tasks come from (a
+validation round's, every held-out task with ``--all``, or every task of ``--split train``),
+and the line (or ``--json``) it prints, naming the agent played. A round in which no rollout
+finished is said so, with the reasons, and exits 1 (``EXIT_NONE_FINISHED``).
 The data directory's lock is claimed before torch is imported, as ``up`` does. Playing the
 tasks and recording the result is the appliance's (``Appliance.evaluate``).
 """
@@ -56,10 +60,22 @@ def run(args: argparse.Namespace) -> int:
         )
 
 
+#: Exit status of an ``eval`` in which no rollout finished (every one failed).
+EXIT_NONE_FINISHED = 1
+
+
 def _eval_config(args: argparse.Namespace, *, resolved: bool = True) -> ApplianceConfig:
-    """The config of ``eval``'s flags (``config_from_flags``)."""
+    """The config of ``eval``'s flags (``config_from_flags``) over the run's recorded harness
+    (``run_harness``: what the run's latest ``up`` played, unless the file, the environment or
+    a flag says otherwise)."""
+    from appliance.rollouts.evaluation import run_harness, run_start
+
     keys = ("data_dir", "model", "engine", "device", "port", "agent", "tasks", "sandbox")
-    return config_from_flags(args, keys, resolved=resolved)
+    config = config_from_flags(args, keys, resolved=False)
+    start = run_start(config.db_path)
+    if start is None:
+        return config.with_resolved_device() if resolved else config
+    return config_from_flags(args, keys, resolved=resolved, base=run_harness(start.config))
 
 
 def eval_source(config: ApplianceConfig, split: str, every: bool) -> str:
@@ -76,14 +92,15 @@ async def _eval(
     config: ApplianceConfig, split: str, repeat: int, as_json: bool, *, every: bool = False
 ) -> int:
     from appliance.app import Appliance
-    from appliance.rollouts.evaluation import evaluation_tasks
-    from store.outcomes import failures_text, grouped_reasons
+    from appliance.rollouts.evaluation import agent_label, evaluation_tasks
+    from store.outcomes import failures_text, grouped_reasons, none_finished_text
 
     # A bad split or task set fails before anything loads.
     tasks = evaluation_tasks(config, split, every=every)
-    async with Appliance(config) as appliance:
+    async with Appliance(config, command="eval") as appliance:
         print(
-            f"lightning-appliance eval: {len(tasks)} {split} tasks x {repeat}, "
+            f"lightning-appliance eval: agent {agent_label(config.harness)}, "
+            f"{len(tasks)} {split} tasks x {repeat}, "
             f"{eval_source(config, split, every)}, on policy "
             f"v{appliance.live.state.policy_version} (step {appliance.live.state.step}), "
             f"proxy {appliance.proxy_url}",
@@ -95,24 +112,29 @@ async def _eval(
         views = [state.rollouts[r] for r in result.rollouts if r in state.rollouts]
         # Failed as the result counts them: every rollout that did not finish with a reward.
         failed = [v for v in views if not (v.status == "finished" and v.reward is not None)]
+    # Every rollout failed: there is no reward to report (a mean of 0 would read as one).
+    none_finished = bool(result.rollouts) and result.failed == len(result.rollouts)
+    none_text = none_finished_text(len(failed), grouped_reasons(failed))
     if as_json:
-        fields = ("split", "repeat", "step", "policy_version", "reward_mean", "reward_std", "failed")
+        fields = ("split", "repeat", "step", "policy_version", "reward_mean", "reward_std", "failed", "agent")
         reasons = [{"reason": reason, "count": count} for reason, count in grouped_reasons(failed)]
-        print(
-            json.dumps(
-                {
-                    **{k: getattr(result, k) for k in fields},
-                    "tasks": len(tasks),
-                    "rollouts": len(result.rollouts),
-                    "failure_reasons": reasons,
-                }
-            )
-        )
+        printed = {
+            **{k: getattr(result, k) for k in fields},
+            "tasks": len(tasks),
+            "rollouts": len(result.rollouts),
+            "failure_reasons": reasons,
+        }
+        if none_finished:
+            printed.update(reward_mean=None, reward_std=None, error=none_text)
+        print(json.dumps(printed))
     else:
-        print(
+        head = (
             f"eval {result.split}: {len(tasks)} tasks x {repeat} = {len(result.rollouts)} rollouts  "
-            f"policy v{result.policy_version}  step {result.step}  reward mean {result.reward_mean:.3f}  "
-            f"std {result.reward_std:.3f}  " + failures_text(failed),
-            flush=True,
+            f"agent {result.agent}  policy v{result.policy_version}  step {result.step}  "
         )
-    return 0
+        if none_finished:
+            print(head + none_text, flush=True)
+        else:
+            reward = f"reward mean {result.reward_mean:.3f}  std {result.reward_std:.3f}  "
+            print(head + reward + failures_text(failed), flush=True)
+    return EXIT_NONE_FINISHED if none_finished else 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import pytest
 from appliance.app import Appliance
 from appliance.cli.up import EXIT_RUN_FAILED, _up
 from store.events import AdmissionsPaused, ApplianceStarted, ApplianceStopped, RolloutCreated
-from store.eventstore import EventStore
+from store.eventstore import EventStore, read_events_sync
 from tests.appliance.appliance_process import up
 from tests.support import make_config
 
@@ -174,10 +175,11 @@ async def test_the_breaker_gives_up_after_max_trips_and_a_restart_resumes(
     starts = [i for i, e in enumerate(events) if isinstance(e, ApplianceStarted)]
     assert len(starts) == 2
     for run in (events[starts[0] : starts[1]], events[starts[1] :]):
-        assert [e.trips for e in run if isinstance(e, AdmissionsPaused)] == [1, 2]
+        # The final trip is the stop, recorded as one with the breaker's reason: no pause first.
+        assert [e.trips for e in run if isinstance(e, AdmissionsPaused)] == [1]
         assert any(isinstance(e, RolloutCreated) for e in run)
         (stopped,) = [e for e in run if isinstance(e, ApplianceStopped)]
-        assert stopped.reason == gave_up(2)
+        assert (stopped.reason, stopped.failed, stopped.command) == (gave_up(2), True, "up")
     # The back-off of the first trip is shown; the last trip stops the run instead. Rollouts run
     # concurrently, so a third may fail before the scheduler observes the second: the count in
     # the notice is what was observed, at least the threshold.
@@ -230,3 +232,87 @@ def test_up_exits_non_zero_naming_the_last_failure_and_resumes(tmp_path: Path, t
             "admissions paused for 0.2 s: 2 training rollouts failed in a row; last: "
             f"AgentFailed: agent exit code 1: {STDERR}"
         ]
+
+
+#: An agent whose failure is a multi-line traceback on stderr.
+TRACEBACK_AGENT = [
+    "sh",
+    "-c",
+    "echo 'Traceback (most recent call last):' >&2; echo '  File \"agent.py\", line 1' >&2; "
+    "echo 'ValueError: boom' >&2; exit 1",
+]
+CRASH = (
+    'AgentFailed: agent exit code 1: Traceback (most recent call last): | File "agent.py", line 1 | '
+    "ValueError: boom"
+)
+
+
+def test_a_run_the_breaker_stopped_says_so_and_eval_plays_its_agent(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Headless ``up`` with an agent that always fails: one line per failed rollout and the
+    breaker's lines once; ``status`` names the stop and its reason; ``eval`` on the directory
+    plays the run's agent, says that no rollout finished (exit 1), and leaves the run's stop."""
+    from tests.appliance.appliance_process import cli
+    from tui.model import DashboardModel
+
+    config = tmp_path / "appliance.toml"
+    config.write_text(
+        "breaker_failures = 2\nbreaker_backoff_s = 0.2\nbreaker_max_trips = 2\nvalidate_every = 0\n"
+        f'max_tokens = 8\n[adapter]\nadapter = "command"\ncommand = {json.dumps(TRACEBACK_AGENT)}\n'
+    )
+    data = tmp_path / "run"
+    proc = up(data, tiny_model_dir, 1, "--config", str(config))
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out
+    lines = out.splitlines()
+    failed = [line for line in lines if " failed: " in line and "rollout " in line]
+    assert failed and all(line.endswith(f"failed: {CRASH}") for line in failed), out
+    assert not [line for line in lines if line.startswith(("Traceback", "  File", "ValueError"))], out
+    stop = (
+        "the circuit breaker tripped 2 times in a row (breaker_max_trips) with no training rollout "
+        f"finished; last failure: {CRASH}"
+    )
+    assert [line for line in lines if "admissions paused" in line] == [
+        f"admissions paused for 0.2 s: 2 training rollouts failed in a row; last: {CRASH}"
+    ], out
+    assert [line for line in lines if "circuit breaker tripped" in line] == [f"stopped: {stop}"], out
+
+    def status() -> tuple[list[str], dict[str, Any]]:
+        text = cli("status", "--data-dir", str(data), timeout=120)
+        report = cli("status", "--data-dir", str(data), "--json", timeout=120)
+        assert text.returncode == report.returncode == 0, text.stderr + report.stderr
+        return text.stdout.splitlines(), json.loads(report.stdout)
+
+    lines, report = status()
+    assert f"stopped (the run could not go on): {stop}" in lines
+    assert (report["stopped"]["reason"], report["stopped"]["failed"]) == (stop, True)
+
+    # eval with no harness flags plays the run's agent, which fails every rollout.
+    done = cli("eval", "--data-dir", str(data), "--model", str(tiny_model_dir), "--port", "0", timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    agent = "command: " + shlex.join(TRACEBACK_AGENT)
+    assert f"agent {agent}, " in done.stderr
+    line = done.stdout.strip().splitlines()[-1]
+    assert f"  agent {agent}  " in line, line
+    count = int(line.split(" = ")[1].split()[0])
+    assert line.endswith(f"  no rollout finished: {count} failed: {CRASH} x{count}"), line
+    assert "reward" not in line
+
+    # The run's stop survives the evaluation's, in status and on the dashboard.
+    lines, report = status()
+    assert f"stopped (the run could not go on): {stop}" in lines
+    assert report["stopped"]["reason"] == stop
+    (evaluation,) = report["evaluations"]
+    assert evaluation["agent"] == agent
+    assert next(line for line in lines if line.startswith("  eval ")).endswith(
+        f"no rollout finished: {count} failed: {CRASH} x{count}  agent {agent}"
+    )
+    model = DashboardModel()
+    model.extend(read_events_sync(data / "events.sqlite"))
+    assert model.stop_text() == f"stopped: {stop}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,11 +120,12 @@ async def test_eval_says_why_its_rollouts_failed(
     config = make_config(tmp_path, tiny_model_dir, validation_tasks=6)
 
     class WithAgent(Appliance):
-        def __init__(self, config: ApplianceConfig) -> None:
-            super().__init__(config, adapter=failing_agent())
+        def __init__(self, config: ApplianceConfig, **options: Any) -> None:
+            super().__init__(config, adapter=failing_agent(), **options)
 
     monkeypatch.setattr("appliance.app.Appliance", WithAgent)
-    assert await _eval(config, "validation", 1, as_json=False) == 0
+    # No rollout finished: no reward is reported (a mean of 0 would read as one) and it exits 1.
+    assert await _eval(config, "validation", 1, as_json=False) == 1
     out = capsys.readouterr()
     assert "a validation round's tasks (the first validation_tasks = 6 held out" in out.err
     line = out.out.strip().splitlines()[-1]
@@ -131,7 +133,8 @@ async def test_eval_says_why_its_rollouts_failed(
     tasks = evaluation_tasks(config, "validation")
     odd = sum(task.data["a"] % 2 for task in tasks)
     assert 0 < odd < 6
-    failed = line[line.index("failed ") :]
+    assert "reward" not in line
+    failed = line[line.index("no rollout finished") :]
     # Two reasons, each once with its count: the agent's error, and the call it did not make.
-    assert failed.startswith("failed 6: ") and failed.count(" x") == 2, failed
+    assert failed.startswith("no rollout finished: 6 failed: ") and failed.count(" x") == 2, failed
     assert f"odd operand x{odd}" in failed and f"x{6 - odd}" in failed
