@@ -31,12 +31,14 @@ from appliance.cli.common import (
     reward_text,
     run_async,
 )
+from appliance.cli.config_flags import add_config_flags, group_by_section
 from appliance.cli.stopper import Stopper
-from appliance.config import VERL_ONLY, ApplianceConfig
+from appliance.config import ApplianceConfig, config_keys
 
 
 def add_parser(sub: Any) -> None:
-    """``up`` and its flags, each that sets a config field naming its ``APPLIANCE_*`` variable."""
+    """``up`` and its flags: one for every config field (``config_flags``; those written here
+    first), each naming its ``APPLIANCE_*`` variable, grouped by section in ``--help``."""
     up = sub.add_parser("up", help="run the appliance (proxy, engine, scheduler, trainer)")
     config_flag(up)
     up.add_argument("--data-dir", type=Path, help="run directory (default ./appliance-data)")
@@ -101,6 +103,8 @@ def add_parser(sub: Any) -> None:
         help="experiment trackers, comma-separated: console (default), tensorboard, wandb, mlflow",
     )
     up.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+    add_config_flags(up)  # every other field of the config, from its field list
+    group_by_section(up)
     name_env_variables(up)
 
 
@@ -122,38 +126,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config_from(args: argparse.Namespace, *, resolved: bool = True) -> ApplianceConfig:
-    """The config of ``up``'s flags (``config_from_flags``)."""
-    keys = (
-        "data_dir",
-        "max_steps",
-        "host",
-        "port",
-        "model",
-        "engine",
-        "agent",
-        "group_size",
-        "batch_groups",
-        "mode",
-        "eta",
-        "lr",
-        "trainer",
-        "device",
-        "trainer_ranks",
-        *VERL_ONLY,
-        "max_tokens_per_microbatch",
-        "push_bucket_mb",
-        "placement",
-        "gpus",
-        "engine_replicas",
-        "tensor_parallel_size",
-        "vllm_max_model_len",
-        "sleep_level",
-        "enforce_eager",
-        "push_transport",
-        "loggers",
-        "tasks",
-        "sandbox",
-    )
+    """The config of ``up``'s flags (``config_from_flags``): every field has one."""
+    keys = [name for name in config_keys() if name != "adapter" and hasattr(args, name)]
     return config_from_flags(args, keys, resolved=resolved)
 
 
