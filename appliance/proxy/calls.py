@@ -13,7 +13,6 @@ finish reason ``cancelled`` and the tokens sampled so far.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import secrets
 import time
@@ -53,14 +52,11 @@ STREAM_TOKEN_BATCH = 16
 STREAM_BATCH_WAIT_S = 0.02
 
 
-#: Call ids: a random prefix per process and a counter (no system call per call), 24 hex digits.
-_CALL_ID_PREFIX = secrets.token_hex(8)
-_CALL_IDS = itertools.count()
-
-
 def new_call_id() -> str:
-    """A call id unique within the run: this process's random prefix and a counter."""
-    return f"{_CALL_ID_PREFIX}{next(_CALL_IDS) & 0xFFFF_FFFF:08x}"
+    """A call id unique within the run and unguessable (96 random bits, 24 hex digits): the ids
+    the surfaces answer with (a stored response's ``resp_<id>`` among them) say nothing of other
+    calls'."""
+    return secrets.token_hex(12)
 
 
 @dataclass(slots=True)

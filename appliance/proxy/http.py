@@ -29,7 +29,7 @@ from appliance.operations.health import Health
 from appliance.proxy.bodies import parse_body
 from appliance.proxy.calls import CallService
 from appliance.rollouts.registry import DEFAULT_ROLLOUT, ActiveRollout, RolloutRegistry
-from contracts.errors import Overloaded, Unauthorized
+from contracts.errors import NotFound, Overloaded, Unauthorized
 
 if TYPE_CHECKING:
     from appliance.config import ProxyConfig
@@ -155,6 +155,21 @@ def check_admin(request: web.Request) -> None:
 _ROLLOUT = web.RequestKey("rollout", ActiveRollout)
 
 
+def wrong_key(rollout: str) -> Unauthorized:
+    """The answer to a key that is not ``rollout``'s, and to a rollout that does not exist."""
+    return Unauthorized(f"the API key is not valid for rollout {rollout!r}")
+
+
+def authorize(registry: RolloutRegistry, rollout: str, token: str | None) -> ActiveRollout:
+    """``registry.authorize``, except that a rollout never run here is answered as a wrong key
+    is (the same 401, the same body): a client cannot probe which rollout ids exist. A rollout
+    that ended is still a 409, but only to its own key."""
+    try:
+        return registry.authorize(rollout, token)
+    except (NotFound, Unauthorized):
+        raise wrong_key(rollout) from None
+
+
 def rollout_of(request: web.Request) -> ActiveRollout:
     """The rollout the request is for, authorised by its own token (or the admin token on /v1);
     once authorised, the same rollout for the rest of the request."""
@@ -167,7 +182,7 @@ def rollout_of(request: web.Request) -> ActiveRollout:
         check_admin(request)
         active = registry.default()
     else:
-        active = registry.authorize(rollout, request_token(request))
+        active = authorize(registry, rollout, request_token(request))
     request[_ROLLOUT] = active
     return active
 

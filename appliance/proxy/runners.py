@@ -18,7 +18,8 @@ Owns three routes' logic (the board behind them is ``appliance.rollouts.external
 
 Rewards go to ``POST /rollouts/<id>/reward`` as for any rollout. Bad input is a ``400`` naming
 the field; a wrong key a ``401``; a rollout that has ended a ``409`` on every route (a model call,
-a reward, a heartbeat, a finish); a rollout that never existed a ``404``.
+a reward, a heartbeat, a finish) to its own key; a rollout that never existed the same ``401`` as
+a wrong key (rollout ids are not secret, so they cannot be probed).
 """
 
 from __future__ import annotations
@@ -29,10 +30,19 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.proxy.http import CALLS, REGISTRY, SETTINGS, check_admin, json_body, request_token
+from appliance.proxy.http import (
+    CALLS,
+    REGISTRY,
+    SETTINGS,
+    authorize,
+    check_admin,
+    json_body,
+    request_token,
+    wrong_key,
+)
 from appliance.rollouts.external import RunnerBoard, task_from
 from appliance.rollouts.registry import ActiveRollout
-from contracts.errors import BadRequest, Conflict, Unauthorized
+from contracts.errors import BadRequest, Conflict
 from store.events import RolloutClaimed
 
 #: The board of the ``external`` adapter, set by the appliance; absent when it runs its own agents.
@@ -90,23 +100,23 @@ async def claim(request: web.Request) -> web.Response:
 
 def _authorized(request: web.Request, board: RunnerBoard) -> ActiveRollout:
     """The live rollout the path names, authorised by its key; a rollout that already ended is a
-    409 (to its own key, saying how it ended), one that never existed a 404 (the registry's rule
-    for every rollout route)."""
+    409 (to its own key, saying how it ended), one that never existed a 401 as a wrong key is
+    (``http.authorize``'s rule for every rollout route)."""
     rollout = request.match_info["rollout"]
     token = request_token(request)
     registry = request.app[REGISTRY]
     if registry.get(rollout) is None:
         ended = board.ended(rollout)
         if ended is None:
-            return registry.authorize(rollout, token)  # 409 if it ended, else 404
+            return authorize(registry, rollout, token)  # 409 if it ended, else 401
         key, status = ended
         if not token or not hmac.compare_digest(token.encode(), key.encode()):
-            raise Unauthorized(f"the API key is not valid for rollout {rollout!r}")
+            raise wrong_key(rollout)
         raise Conflict(
             f"rollout {rollout!r} has already ended ({status}); it takes no more model calls, "
             "rewards, heartbeats or finishes"
         )
-    return registry.authorize(rollout, token)
+    return authorize(registry, rollout, token)
 
 
 async def heartbeat(request: web.Request) -> web.Response:

@@ -405,7 +405,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
             "prompt is too long",
         ),
         ("wrong key", 401, "authentication_error", ""),
-        ("no rollout", 404, "not_found_error", ""),
+        ("no rollout", 401, "authentication_error", ""),  # as a wrong key: ids cannot be probed
     ],
 )
 async def test_bad_requests_get_anthropic_errors_and_nothing_is_recorded(

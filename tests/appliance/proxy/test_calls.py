@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -34,10 +35,14 @@ def test_the_recorded_sampling_is_asdict_in_jsons_own_values(params: SamplingPar
     assert SamplingParams.from_record(record) == params
 
 
-def test_call_ids_are_distinct_24_hex_digits_and_differ_between_processes() -> None:
+def test_call_ids_are_distinct_unguessable_24_hex_digits_and_differ_between_processes() -> None:
     ids = [new_call_id() for _ in range(10_000)]
     assert len(set(ids)) == len(ids)
     assert all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
+    # Unguessable: one id says nothing of the next (no shared prefix, no counter).
+    assert len({i[:8] for i in ids}) > 9_900 and len({i[-8:] for i in ids}) > 9_900
+    steps = {int(b, 16) - int(a, 16) for a, b in itertools.pairwise(ids)}
+    assert len(steps) > 9_900
     other = subprocess.run(
         [sys.executable, "-c", "from appliance.proxy.calls import new_call_id; print(new_call_id())"],
         capture_output=True,

@@ -70,7 +70,8 @@ async def test_a_rollout_token_cannot_call_or_reward_another_rollout(app: Applia
     status, payload = await request(
         app, "POST", "/rollouts/nobody/v1/chat/completions", bearer(mine.token), CHAT
     )
-    assert status == 404 and payload["error"]["code"] == "not_found"
+    # A rollout that does not exist answers as a wrong key does: its existence cannot be probed.
+    assert status == 401 and payload["error"]["code"] == "invalid_api_key"
     assert app.store.last_position == before
     assert theirs.reward is None and theirs.calls == 0
     # Its own token works.

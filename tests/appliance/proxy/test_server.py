@@ -115,20 +115,30 @@ async def test_bad_input_gets_an_openai_error_and_nothing_is_recorded(
 
 
 async def test_auth_and_unknown_rollouts(app: Appliance) -> None:
+    """A wrong key and a rollout that does not exist answer alike (the same status and body, but
+    for the id the client sent), on every rollout route: which rollout ids exist cannot be
+    probed without a key."""
     mine, other = rollout(app, "mine"), rollout(app, "other")
     async with aiohttp.ClientSession() as http:
         cases = [
-            (base(app, mine), None, 401),
-            (base(app, mine), "wrong", 401),
-            (base(app, mine), other.token, 401),
-            (f"{app.proxy_url}/rollouts/nope", mine.token, 404),
+            (base(app, mine), None),
+            (base(app, mine), "wrong"),
+            (base(app, mine), other.token),
+            (f"{app.proxy_url}/rollouts/nope", mine.token),
+            (f"{app.proxy_url}/rollouts/nope", None),
         ]
-        for url, token, status in cases:
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            response = await http.post(url + "/v1/chat/completions", json=GOOD, headers=headers)
-            payload = await response.json()
-            assert response.status == status
-            assert payload["error"]["type"] in ("authentication_error", "not_found_error")
+        for route in ("/v1/chat/completions", "/v1/responses/resp_x", "/reward"):
+            answers = set()
+            for url, token in cases:
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                method = http.get if route.startswith("/v1/responses/") else http.post
+                response = await method(url + route, json=GOOD, headers=headers)
+                payload = await response.text()
+                name = url.rsplit("/", 1)[-1]
+                answers.add((response.status, payload.replace(repr(name), "'<rollout>'")))
+            ((status, payload),) = answers
+            assert status == 401, route
+            assert json.loads(payload)["error"]["type"] == "authentication_error"
         unknown_route = await http.get(f"{app.proxy_url}/nothing-here")
         assert unknown_route.status == 404
         assert "error" in await unknown_route.json()

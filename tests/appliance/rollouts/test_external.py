@@ -304,7 +304,7 @@ async def test_bad_requests_get_clear_errors_and_lose_nothing(app: Appliance) ->
         status, body, _ = await post(app, path + route, {"status": "finished"}, "la-not-its-key")
         assert status == 401, route
         status, body, _ = await post(app, "/rollouts/nope" + route, {"status": "finished"}, claim.api_key)
-        assert (status, body["error"]["code"]) == (404, "not_found"), route
+        assert (status, body["error"]["code"]) == (401, "invalid_api_key"), route  # as a wrong key
     status, body, _ = await post(app, path + "/finish", {}, claim.api_key)
     assert (status, body["error"]["param"]) == (400, "status")
     status, body, _ = await post(app, path + "/finish", {"status": "done"}, claim.api_key)
@@ -339,7 +339,7 @@ async def test_finish_answers_what_the_log_holds_when_the_appliance_failed_the_r
     assert (answer["status"], answer["reason"]) == ("failed", recorded.error)
 
 
-async def test_every_route_answers_an_ended_rollout_with_409_and_a_never_existing_one_with_404(
+async def test_every_route_answers_an_ended_rollout_with_409_and_a_never_existing_one_as_a_wrong_key(
     app: Appliance,
 ) -> None:
     await app.controller.start_group(1)
@@ -360,8 +360,8 @@ async def test_every_route_answers_an_ended_rollout_with_409_and_a_never_existin
         status, answer, _ = await post(app, path + route, body, "la-not-its-key")
         assert status == 401, route
         status, answer, _ = await post(app, "/rollouts/g999999-r0" + route, body, claim.api_key)
-        assert (status, answer["error"]["code"]) == (404, "not_found"), route
-        assert answer["error"]["message"] == "rollout 'g999999-r0' does not exist", route
+        assert (status, answer["error"]["code"]) == (401, "invalid_api_key"), route
+        assert answer["error"]["message"] == "the API key is not valid for rollout 'g999999-r0'", route
     rewards = [e for e in await events_of(app, claim.rollout_id) if isinstance(e, RewardReported)]
     assert rewards == []  # a refused reward records nothing
 

@@ -119,7 +119,7 @@ async def test_a_wrong_key_or_another_route_records_no_refusal(tmp_path: Path, t
                 json=body,
                 headers={"Authorization": "Bearer x"},
             )
-            assert unknown.status == 404
+            assert unknown.status == 401  # as a wrong key: rollout ids cannot be probed
             admin = {"Authorization": f"Bearer {app.admin_token}"}
             plain = await http.post(f"{app.proxy_url}/v1/chat/completions", json=body, headers=admin)
             assert plain.status == 400  # the rollout-less routes: refused, not recorded
