@@ -28,7 +28,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("policy loss", ("train/policy_loss",)),
     ("entropy (nats)", ("train/entropy",)),
     ("grad norm", ("train/grad_norm",)),
-    ("tokens trained", ("train/tokens",)),
+    ("tokens trained", ("tokens/trained",)),
     ("seconds per cycle", ("time/generate_s", "time/train_s", "time/switch_s")),
     ("rollouts per second", ("throughput/rollouts_per_s",)),
     ("host memory (GiB)", ("memory/host_rss_gib",)),

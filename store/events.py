@@ -362,11 +362,18 @@ class TrainStepCompleted(Event):
     step: int
     rollouts: tuple[str, ...]
     samples: int
+    #: Tokens of the trained sequences, prompt and sampled, as the trainer ran them. Not one of
+    #: the token figures a person reads: ``metrics`` holds those (``tokens_sampled``,
+    #: ``tokens_prompt``, ``tokens_trained``; docs/metrics.md defines them).
     tokens: int
     #: Groups whose rewards were all equal (zero advantage): counted, trained on as zero.
     zero_variance_groups: int
     metrics: dict[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
+    #: Per rollout of ``rollouts``, in order: the tokens the policy sampled for it (every call).
+    sampled: tuple[int, ...] = ()
+    #: The rewards the step's mean reward averages (``store.projections.reward_mean``'s rule).
+    rewards: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

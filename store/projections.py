@@ -103,9 +103,13 @@ class RolloutView:
     status: str = "running"
     #: The calls recorded, in order, until the rollout is consumed (see ``released``).
     calls: list[LLMCallCompleted] = field(default_factory=list)
-    #: Calls recorded and response tokens sampled, kept after the calls are released.
+    #: Calls recorded, the tokens the policy sampled for them and their prompts' tokens (each
+    #: call's whole prompt), kept after the calls are released.
     call_count: int = 0
     tokens_sampled: int = 0
+    tokens_prompt: int = 0
+    #: Seconds from its start to its end (``RolloutFinished``); None while it runs.
+    duration_s: float | None = None
     #: True once a training step, a validation round or an evaluation consumed the rollout: its
     #: ``calls`` are then dropped from the state (a long run would otherwise hold every prompt of
     #: every call for the life of the process); the log still has them
@@ -214,6 +218,7 @@ class RunState:
                 if view := self.rollouts.get(event.rollout):
                     view.call_count += 1
                     view.tokens_sampled += len(event.response_ids)
+                    view.tokens_prompt += len(event.prompt_ids)
                     if not view.released:
                         view.calls.append(event)
             case LLMCallRefused():
@@ -250,6 +255,7 @@ class RunState:
                 if view := self.rollouts.get(event.rollout):
                     view.status = event.status
                     view.error = event.error
+                    view.duration_s = event.duration_s
                     if view.purpose == "train":
                         self._count_for_breaker(event)
             case AdmissionsPaused():
@@ -336,4 +342,6 @@ class RunState:
             "paused": self.paused,
             "calls": sum(view.call_count for view in self.rollouts.values()),
             "tokens_sampled": sum(view.tokens_sampled for view in self.rollouts.values()),
+            "tokens_prompt": sum(view.tokens_prompt for view in self.rollouts.values()),
+            "tokens_trained": sum(int(s.metrics.get("tokens_trained", 0)) for s in self.steps),
         }

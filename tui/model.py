@@ -20,6 +20,7 @@ from store import events
 from store.codec import StoredEvent
 from store.outcomes import failures_text, reason_of, state_of
 from store.projections import RolloutView, RunState, one_line
+from store.token_figures import step_tokens, tokens_text
 
 #: Curves the dashboard plots: (title, metric key in TrainStepCompleted.metrics).
 CURVES: tuple[tuple[str, str], ...] = (
@@ -75,7 +76,8 @@ class RolloutRow:
     status: str
     purpose: str
     calls: int
-    tokens: int
+    #: Tokens the policy sampled for its calls (``store.token_figures``).
+    sampled: int
     reward: float | None
     version: int
     trained_step: int | None
@@ -125,7 +127,9 @@ class LifeFigures:
 
     run_s: float
     calls: int
-    tokens: int
+    #: Tokens sampled for the calls and trained on by the steps (``store.token_figures``).
+    sampled: int
+    trained: int
     steps: int
     #: (first, last) training reward (the steps' ``reward_mean``), None before a step.
     reward: tuple[float, float] | None
@@ -138,7 +142,7 @@ class LifeFigures:
 
     @property
     def tokens_s(self) -> float:
-        return self.tokens / self.run_s if self.run_s > 0 else 0.0
+        return self.sampled / self.run_s if self.run_s > 0 else 0.0
 
 
 @dataclass
@@ -304,7 +308,8 @@ class DashboardModel:
         return LifeFigures(
             run_s=self._ran_s + running,
             calls=sum(v.call_count for v in self.state.rollouts.values()),
-            tokens=sum(v.tokens_sampled for v in self.state.rollouts.values()),
+            sampled=sum(v.tokens_sampled for v in self.state.rollouts.values()),
+            trained=sum(int(s.metrics.get("tokens_trained", 0)) for s in self.state.steps),
             steps=len(self.state.steps),
             reward=(rewards[0][1], rewards[-1][1]) if rewards else None,
             validation=(validation[0][1], validation[-1][1]) if validation else None,
@@ -352,7 +357,7 @@ class DashboardModel:
             status=state_of(view),
             purpose=view.purpose,
             calls=view.call_count,
-            tokens=view.tokens_sampled,
+            sampled=view.tokens_sampled,
             reward=view.reward,
             version=view.created_version,
             trained_step=view.trained_step,
@@ -406,7 +411,8 @@ def describe(event: events.Event) -> str:
             loss = event.metrics.get("loss")
             return (
                 f"step {event.step}: {len(event.rollouts)} rollouts, {event.samples} samples, "
-                f"{event.tokens} tokens" + (f", loss {loss:+.4f}" if loss is not None else "")
+                + tokens_text(step_tokens(event))
+                + (f", loss {loss:+.4f}" if loss is not None else "")
             )
         case events.PolicyVersionPublished():
             return f"policy v{event.policy_version} at step {event.step}"

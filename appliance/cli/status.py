@@ -66,6 +66,7 @@ def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
     from store.eventstore import iter_events_sync
     from store.outcomes import grouped_reasons, reason_of, state_counts, state_of
     from store.projections import RunState
+    from store.token_figures import step_tokens
 
     db = data_dir / "events.sqlite"
     if not db.is_file():
@@ -88,7 +89,7 @@ def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
             "step": s.step,
             "rollouts": len(s.rollouts),
             "samples": s.samples,
-            "tokens": s.tokens,
+            **{f"tokens_{name}": figure for name, figure in step_tokens(s).items()},
             "reward_mean": state.step_reward(s),
             "loss": s.metrics.get("loss"),
         }
@@ -235,6 +236,7 @@ def _round_text(round_: dict[str, Any]) -> str:
 
 def _print_status(summary: dict[str, Any]) -> None:
     from store.outcomes import count_text
+    from store.token_figures import NAMES, tokens_text
 
     counts = summary["rollouts"]
     reward = summary["mean_reward"]
@@ -259,8 +261,10 @@ def _print_status(summary: dict[str, Any]) -> None:
         + ")"
     )
     print(
-        "rollouts " + "  ".join(f"{k} {v}" for k, v in counts.items()) + f"  calls {summary['calls']}  "
-        f"tokens sampled {summary['tokens_sampled']}"
+        "rollouts "
+        + "  ".join(f"{k} {v}" for k, v in counts.items())
+        + f"  calls {summary['calls']}  "
+        + tokens_text({name: summary[f"tokens_{name}"] for name in NAMES})
     )
     if counts.get("failed"):
         print("  " + count_text(counts["failed"], _groups(summary["failure_reasons"])))
@@ -268,7 +272,8 @@ def _print_status(summary: dict[str, Any]) -> None:
     for s in summary["steps_detail"]:
         print(
             f"  step {s['step']:>4}  rollouts {s['rollouts']:>3}  samples {s['samples']:>3}  "
-            f"tokens {s['tokens']:>5}  reward {reward_text(s['reward_mean'])}  loss {loss_text(s['loss'])}"
+            + tokens_text({name: s[f"tokens_{name}"] for name in NAMES}, 5)
+            + f"  reward {reward_text(s['reward_mean'])}  loss {loss_text(s['loss'])}"
         )
     for v in summary["validations"]:
         print(

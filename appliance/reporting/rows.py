@@ -41,6 +41,9 @@ METRIC_NAMES: dict[str, str] = {
     "reward_mean": "reward/train_mean",
     "reward_std": "reward/train_std",
     "rollouts_failed": "train/rollouts_failed",
+    "tokens_sampled": "tokens/sampled",
+    "tokens_prompt": "tokens/prompt",
+    "tokens_trained": "tokens/trained",
     "loss": "train/policy_loss",
     "entropy": "train/entropy",
     "ppo_kl": "train/kl_old",
@@ -69,6 +72,8 @@ class Row:
     #: The step axis: a policy version.
     step: int
     values: dict[str, float]
+    #: Distributions at the same point (TensorBoard histograms): each a name and its values.
+    histograms: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,7 +152,6 @@ class StepRows:
                 "train/step": float(step.step),
                 "train/rollouts": float(len(step.rollouts)),
                 "train/samples": float(step.samples),
-                "train/tokens": float(step.tokens),
                 "train/zero_variance_groups": float(step.zero_variance_groups),
                 "time/step_s": step.duration_s,
             }
@@ -164,5 +168,8 @@ class StepRows:
             values["time/cycle_s"] = cycle_s
             values["time/generate_s"] = max(0.0, cycle_s - paused)
             values["throughput/rollouts_per_s"] = self._finished / cycle_s
+            if values["time/generate_s"] > 0 and step.sampled:
+                values["throughput/generation_tokens_per_s"] = sum(step.sampled) / values["time/generate_s"]
         self._new_cycle(end)
-        return [Row(position, self.version, values)]
+        histograms = {"reward/train": step.rewards, "rollout/sampled_tokens": tuple(map(float, step.sampled))}
+        return [Row(position, self.version, values, {k: v for k, v in histograms.items() if v})]

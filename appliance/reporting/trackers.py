@@ -4,7 +4,8 @@ Owns :class:`Tracker`: it opens the backends ``loggers`` names through verl's
 ``verl.utils.tracking.Tracking`` (verl is a dependency; its TensorBoard backend is
 ``torch.utils.tensorboard``, its W&B and MLflow ones the backends' own clients), follows the
 event log (only the few event types ``appliance.reporting.rows`` folds, a page at a time) and
-writes each row the fold closes, at its policy version. "console" needs no backend: it is the
+writes each row the fold closes, at its policy version (TensorBoard also gets the row's
+histograms: the step's rewards and rollout lengths). "console" needs no backend: it is the
 progress line ``up`` prints per step.
 
 Where things go (``ApplianceConfig.tracking_path``: ``tracking_dir``, else <data_dir>/tracking):
@@ -239,6 +240,8 @@ class Tracker:
                     continue
                 try:
                     self._tracking.log(data=row.values, step=row.step, backend=[name])
+                    if name == "tensorboard" and row.histograms:
+                        _histograms(self._tracking.logger[name].writer, row)
                 except Exception:
                     log.exception("tracker %s failed; the run goes on without it", name)
                     del self.positions[name]
@@ -251,6 +254,15 @@ class Tracker:
         temporary = self.state_path.with_suffix(".tmp")
         temporary.write_text(json.dumps(self._saved, indent=1) + "\n")
         temporary.replace(self.state_path)
+
+
+def _histograms(writer: Any, row: Row) -> None:
+    """``row``'s distributions as TensorBoard histograms (verl's adapter writes scalars only;
+    ``writer`` is its ``torch.utils.tensorboard.SummaryWriter``)."""
+    import numpy as np
+
+    for name, values in row.histograms.items():
+        writer.add_histogram(name, np.asarray(values, dtype=np.float64), global_step=row.step)
 
 
 def _finish(tracking: Any) -> None:

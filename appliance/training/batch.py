@@ -2,7 +2,8 @@
 
 Owns :func:`step_batch` (one :class:`~trainer.items.TrainItem` per trainable rollout: advantages
 by the run's estimator, samples built from the recorded calls, tokens older than ``eta`` versions
-counted and, with ``drop_stale``, masked out), :func:`bound_staleness` and :func:`reward_std`.
+counted and, with ``drop_stale``, masked out), :func:`bound_staleness`, the step's rewards
+(:func:`step_rewards`, :func:`reward_std`) and token figures (:func:`token_figures`).
 The training service trains on what it returns, and ``appliance.reporting.dataset_rows`` replays
 it to export a step's ``tokens`` rows, so both see the same samples. It does not own how samples
 are built (``trainer.samples``), the estimators (``trainer.advantage``) nor which rollouts are
@@ -22,9 +23,25 @@ from trainer.samples import Sample, build_samples
 ADVANTAGE_MODES: dict[str, AdvantageMode] = {"grpo": "grpo", "rloo": "rloo", "reinforce": "reinforce"}
 
 
+def step_rewards(views: Sequence[RolloutView]) -> tuple[float, ...]:
+    """The rewards ``store.projections.reward_mean`` averages, in the order of ``views``."""
+    return tuple(float(v.reward) for v in views if RunState.trainable(v) and v.reward is not None)
+
+
+def token_figures(views: Sequence[RolloutView], trained: int) -> dict[str, float]:
+    """A step's token figures (docs/metrics.md), as its metrics record them: the tokens the
+    policy sampled for its rollouts and their calls' prompt tokens (every call, failed rollouts
+    too), and ``trained``, the sampled tokens its loss held."""
+    return {
+        "tokens_sampled": float(sum(v.tokens_sampled for v in views)),
+        "tokens_prompt": float(sum(v.tokens_prompt for v in views)),
+        "tokens_trained": float(trained),
+    }
+
+
 def reward_std(views: Sequence[RolloutView]) -> float:
     """Population standard deviation of the rewards ``reward_mean`` averages (0.0: none)."""
-    rewards = [float(v.reward) for v in views if RunState.trainable(v) and v.reward is not None]
+    rewards = step_rewards(views)
     if not rewards:
         return 0.0
     mean = sum(rewards) / len(rewards)

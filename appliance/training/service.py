@@ -53,7 +53,7 @@ import torch
 from appliance.engines.base import Engine, WeightGroupMember
 from appliance.engines.process_memory import engine_memory, ranks_memory
 from appliance.engines.vllm_process import free_port
-from appliance.training.batch import reward_std, step_batch
+from appliance.training.batch import reward_std, step_batch, step_rewards, token_figures
 from contracts.errors import TrainingFailed
 from store.events import (
     CheckpointSaved,
@@ -391,6 +391,7 @@ class TrainingService:
         metrics["staleness_mean"] = sum(batch.staleness) / len(batch.staleness) if batch.staleness else 0.0
         metrics["staleness_max"] = float(max(batch.staleness, default=0))
         metrics["reward_std"] = reward_std(views)
+        metrics.update(token_figures(views, output.tokens if items else 0))
         metrics.update(memory_metrics())
         metrics.update(engine_memory(self.engine))
         metrics.update(ranks_memory(self.trainer))
@@ -403,6 +404,8 @@ class TrainingService:
             zero_variance_groups=batch.zero_variance_groups,
             metrics=metrics,
             duration_s=time.perf_counter() - started,
+            sampled=tuple(v.tokens_sampled for v in views),
+            rewards=step_rewards(views),
         )
         # One append: the step and the version it produced become durable together.
         await self.store.append([completed, *events])

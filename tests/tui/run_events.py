@@ -151,6 +151,9 @@ def run_events() -> list[Event]:
                             "staleness_mean": 0.25 * (step - 1),
                             "stale_tokens": float(2 * (step - 1)),
                             "stale_tokens_dropped": 0.0,
+                            "tokens_sampled": 16.0,
+                            "tokens_prompt": 44.0,
+                            "tokens_trained": 16.0,
                         },
                         duration_s=duration,
                     )

@@ -69,7 +69,7 @@ def test_rows_newest_first_and_filters() -> None:
     assert {r.rollout for r in low} == {"r-0-1", "r-2-0"}
     assert [r.rollout for r in model.rows(RolloutFilter(status="finished"), limit=2)] == ["r-3-0", "r-2-1"]
     (row,) = [r for r in rows if r.rollout == "r-1-1"]
-    assert (row.calls, row.tokens, row.trained_step, row.duration_s) == (2, 8, 1, 0.7)
+    assert (row.calls, row.sampled, row.trained_step, row.duration_s) == (2, 8, 1, 0.7)
 
 
 def test_tail_filters_by_type_and_text_and_keeps_order() -> None:

@@ -42,7 +42,7 @@ async def test_the_rollouts_tab_says_why_rollouts_failed(fixture_db: Path) -> No
     assert summary == "failed 1: timeout x1"
     assert rows["r-3-1"] == "timeout" and rows["r-3-0"] == ""
     failed_line = next(line for line in drawn.plain.splitlines() if line.startswith("r-3-1"))
-    assert failed_line.rstrip().endswith("failed   -       2     8      1   2    2.5s    timeout")
+    assert failed_line.rstrip().endswith("failed   -       2     8       1   2    2.5s    timeout")
     assert "failed 1: timeout x1" in overview(app.model, live=False)
 
 
@@ -54,7 +54,7 @@ def test_a_stopped_run_shows_its_life_and_no_machine() -> None:
     life = model.life()
     # The run ran from its start to its stop: 17 calls of 4 tokens each over that time.
     assert life.run_s == model.last_ts - T0
-    assert (life.calls, life.tokens, life.steps) == (17, 68, 2)
+    assert (life.calls, life.sampled, life.steps) == (17, 68, 2)
     assert f"calls 17 ({17 / life.run_s:.2f}/s)" in text and "steps 2" in text
     assert "reward 0.500 → 0.750" in text and "validation 0.600 → 0.800" in text
     # While live the same run shows its recent rates and the machine.

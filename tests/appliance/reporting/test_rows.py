@@ -42,7 +42,9 @@ def started(ts: float, version: int = 0) -> ApplianceStarted:
 def step(ts: float, n: int, **metrics: float) -> TrainStepCompleted:
     return TrainStepCompleted(
         ts=ts, step=n, rollouts=("a", "b"), samples=3, tokens=40, zero_variance_groups=0,
-        metrics={"loss": 0.5, "staleness_max": 1.0, "is_weight_mean": 1.0, **metrics}, duration_s=2.0,
+        metrics={"loss": 0.5, "staleness_max": 1.0, "is_weight_mean": 1.0, "tokens_sampled": 30.0,
+                 "tokens_prompt": 50.0, "tokens_trained": 24.0, **metrics},
+        duration_s=2.0, sampled=(10, 20), rewards=(1.0, 0.5),
     )  # fmt: skip
 
 
@@ -70,12 +72,18 @@ def test_a_step_row_closes_with_its_switch_at_the_version_it_published() -> None
     assert values["train/policy_loss"] == 0.5
     assert values["staleness/max"] == 1.0
     assert values["train/is_weight_mean"] == 1.0  # a metric without its own name: under train/
-    assert values["train/tokens"] == 40.0 and values["train/samples"] == 3.0 and values["train/step"] == 1.0
+    assert values["train/samples"] == 3.0 and values["train/step"] == 1.0
+    # The token figures by their one name each (store.token_figures); the sequences' length is none.
+    assert (values["tokens/sampled"], values["tokens/trained"], values["tokens/prompt"]) == (30.0, 24.0, 50.0)
+    assert "train/tokens" not in values
     assert values["time/step_s"] == 2.0 and values["time/train_s"] == 2.0
     assert values["time/switch_s"] == 3.0  # drain + sleep + push
     assert values["time/cycle_s"] == pytest.approx(25.0)  # start (90) to the switch's end (115)
     assert values["time/generate_s"] == pytest.approx(20.0)  # the cycle less the switch and the step
     assert values["throughput/rollouts_per_s"] == pytest.approx(4 / 25.0)
+    # The step's rollouts' sampled tokens over the cycle's generation time; their distributions.
+    assert values["throughput/generation_tokens_per_s"] == pytest.approx(30 / 20.0)
+    assert row.histograms == {"reward/train": (1.0, 0.5), "rollout/sampled_tokens": (10.0, 20.0)}
 
 
 def test_validation_and_evaluation_rows_sit_at_the_version_they_ran_on() -> None:

@@ -63,6 +63,19 @@ def wandb_history(run_dir: Path) -> list[dict[str, str]]:
     return rows
 
 
+def tensorboard_histograms(directory: Path) -> dict[str, list[tuple[int, float, float, float]]]:
+    """Every histogram of a TensorBoard log directory: (step, count, min, max) per point."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory), size_guidance={"histograms": 0})
+    accumulator.Reload()
+    return {
+        tag: [(e.step, e.histogram_value.num, e.histogram_value.min, e.histogram_value.max) for e in events]
+        for tag in accumulator.Tags()["histograms"]
+        if (events := accumulator.Histograms(tag))
+    }
+
+
 @pytest.fixture
 def offline_wandb(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -93,7 +106,9 @@ async def test_a_resumed_run_continues_its_curves_on_the_policy_version_axis(
     scalars = tensorboard_scalars(tmp_path / "run" / "tracking" / "tensorboard" / "run")
     # One point per step, at the version it published, across both starts; nothing twice.
     assert [step for step, _ in scalars["train/policy_loss"]] == versions
-    assert scalars["train/tokens"] == [(v, float(s.tokens)) for v, s in zip(versions, steps, strict=True)]
+    assert scalars["tokens/trained"] == [
+        (v, s.metrics["tokens_trained"]) for v, s in zip(versions, steps, strict=True)
+    ]
     assert [round(v, 5) for _, v in scalars["train/entropy"]] == [
         round(s.metrics["entropy"], 5) for s in steps
     ]
@@ -115,7 +130,9 @@ async def test_a_resumed_run_continues_its_curves_on_the_policy_version_axis(
         assert len(ids) == 1  # the same W&B run id: `wandb sync` puts both into one run
         trained = [row for row in history if "train/policy_loss" in row]
         assert [int(row["_step"]) for row in trained] == versions
-        assert [float(row["train/tokens"]) for row in trained] == [float(s.tokens) for s in steps]
+        assert [float(row["tokens/trained"]) for row in trained] == [
+            s.metrics["tokens_trained"] for s in steps
+        ]
 
 
 @pytest.mark.slow
@@ -135,9 +152,9 @@ async def test_a_resumed_run_logs_to_the_same_mlflow_run(
     assert experiment is not None
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1  # resumed, not a second run
-    history = client.get_metric_history(runs[0].info.run_id, "train/tokens")
+    history = client.get_metric_history(runs[0].info.run_id, "tokens/trained")
     assert [(m.step, m.value) for m in history] == [
-        (v, float(s.tokens)) for v, s in zip(versions, steps, strict=True)
+        (v, s.metrics["tokens_trained"]) for v, s in zip(versions, steps, strict=True)
     ]
 
 
@@ -149,6 +166,31 @@ def recorded(tmp_path: Path) -> tuple[list[TrainStepCompleted], list[int], list[
     rounds = [e for e in events if isinstance(e, ValidationCompleted)]
     assert versions == [1, 2] and len(steps) == 2 and len(rounds) >= 2
     return steps, versions, rounds
+
+
+async def test_tensorboard_has_each_steps_rewards_and_rollout_lengths_as_histograms(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Per step: a histogram of its rewards and one of its rollouts' sampled tokens, and the
+    generation rate as a scalar, read back from the event file with TensorBoard's reader."""
+    await run_steps(tmp_path, tiny_model_dir, 2, ("tensorboard",))
+    steps, versions, _ = recorded(tmp_path)
+    directory = tmp_path / "run" / "tracking" / "tensorboard" / "run"
+    histograms = tensorboard_histograms(directory)
+    assert histograms["reward/train"] == [
+        (v, len(s.rewards), min(s.rewards), max(s.rewards)) for v, s in zip(versions, steps, strict=True)
+    ]
+    assert all(len(s.rewards) == 4 for s in steps)  # two groups of two, none failed
+    assert histograms["rollout/sampled_tokens"] == [
+        (v, len(s.sampled), min(s.sampled), max(s.sampled)) for v, s in zip(versions, steps, strict=True)
+    ]
+    assert [sum(s.sampled) for s in steps] == [s.metrics["tokens_sampled"] for s in steps]
+    scalars = tensorboard_scalars(directory)
+    rates = dict(scalars["throughput/generation_tokens_per_s"])
+    generate = dict(scalars["time/generate_s"])
+    for version, step in zip(versions, steps, strict=True):
+        assert rates[version] == pytest.approx(sum(step.sampled) / generate[version], rel=1e-5)
+        assert rates[version] > 0
 
 
 def test_a_tracker_that_is_not_installed_is_refused_before_anything_loads(tmp_path: Path) -> None:
