@@ -11,13 +11,16 @@ Two kinds of figures:
   HTTP status (``middleware``: a stream that failed after its headers counts under its error's
   status, a client that went away under 499), and, for each recorded call (``recorded``, which
   ``CallService`` calls once the call is durable), its latency, its time to first token and its
-  prompt and completion tokens, by surface. Kept as plain counts (about a microsecond a call)
-  and turned into Prometheus' families when a scrape asks.
+  prompt and sampled tokens (``store.token_figures``), by surface. Kept as plain counts (about a
+  microsecond a call) and turned into Prometheus' families when a scrape asks.
 * Read at scrape time from what the appliance keeps anyway (``_LiveCollector``): rollouts by
   state (the words of ``store.outcomes``), the policy version and step, the scheduler's phase,
   the operator's pause, the circuit breaker (back-off running, seconds left, trips in a row), the
-  serving gate, the engine's queue as the proxy sees it, and the event store (events in the log,
-  commits and their latency, as the writer counts them).
+  serving gate, the engine's queue as the proxy sees it, the event store (events in the log,
+  commits and their latency, as the writer counts them), the process (``process_*``: resident
+  memory, CPU), and the run's training figures (``appliance.proxy.run_metrics``: rewards and
+  rollout durations as histograms, tokens trained, the last step's loss, entropy, KL, gradient
+  norm, policy version lag and memory; GPU memory where torch runs on CUDA here).
 
 It does not record anything in the event log, and reads the run's state only through the app's
 ``RUN_STATE`` (absent in a bare proxy: those figures are then left out).
@@ -28,13 +31,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import ipaddress
-import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -42,6 +44,9 @@ from appliance.proxy import anthropic_messages, openai_chat, openai_completions,
 from appliance.proxy.control import RUN_STATE
 from appliance.proxy.http import ADMISSION, CALLS, PREFIXES, REGISTRY, SETTINGS, Handler, check_admin
 from appliance.proxy.refusals import noted
+from appliance.proxy.run_metrics import buckets as _buckets
+from appliance.proxy.run_metrics import gauge as _gauge
+from appliance.proxy.run_metrics import gpu_families, run_families
 from store.events import LLMCallCompleted
 from store.eventstore import EventStore
 from store.outcomes import state_counts
@@ -89,7 +94,7 @@ class _SurfaceTally:
     latency: _Tally = field(default_factory=lambda: _Tally(CALL_BUCKETS_S))
     ttft: _Tally = field(default_factory=lambda: _Tally(TTFT_BUCKETS_S))
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    sampled_tokens: int = 0
 
 
 class ProxyMetrics:
@@ -106,6 +111,9 @@ class ProxyMetrics:
         self.surfaces: dict[str, _SurfaceTally] = {}
         self.registry = CollectorRegistry()
         self.registry.register(_LiveCollector(app, self))
+        # The process's own figures under their standard names (process_resident_memory_bytes,
+        # process_cpu_seconds_total, ...): read from /proc at each scrape.
+        ProcessCollector(registry=self.registry)
 
     def answered(self, surface: str, status: int) -> None:
         """One model call on ``surface`` answered with ``status``."""
@@ -121,7 +129,7 @@ class ProxyMetrics:
         if event.response_ids:
             tally.ttft.observe(event.ttft_s)
         tally.prompt_tokens += len(event.prompt_ids)
-        tally.completion_tokens += len(event.response_ids)
+        tally.sampled_tokens += len(event.response_ids)
 
     def families(self) -> Iterator[Metric]:
         """The per-call figures as Prometheus families."""
@@ -145,10 +153,14 @@ class ProxyMetrics:
             labels=("surface",),
         )
         prompt = CounterMetricFamily(
-            "appliance_prompt_tokens", "Prompt tokens of recorded model calls", labels=("surface",)
+            "appliance_prompt_tokens",
+            "Tokens of recorded model calls' prompts, each call's whole prompt",
+            labels=("surface",),
         )
-        completion = CounterMetricFamily(
-            "appliance_completion_tokens", "Tokens sampled by recorded model calls", labels=("surface",)
+        sampled = CounterMetricFamily(
+            "appliance_sampled_tokens",
+            "Tokens the policy sampled for recorded model calls (their rate: the engine's tokens/s)",
+            labels=("surface",),
         )
         for surface, tally in surfaces:
             latency.add_metric(
@@ -156,17 +168,11 @@ class ProxyMetrics:
             )
             ttft.add_metric((surface,), _buckets(tally.ttft.bounds, tally.ttft.counts), tally.ttft.sum)
             prompt.add_metric((surface,), tally.prompt_tokens)
-            completion.add_metric((surface,), tally.completion_tokens)
-        yield from (latency, ttft, prompt, completion)
+            sampled.add_metric((surface,), tally.sampled_tokens)
+        yield from (latency, ttft, prompt, sampled)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
-    """Per-bucket counts as Prometheus' cumulative ``le`` buckets, ``+Inf`` last."""
-    labels = [repr(float(bound)) for bound in bounds] + ["+Inf"]
-    return [(le, float(n)) for le, n in zip(labels, itertools.accumulate(counts), strict=True)]
 
 
 class _LiveCollector(Collector):
@@ -205,9 +211,11 @@ class _LiveCollector(Collector):
         )
         yield _gauge("appliance_rollouts_live", "Rollouts registered with the proxy now", len(app[REGISTRY]))
         yield from _store(calls.store)
+        yield from gpu_families()
         state = app.get(RUN_STATE)
         if state is None:
             return
+        yield from run_families(state)
         rollouts = GaugeMetricFamily("appliance_rollouts", "Rollouts of the run by state", labels=("state",))
         for name, count in state_counts(state.rollouts.values()).items():
             rollouts.add_metric((name,), count)
@@ -254,10 +262,6 @@ def _store(store: EventStore) -> Iterator[Metric]:
         buckets=_buckets(COMMIT_BUCKETS_S, counts),
         sum_value=total_s,
     )
-
-
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, documentation, value=float(value))
 
 
 #: The app's figures (``attach``).

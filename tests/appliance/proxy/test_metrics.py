@@ -105,7 +105,7 @@ async def test_a_run_is_counted_as_it_goes(app: Appliance) -> None:
     ) == sum(len(c.prompt_ids) for c in calls)
     sampled = sum(len(c.response_ids) for c in calls)
     assert sampled > 0
-    assert sum(grew("appliance_completion_tokens_total", surface=s) for s in (chat, completions)) == sampled
+    assert sum(grew("appliance_sampled_tokens_total", surface=s) for s in (chat, completions)) == sampled
     assert grew("appliance_call_seconds_count", surface=chat) == len([c for c in calls if c.surface == chat])
     assert grew("appliance_call_seconds_bucket", surface=chat, le="+Inf") >= 1
     assert grew("appliance_time_to_first_token_seconds_count", surface=completions) == 1
