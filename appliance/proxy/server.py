@@ -5,7 +5,9 @@ no surface (models, rewards, health, admin), and one middleware that turns ``App
 and malformed input into OpenAI-shaped ``{"error": {...}}`` bodies with the right status
 (Anthropic's shape for Anthropic clients: ``ApplianceError.to_openai`` / ``to_anthropic``),
 including a URL or header past the proxy's limits; what aiohttp's HTTP parser refuses before
-any handler is answered in JSON too (``_JsonErrors``).
+any handler is answered in JSON too (``_JsonErrors``: a URL past its limit a 414, a header a 431,
+as below it), and logged as one WARNING line, at most ``MALFORMED_LOGS`` of them per interval
+(``LogThrottle``): a client cannot fill the log.
 Harness routes live under the rollout's base URL ``/rollouts/<rollout_id>/v1`` and under a
 plain ``/v1`` for rollout-less use with the admin token; external runners claim rollouts and end
 them through ``appliance.proxy.runners``.
@@ -21,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
@@ -71,9 +74,12 @@ MAX_HEADER_BYTES = 8192
 #: aiohttp's parser refuses a line or a header field past these (its defaults are 8190 bytes),
 #: before any handler and so before the surface is known: raised above the limits the
 #: middleware applies, so that an oversized URL or header up to here gets the surface's shape;
-#: past it, ``_JsonErrors`` answers.
-PARSER_LINE_BYTES = 64 * 1024
+#: past it, ``_JsonErrors`` answers (with the same status). The two differ: the limit the
+#: parser names tells a URL (414) from a header (431).
+PARSER_LINE_BYTES = 128 * 1024
 PARSER_FIELD_BYTES = 64 * 1024
+#: Requests the HTTP parser refuses are logged at most this many times per this many seconds.
+MALFORMED_LOGS = (10, 60.0)
 
 
 def _oversized(request: web.Request) -> HTTPError | None:
@@ -261,11 +267,63 @@ def build_app(
     return app
 
 
+class LogThrottle:
+    """Log lines of one kind, at most ``most`` per ``interval_s``: the lines held back past it are
+    counted, and the first line written after them says how many there were."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        most: int,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log, self._most, self._interval_s, self._clock = logger, most, interval_s, clock
+        self._since = -math.inf
+        self._written = 0
+        self.held_back = 0
+
+    def warning(self, text: str) -> None:
+        now = self._clock()
+        if now - self._since >= self._interval_s:
+            self._since, self._written = now, 0
+        if self._written >= self._most:
+            self.held_back += 1
+            return
+        self._written += 1
+        if self.held_back:
+            text += f" ({self.held_back} more like it not logged before this one)"
+            self.held_back = 0
+        self._log.warning("%s", text)
+
+
+def _parser_error(status: int, exc: BaseException | None) -> HTTPError:
+    """What the HTTP parser refused, as the middleware words the same refusal: a URL or a header
+    past the parser's limits a 414 or a 431; anything else a 400 naming the parser's exception
+    (its message is not repeated: it quotes the line, which may be a credential)."""
+    if isinstance(exc, LineTooLong) and status < 500:
+        limit = exc.args[1] if len(exc.args) > 1 else None
+        if limit == PARSER_LINE_BYTES:
+            text = f"the URL is over {PARSER_LINE_BYTES} bytes; at most {MAX_URL_BYTES} are read"
+            return HTTPError(414, text, "url_too_long")
+        text = f"a header is over {PARSER_FIELD_BYTES} bytes; at most {MAX_HEADER_BYTES} are read"
+        return HTTPError(431, text, "header_too_large")
+    if status < 500:
+        text = f"the request could not be read as HTTP ({type(exc).__name__}); the URL and "
+        text += f"each header are read up to {MAX_URL_BYTES} bytes"
+        return HTTPError(status, text, "invalid_request")
+    return HTTPError(status, "internal error; see the appliance log", "internal_error")
+
+
 class _JsonErrors(RequestHandler):
     """aiohttp's protocol handler, answering what its HTTP parser refuses (a line or header too
     long, a malformed request) in JSON instead of plain text. The path is not known by then, so
     the body is the one both dialects parse: Anthropic's ``{"type": "error", "error": {...}}``
-    whose error object also carries OpenAI's fields."""
+    whose error object also carries OpenAI's fields. A refused request is the client's doing:
+    one WARNING line, throttled (``malformed``), never a traceback; a 500 is logged as aiohttp
+    logs it."""
+
+    malformed: LogThrottle
 
     def handle_error(
         self,
@@ -274,32 +332,40 @@ class _JsonErrors(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs; raises if the answer began
-        if status < 500:
-            # The parser's message is not repeated: it quotes the line, which may be a credential.
-            text = f"the request could not be read as HTTP ({type(exc).__name__}); the URL and "
-            text += f"each header are read up to {MAX_URL_BYTES} bytes"
-            error = HTTPError(status, text, "invalid_request")
+        error = _parser_error(status, exc)
+        if status >= 500:
+            super().handle_error(request, status, exc, message)  # logs; raises if the answer began
         else:
-            error = HTTPError(status, "internal error; see the appliance log", "internal_error")
+            self.malformed.warning(
+                f"refused a request from {request.remote} that could not be read as HTTP: "
+                f"{error.status} {type(exc).__name__}"
+            )
+            if request.writer.output_size > 0:
+                raise ConnectionError("the answer had begun; the error cannot be sent")
         anthropic = error.to_anthropic()
         body = {**anthropic, "error": {**anthropic["error"], **error.openai_error()}}
-        response = web.json_response(body, status=status)
+        response = web.json_response(body, status=error.status)
         response.force_close()
         return response
 
 
 class _JsonErrorServer(web.Server):
+    malformed: LogThrottle
+
     def __call__(self) -> RequestHandler:
-        return _JsonErrors(self, loop=self._loop, **self._kwargs)
+        handler = _JsonErrors(self, loop=self._loop, **self._kwargs)
+        handler.malformed = self.malformed
+        return handler
 
 
 class _Runner(web.AppRunner):
-    """``AppRunner`` whose connections are handled by ``_JsonErrors``."""
+    """``AppRunner`` whose connections are handled by ``_JsonErrors``, sharing one throttle."""
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer
+        assert isinstance(server, _JsonErrorServer)
+        server.malformed = LogThrottle(log, *MALFORMED_LOGS)
         return server
 
 

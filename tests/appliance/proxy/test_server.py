@@ -14,6 +14,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from appliance.app import Appliance
+from appliance.proxy import server
 from appliance.rollouts import registry
 from store.events import LLMCallCompleted, RewardReported
 from tests.support import make_config
@@ -227,18 +228,21 @@ async def test_a_client_gone_mid_stream_is_one_info_line_without_a_traceback(
         ("/v1/chat/completions?x=" + "a" * 10_000, {}, 414, "openai"),  # a 10 KB URL
         ("/v1/chat/completions", {"Authorization": "Bearer " + "t" * 60_000}, 431, "openai"),
         ("/v1/messages", {"x-api-key": "k" * 60_000, "anthropic-version": "2023-06-01"}, 431, "anthropic"),
-        # Past what the HTTP parser reads: refused before the path is known, in both shapes at once.
-        ("/v1/messages", {"x-api-key": "k" * 100_000}, 400, "both"),
-        ("/v1/chat/completions?x=" + "a" * 100_000, {}, 400, "both"),
+        # Past what the HTTP parser reads: refused before the path is known, with the same status,
+        # in both shapes at once.
+        ("/v1/messages", {"x-api-key": "k" * 100_000}, 431, "both"),
+        ("/v1/chat/completions?x=" + "a" * 100_000, {}, 414, "openai"),  # within the parser's reach
+        ("/v1/chat/completions?x=" + "a" * 200_000, {}, 414, "both"),
     ],
-    ids=["url-10k", "bearer-60k", "anthropic-key-60k", "header-100k", "url-100k"],
+    ids=["url-10k", "bearer-60k", "anthropic-key-60k", "header-100k", "url-100k", "url-200k"],
 )
 async def test_an_oversized_url_or_header_is_refused_in_json(
     app: Appliance, path: str, headers: dict[str, str], status: int, shape: str
 ) -> None:
     """A URL or header past the proxy's limits is a 414 or 431 in the surface's error shape;
-    past the HTTP parser's, a 400 whose body both SDKs read (OpenAI's error fields inside
-    Anthropic's envelope); never aiohttp's plain text, and never the oversized value repeated."""
+    past the HTTP parser's, the same status with a body both SDKs read (OpenAI's error fields
+    inside Anthropic's envelope); never aiohttp's plain text, and never the oversized value
+    repeated."""
     active = rollout(app)
     host, port = app.proxy_url.removeprefix("http://").rsplit(":", 1)
     body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
@@ -264,6 +268,7 @@ async def test_an_oversized_url_or_header_is_refused_in_json(
     assert error["error"]["message"]
     if shape in ("openai", "both"):
         assert {"message", "param", "code"} <= set(error["error"])
+        assert error["error"]["code"] == {414: "url_too_long", 431: "header_too_large"}[status]
     if shape in ("anthropic", "both"):
         assert error["type"] == "error"
     if shape == "openai":
@@ -271,6 +276,62 @@ async def test_an_oversized_url_or_header_is_refused_in_json(
     assert "aaaa" not in error["error"]["message"] and "kkkk" not in error["error"]["message"]
     assert "tttt" not in error["error"]["message"]
     assert await calls_recorded(app) == []
+
+
+async def _raw(app: Appliance, head: bytes) -> int:
+    """Send ``head`` as a request's head; the status answered."""
+    host, port = app.proxy_url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return int(raw.split(b" ", 2)[1])
+
+
+async def test_malformed_requests_are_one_throttled_warning_each_never_a_traceback(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the HTTP parser refuses is the client's doing: one WARNING line each (no traceback,
+    nothing of the request repeated), at most ``MALFORMED_LOGS`` per interval, and the first line
+    after an interval counts the lines held back, so a client cannot fill the log."""
+    monkeypatch.setattr(server, "MALFORMED_LOGS", (3, 0.5))
+    caplog.set_level(logging.DEBUG)
+    async with Appliance(make_config(tmp_path, tiny_model_dir)) as app:
+        url = b"GET /v1/models?x=" + b"s" * 200_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+        bad = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n"
+        assert [await _raw(app, url if i % 2 else bad) for i in range(8)] == [400, 414] * 4
+        await asyncio.sleep(0.6)
+        assert await _raw(app, bad) == 400
+    loud = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and "could not be read" in r.getMessage()
+    ]
+    assert [r.levelno for r in loud] == [logging.WARNING] * 4
+    assert all(r.exc_info is None and "ssss" not in r.getMessage() for r in loud)
+    assert "5 more like it not logged" in loud[-1].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+def test_a_log_throttle_writes_at_most_its_lines_per_interval_then_counts_the_rest() -> None:
+    now = [0.0]
+    written: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            written.append(record.getMessage())
+
+    logger = logging.getLogger("tests.throttle")
+    logger.addHandler(handler := Catch())
+    try:
+        throttle = server.LogThrottle(logger, 2, 10.0, clock=lambda: now[0])
+        for i in range(5):
+            throttle.warning(f"line {i}")
+        now[0] = 10.0
+        throttle.warning("line 5")
+        throttle.warning("line 6")
+    finally:
+        logger.removeHandler(handler)
+    assert written == ["line 0", "line 1", "line 5 (3 more like it not logged before this one)", "line 6"]
 
 
 async def test_the_rollout_less_conversation_splices_only_its_newest_turns(
