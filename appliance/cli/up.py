@@ -136,13 +136,15 @@ def progress_line(step: Any, state: Any, started: float, rollouts_at_start: int)
     (``RunState.step_reward``), its loss the step's own (:func:`loss_text`); the step's
     rollouts that failed, with their reasons (``store.outcomes``), when any did."""
     from store.outcomes import failures_text, state_of
+    from store.token_figures import step_tokens, tokens_text
 
     done = sum(1 for v in state.rollouts.values() if v.status != "running") - rollouts_at_start
     rate = done / max(time.monotonic() - started, 1e-9)
     line = (
         f"step {step.step:>4}  policy v{state.policy_version:<4}  "
         f"reward {reward_text(state.step_reward(step))}  rollouts {len(step.rollouts):>3}  "
-        f"samples {step.samples:>3}  tokens {step.tokens:>5}  loss {loss_text(step.metrics.get('loss'))}  "
+        f"samples {step.samples:>3}  {tokens_text(step_tokens(step), 5)}  "
+        f"loss {loss_text(step.metrics.get('loss'))}  "
         f"{rate:.2f} rollouts/s  step {step.duration_s:.2f}s"
     )
     views = [state.rollouts[r] for r in step.rollouts if r in state.rollouts]

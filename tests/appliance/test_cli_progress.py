@@ -18,6 +18,7 @@ from harness_adapters.base import ClientConfig, Task
 from harness_adapters.python import PythonAdapter
 from store.events import LLMCallCompleted, RewardReported, RolloutCreated, RolloutFinished, TrainStepCompleted
 from store.projections import RunState
+from store.token_figures import tokens_text
 from store.tokens import Tokens
 from tests.support import make_config
 
@@ -70,6 +71,11 @@ async def test_progress_line_and_status_agree_on_a_rollout_that_made_no_call(
     out = capsys.readouterr().out
     assert "last step mean reward 1.000" in out
     assert f"reward 1.000  loss {loss_text(step.metrics['loss'])}" in out
+    # The step line names the token figures as status does, with the same numbers.
+    detail = report["steps_detail"][0]
+    figures = {name: detail[f"tokens_{name}"] for name in ("sampled", "trained", "prompt")}
+    assert all(isinstance(v, int) and v > 0 for v in figures.values()), figures
+    assert tokens_text(figures, 5) in line
 
 
 def one_step(loss: float | None) -> tuple[TrainStepCompleted, RunState]:
