@@ -32,6 +32,7 @@ from appliance.cli.common import (
     run_async,
 )
 from appliance.cli.config_flags import add_config_flags, group_by_section
+from appliance.cli.logfile import run_log
 from appliance.cli.stopper import Stopper
 from appliance.config import ApplianceConfig, config_keys
 
@@ -117,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
         from appliance.reporting.trackers import check_backends
 
         check_backends(config.tracking.loggers)  # a tracker that is not installed: one line
-        with claim(config):  # a refused start leaves no directory or lock file behind
+        # A refused start leaves no directory or lock file behind; a started one logs in full
+        # to the data directory's appliance.log (the terminal gets one line per failure).
+        with claim(config), run_log(config.data_dir):
             return run_async(_up(config.with_resolved_device(), args.headless))
     finally:
         # The run has stopped: a signal from here on (an impatient Ctrl-C) changes nothing.

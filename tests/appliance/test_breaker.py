@@ -274,6 +274,10 @@ def test_a_run_the_breaker_stopped_says_so_and_eval_plays_its_agent(
     failed = [line for line in lines if " failed: " in line and "rollout " in line]
     assert failed and all(line.endswith(f"failed: {CRASH}") for line in failed), out
     assert not [line for line in lines if line.startswith(("Traceback", "  File", "ValueError"))], out
+    # The whole traceback is in the run's log file (owner-only), not on the terminal.
+    log = data / "appliance.log"
+    assert log.stat().st_mode & 0o777 == 0o600
+    assert '\n  File "agent.py", line 1\nValueError: boom' in log.read_text(), log.read_text()[-3000:]
     stop = (
         "the circuit breaker tripped 2 times in a row (breaker_max_trips) with no training rollout "
         f"finished; last failure: {CRASH}"
