@@ -18,9 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from appliance.cli.common import config_flag, config_from_flags, engine_flags, harness_flags, run_async
+from appliance.cli.common import (
+    claim,
+    config_flag,
+    config_from_flags,
+    engine_flags,
+    harness_flags,
+    run_async,
+)
 from appliance.config import ApplianceConfig
-from appliance.operations import preflight
 
 
 def add_parser(sub: Any) -> None:
@@ -54,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     """``lightning-appliance eval``."""
     # As for `up`: a run directory another appliance holds is refused before torch loads.
     config = _eval_config(args, resolved=False)
-    with preflight.claim(config):
+    with claim(config):  # a refused start leaves nothing it created
         return run_async(
             _eval(config.with_resolved_device(), args.split, args.repeat, args.json, every=args.every)
         )

@@ -41,10 +41,12 @@ def test_a_weight_group_on_collocated_gpus_is_refused_before_torch_is_imported(t
     assert not (tmp_path / "run").exists()
 
 
-def up_refused(*args: str) -> subprocess.CompletedProcess[str]:
+def up_refused(
+    *args: str, command: tuple[str, ...] = ("up", "--headless")
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     return subprocess.run(
-        [sys.executable, "-m", "appliance.cli", "up", "--headless", *args],
+        [sys.executable, "-m", "appliance.cli", *command, *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -73,3 +75,7 @@ def test_a_refused_up_leaves_nothing_it_created(tmp_path: Path) -> None:
         done = up_refused("--port", port, "--data-dir", str(existing))
         assert done.returncode == 2, done.stderr
         assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+        # eval claims its directory the same way.
+        done = up_refused("--port", port, "--data-dir", str(fresh), command=("eval",))
+        assert done.returncode == 2 and "in use" in done.stderr, done.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
