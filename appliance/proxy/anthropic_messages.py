@@ -188,6 +188,35 @@ def to_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [] if choice["type"] == "none" else tools
 
 
+#: Anthropic's values for the fields the appliance takes but does not act on.
+SERVICE_TIERS = ("auto", "standard_only")
+THINKING = ("enabled", "disabled", "adaptive")
+#: The least ``thinking.budget_tokens`` Anthropic takes.
+MIN_THINKING_BUDGET = 1024
+
+
+def _unused_fields(body: dict[str, Any]) -> None:
+    """The fields the appliance takes but does not act on (one tier, no extended thinking, the
+    end user's id), checked as Anthropic checks them."""
+    validate.one_of(body.get("service_tier"), "service_tier", SERVICE_TIERS)
+    metadata = validate.member(body, "metadata")
+    validate.optional_str(metadata, "user_id", "metadata.user_id")
+    thinking = validate.member(body, "thinking")
+    if thinking:
+        kind = validate.one_of(thinking.get("type"), "thinking.type", THINKING)
+        if kind is None:
+            raise BadRequest(
+                f"'thinking.type' is required: one of {', '.join(THINKING)}", param="thinking.type"
+            )
+        budget = validate.positive_int(
+            thinking, "budget_tokens", lo=MIN_THINKING_BUDGET, param="thinking.budget_tokens"
+        )
+        if kind == "enabled" and budget is None:
+            raise BadRequest(
+                "'thinking.budget_tokens' is required when thinking is enabled", param="thinking"
+            )
+
+
 def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
     model = validate.required_str(body, "model")
     stream = body.get("stream") or False
@@ -199,8 +228,7 @@ def _parse(body: dict[str, Any], settings: ProxySettings) -> CallRequest:
     top_k = validate.optional_int(body, "top_k", 0, SEED_MAX) or 0
     if not isinstance(body.get("stop_sequences", []), list):
         raise BadRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
-    if not isinstance(body.get("metadata", {}), Mapping):
-        raise BadRequest("'metadata' must be an object", param="metadata")
+    _unused_fields(body)
     messages, tools = to_messages(body), to_tools(body)
     params = validate.sampling_for(
         settings,

@@ -21,10 +21,15 @@ from appliance.proxy.driver import handler
 from appliance.proxy.http import SLOT, JsonSlot, ProxySettings, add_post
 from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Event, Started, TokenLogprob
 from appliance.proxy.validate import (
+    REASONING_EFFORTS,
+    VERBOSITIES,
     fits_context,
     flag,
     forced_tool,
     include_usage,
+    one_of,
+    openai_fields,
+    openai_metadata,
     openai_sampling,
     output_format,
     positive_int,
@@ -40,6 +45,24 @@ SURFACE = "openai.chat"
 MAX_N = 16
 
 
+def _unused_fields(body: dict[str, Any]) -> None:
+    """The fields the appliance takes but does not act on (one tier, no reasoning or verbosity
+    settings, nothing stored, text out only), checked as OpenAI checks them."""
+    openai_fields(body)
+    openai_metadata(body.get("metadata"))
+    one_of(body.get("reasoning_effort"), "reasoning_effort", REASONING_EFFORTS)
+    one_of(body.get("verbosity"), "verbosity", VERBOSITIES)
+    flag(body, "store")
+    flag(body, "parallel_tool_calls", True)
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+        raise BadRequest(
+            "'modalities' must be a list of output types, of which only 'text' is served; "
+            f"got {shown(modalities)}",
+            param="modalities",
+        )
+
+
 class ChatSurface:
     name = SURFACE
 
@@ -53,6 +76,7 @@ class ChatSurface:
         logprobs = flag(body, "logprobs")
         top = top_logprobs(body, "top_logprobs")
         refuse_distribution_changes(body)
+        _unused_fields(body)
         fmt = body.get("response_format")
         if fmt is not None and (
             not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")

@@ -41,10 +41,17 @@ from appliance.proxy.pipeline import Answer, CallRequest, ChatPrompt, Started
 from appliance.proxy.response_store import RESPONSES, PreviousResponseNotFound, input_items
 from appliance.proxy.responses_output import ResponseEvents, output_items, response_object
 from appliance.proxy.validate import (
+    REASONING_EFFORTS,
+    REASONING_SUMMARIES,
+    VERBOSITIES,
     fits_context,
     flag,
     forced_tool,
+    member,
     number,
+    one_of,
+    openai_fields,
+    openai_metadata,
     output_format,
     positive_int,
     required_str,
@@ -63,8 +70,6 @@ STATEFUL = ("conversation",)
 LOGPROBS = "message.output_text.logprobs"
 #: ``truncation``'s values (the response repeats it, and clients parse it as one of these).
 TRUNCATIONS = ("auto", "disabled")
-#: OpenAI's limits on ``metadata``: pairs, key length, value length.
-METADATA_LIMITS = (16, 64, 512)
 
 
 def _text(value: Any, where: str) -> str:
@@ -205,29 +210,28 @@ def _text_format(text: Any) -> dict[str, Any]:
     return fmt
 
 
+def _unused_fields(body: dict[str, Any]) -> int | None:
+    """The fields the appliance takes but does not act on (it runs no built-in tools, answers in
+    the foreground, has one tier and no reasoning settings), checked as OpenAI checks them;
+    ``max_tool_calls`` (a count, or None), which the response repeats."""
+    openai_fields(body)
+    flag(body, "background")
+    reasoning = member(body, "reasoning")
+    one_of(reasoning.get("effort"), "reasoning.effort", REASONING_EFFORTS)
+    for name in ("summary", "generate_summary"):
+        one_of(reasoning.get(name), f"reasoning.{name}", REASONING_SUMMARIES)
+    one_of(member(body, "text").get("verbosity"), "text.verbosity", VERBOSITIES)
+    options = member(body, "stream_options")
+    flag(options, "include_obfuscation", param="stream_options.include_obfuscation")
+    return positive_int(body, "max_tool_calls", lo=0)
+
+
 def _truncation(value: Any) -> str:
     if value is None:
         return "disabled"
     if value not in TRUNCATIONS:
         raise BadRequest(f"'truncation' must be auto or disabled; got {shown(value)}", param="truncation")
     return str(value)
-
-
-def _metadata(value: Any) -> dict[str, str]:
-    """``metadata``: at most 16 pairs of strings, keys up to 64 characters, values up to 512."""
-    if value is None:
-        return {}
-    pairs, key_len, value_len = METADATA_LIMITS
-    if not isinstance(value, dict) or len(value) > pairs:
-        raise BadRequest(f"'metadata' must be an object of at most {pairs} pairs", param="metadata")
-    for key, item in value.items():
-        if len(key) > key_len or not isinstance(item, str) or len(item) > value_len:
-            raise BadRequest(
-                f"'metadata' maps keys of at most {key_len} characters to strings of at most "
-                f"{value_len}; got {shown(key)}: {shown(item)}",
-                param="metadata",
-            )
-    return value
 
 
 def _echoed_str(body: dict[str, Any], name: str) -> str | None:
@@ -270,8 +274,9 @@ def _parse(
     store = flag(body, "store", True)
     previous = _echoed_str(body, "previous_response_id")
     parallel = flag(body, "parallel_tool_calls", True)
-    metadata = _metadata(body.get("metadata"))
+    metadata = openai_metadata(body.get("metadata"))
     fmt = _text_format(body.get("text"))
+    max_tool_calls = _unused_fields(body)
     tool_choice = _tool_choice(body.get("tool_choice"))
     messages = messages_from_input(body.get("instructions"), body.get("input"), earlier)
     tools = tools_from_responses(body.get("tools"))
@@ -300,6 +305,7 @@ def _parse(
         "tools": [_function_tool(t) for t in body.get("tools") or []],
         "text": {"format": fmt},
         "max_output_tokens": max_output,
+        "max_tool_calls": max_tool_calls,
         "top_logprobs": top,
         "truncation": _truncation(body.get("truncation")),
         "previous_response_id": previous,

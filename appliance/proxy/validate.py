@@ -16,6 +16,7 @@ value is a 400 in the surface's shape, never an error in the middle of a stream.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from appliance.chat.constraints import require_finite
@@ -66,8 +67,11 @@ def number(body: dict[str, Any], name: str, default: float, lo: float, hi: float
     return float(value)
 
 
-def positive_int(body: dict[str, Any], name: str, hi: int | None = None, lo: int = 1) -> int | None:
-    """An integer >= ``lo`` (1 unless given; and <= ``hi`` when given); None if absent."""
+def positive_int(
+    body: Mapping[str, Any], name: str, hi: int | None = None, lo: int = 1, param: str | None = None
+) -> int | None:
+    """An integer >= ``lo`` (1 unless given; and <= ``hi`` when given); None if absent. A 400
+    names ``param`` (``name`` unless given: a nested field's dotted name)."""
     value = body.get(name)
     if value is None:
         return None
@@ -75,7 +79,8 @@ def positive_int(body: dict[str, Any], name: str, hi: int | None = None, lo: int
     if read is None or read < lo or (hi is not None and read > hi):
         bound = f" no larger than {hi}" if hi is not None else ""
         kind = "a positive integer" if lo == 1 else f"an integer of at least {lo}"
-        raise BadRequest(f"'{name}' must be {kind}{bound}; got {shown(value)}", param=name)
+        param = param or name
+        raise BadRequest(f"'{param}' must be {kind}{bound}; got {shown(value)}", param=param)
     return read
 
 
@@ -125,13 +130,14 @@ def refuse_distribution_changes(body: dict[str, Any]) -> None:
         raise BadRequest(f"'logit_bias' is not supported ({_POLICY}); leave it out", param="logit_bias")
 
 
-def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
-    """A boolean; ``default`` if absent or null. Anything else (0, "true") is a 400."""
+def flag(body: Mapping[str, Any], name: str, default: bool = False, param: str | None = None) -> bool:
+    """A boolean; ``default`` if absent or null. Anything else (0, "true") is a 400 naming
+    ``param`` (``name`` unless given: a nested field's dotted name)."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be a boolean; got {shown(value)}", param=name)
+        raise BadRequest(f"'{param or name}' must be a boolean; got {shown(value)}", param=param or name)
     return value
 
 
@@ -147,6 +153,74 @@ def include_usage(body: dict[str, Any]) -> bool:
     if usage is not None and not isinstance(usage, bool):
         raise BadRequest("'stream_options.include_usage' must be a boolean", param="stream_options")
     return bool(usage)
+
+
+def one_of(value: Any, param: str, allowed: tuple[str, ...]) -> str | None:
+    """``value`` (read by the caller, ``param`` its name as the API names it, dotted where it is
+    nested) if it is one of ``allowed`` or null; a 400 naming ``param`` otherwise."""
+    if value is None or (isinstance(value, str) and value in allowed):
+        return value
+    raise BadRequest(
+        f"Invalid value for '{param}': {shown(value)}; supported values are {', '.join(allowed)}",
+        param=param,
+    )
+
+
+def optional_str(body: Mapping[str, Any], name: str, param: str | None = None) -> str | None:
+    """A string or null (``param``: the name the 400 gives, ``name`` by default)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"'{param or name}' must be a string; got {shown(value)}", param=param or name)
+    return value
+
+
+def member(body: Mapping[str, Any], name: str, param: str | None = None) -> Mapping[str, Any]:
+    """An object field (empty if absent or null); a 400 naming ``param`` (``name``) otherwise."""
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise BadRequest(f"'{param or name}' must be an object; got {shown(value)}", param=param or name)
+    return value
+
+
+#: Values OpenAI's APIs take (its SDK's own lists) for the fields the appliance does not act on:
+#: checked as OpenAI checks them, so a typo is a 400 naming the field, not silently ignored.
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+VERBOSITIES = ("low", "medium", "high")
+CACHE_RETENTIONS = ("in_memory", "in-memory", "24h")
+
+
+#: OpenAI's limits on ``metadata``: pairs, key length, value length.
+METADATA_LIMITS = (16, 64, 512)
+
+
+def openai_metadata(value: Any) -> dict[str, str]:
+    """``metadata``: at most 16 pairs of strings, keys up to 64 characters, values up to 512."""
+    if value is None:
+        return {}
+    pairs, key_len, value_len = METADATA_LIMITS
+    if not isinstance(value, dict) or len(value) > pairs:
+        raise BadRequest(f"'metadata' must be an object of at most {pairs} pairs", param="metadata")
+    for key, item in value.items():
+        if len(key) > key_len or not isinstance(item, str) or len(item) > value_len:
+            raise BadRequest(
+                f"'metadata' maps keys of at most {key_len} characters to strings of at most "
+                f"{value_len}; got {shown(key)}: {shown(item)}",
+                param="metadata",
+            )
+    return value
+
+
+def openai_fields(body: dict[str, Any]) -> None:
+    """The fields Chat Completions and Responses both take and the appliance does not act on
+    (the service tier, prompt caching, the end user's identifiers), checked as OpenAI does."""
+    one_of(body.get("service_tier"), "service_tier", SERVICE_TIERS)
+    one_of(body.get("prompt_cache_retention"), "prompt_cache_retention", CACHE_RETENTIONS)
+    for name in ("prompt_cache_key", "safety_identifier", "user"):
+        optional_str(body, name)
 
 
 def required_str(body: dict[str, Any], name: str) -> str:
