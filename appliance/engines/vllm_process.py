@@ -198,10 +198,12 @@ def server_env(settings: ServerSettings, extension_dir: Path) -> dict[str, str]:
 
 
 def install_worker_extension() -> Path:
-    """A fresh directory holding ``vllm_worker.py`` as the module ``WORKER_MODULE``, alone (the
-    appliance's packages must not be importable in vLLM's interpreter)."""
+    """A fresh directory holding ``vllm_worker.py`` as the module ``WORKER_MODULE`` and the HTTP
+    download it uses (``vllm_fetch.py``), alone (the appliance's packages must not be importable
+    in vLLM's interpreter)."""
     directory = Path(tempfile.mkdtemp(prefix="appliance-vllm-ext-"))
     shutil.copyfile(Path(__file__).with_name("vllm_worker.py"), directory / f"{WORKER_MODULE}.py")
+    shutil.copyfile(Path(__file__).with_name("vllm_fetch.py"), directory / "appliance_vllm_fetch.py")
     return directory
 
 

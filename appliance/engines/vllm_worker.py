@@ -3,7 +3,8 @@
 Owns ``ApplianceWorkerExtension``, the ``--worker-extension-cls`` vLLM mixes into each worker, so
 that ``POST /collective_rpc`` can call its methods: ``appliance_reload_weights`` (a whole
 safetensors directory), ``appliance_load_bucket`` / ``appliance_abort_buckets`` (a push streamed
-in buckets, see ``trainer.buckets``) and ``appliance_weight_digests`` (what the served
+in buckets, see ``trainer.buckets``), ``appliance_pull_weights`` (a published version fetched over
+HTTP by ``vllm_fetch``, loaded as buckets) and ``appliance_weight_digests`` (what the served
 model computes with, for tests and diagnosis). It imports nothing from the appliance (the file is
 copied next to the server and put on its ``PYTHONPATH`` alone; the bucket layout is therefore
 read here by its own few lines) and nothing from vLLM at import time, so it type-checks without
@@ -57,7 +58,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import shutil
+import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 #: The worker attribute that is True while a bucketed push is half-way.
@@ -69,11 +74,23 @@ _GROUP = "_appliance_weight_group"
 #: (``trainer.weight_group.JOINED_KEY``: this file imports nothing from the appliance).
 _JOINED = "appliance-weight-group-joined/{rank}"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+#: The worker attribute set while a pull loads into the model (a failed pull that had not: no change).
+_PULL_TOUCHED = "_appliance_pull_touched"
+#: The module the HTTP download is, beside this one in the server (``vllm_fetch.py``).
+FETCH_MODULE = "appliance_vllm_fetch"
 
 
 def _vllm(module: str) -> Any:
     """A vLLM module, imported when first needed (vLLM exists only in the server's venv)."""
     return importlib.import_module(module)
+
+
+def _fetch() -> Any:
+    """``vllm_fetch``: beside this file in the server, in its package where the appliance runs."""
+    try:
+        return importlib.import_module(FETCH_MODULE)
+    except ModuleNotFoundError:
+        return importlib.import_module("appliance.engines.vllm_fetch")
 
 
 class ApplianceWorkerExtension:
@@ -223,6 +240,44 @@ class ApplianceWorkerExtension:
         with _vllm("vllm.config").set_current_vllm_config(worker.vllm_config), torch.no_grad():
             _vllm(_LAYERWISE).finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
         return True
+
+    def appliance_pull_weights(self, spec_json: str) -> dict[str, Any]:
+        """Fetch a published version over HTTP and load it as a push of its buckets. ``spec_json``:
+        ``{"url" (the appliance's), "token", "version", "manifest"? ({"files": [{"name", "bytes",
+        "sha256", "entries"}]}; else fetched), "threads"?, "retries"?, "backoff_s"?, "timeout_s"?,
+        "directory"?}``. Every file is downloaded (in parallel, retried) and checked against its
+        SHA-256 before the first is loaded: a file not had or a digest that differs raises with
+        the served weights untouched. Returns the version, bytes, files and seconds."""
+        worker: Any = self
+        spec = json.loads(spec_json)
+        started = time.monotonic()
+        setattr(worker, _PULL_TOUCHED, False)
+        fetch = _fetch()
+        base = f"{str(spec['url']).rstrip('/')}/admin/weights/v{int(spec['version'])}"
+        manifest = spec.get("manifest") or fetch.fetch_json(f"{base}/manifest", spec)
+        files: list[dict[str, Any]] = manifest["files"]
+        total = sum(int(f["bytes"]) for f in files)
+        root = fetch.pull_root(total, spec.get("directory"))
+        directory = Path(tempfile.mkdtemp(prefix="appliance-pull-", dir=root))
+        try:
+            paths = fetch.fetch_files(base, files, directory, spec)
+            fetched = time.monotonic()
+            setattr(worker, _PULL_TOUCHED, True)
+            for i, (file, path) in enumerate(zip(files, paths, strict=True)):
+                entries = file["entries"]
+                load = {"entries": entries, "first": i == 0, "last": i == len(files) - 1}
+                self._appliance_load(load, lambda p=str(path), e=entries: bucket_views(p, e))
+                path.unlink()
+            setattr(worker, _PULL_TOUCHED, False)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        done = time.monotonic()
+        times = {"download_s": fetched - started, "load_s": done - fetched, "seconds": done - started}
+        return {"version": int(spec["version"]), "bytes": total, "files": len(files), **times}
+
+    def appliance_pull_touched(self) -> bool:
+        """Whether the last pull began loading and did not complete (the model may hold a mix)."""
+        return bool(getattr(self, _PULL_TOUCHED, False))
 
     def appliance_weight_digests(self) -> dict[str, str]:
         """SHA-256 of each HF-named weight as the served model computes with it (see

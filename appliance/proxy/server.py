@@ -39,6 +39,7 @@ from appliance.proxy import (
     openai_responses,
     refusals,
     runners,
+    weights,
 )
 from appliance.proxy.calls import CallService
 from appliance.proxy.http import (
@@ -263,6 +264,7 @@ def build_app(
     admin_feed.add_routes(app)
     control.add_routes(app)
     runners.add_routes(app)
+    weights.add_routes(app)  # GET /admin/weights/...: published versions, for replicas to pull
     metrics.attach(app)  # GET /metrics
     return app
 
