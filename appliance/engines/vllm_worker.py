@@ -288,6 +288,13 @@ class ApplianceWorkerExtension:
         with _vllm("vllm.config").set_current_vllm_config(worker.vllm_config), torch.no_grad():
             return weight_digests(worker.model_runner.get_model(), worker.model_config.dtype)
 
+    def appliance_model_fingerprint(self) -> dict[str, Any]:
+        """What model this server serves, for an appliance that did not launch it: each HF-named
+        weight's shape (``model_shapes``) and the served dtype."""
+        worker: Any = self
+        model = worker.model_runner.get_model()
+        return {"shapes": model_shapes(model), "dtype": str(worker.model_config.dtype).removeprefix("torch.")}
+
 
 def tensor_views(raw: Any, entries: list[list[Any]]) -> Iterator[tuple[str, Any]]:
     """Zero-copy views of ``entries`` in the bytes ``raw`` (as
@@ -429,4 +436,32 @@ def weight_digests(model: Any, dtype: Any) -> dict[str, str]:
                     out[f"{name}.{pname}" if name else pname] = _digest(param)
             continue
         handled.update(id(p) for p in module.parameters(recurse=False))
+    return out
+
+
+def model_shapes(model: Any) -> dict[str, list[int]]:
+    """Per HF weight name, its shape as the checkpoint holds it, read from the layers' sizes
+    (a CPU-prepacked weight is empty): fused projections split into their HF parts as
+    ``weight_digests`` splits them, embeddings and LM heads at their unpadded vocabulary. For
+    the same models ``weight_digests`` reads."""
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: dict[str, list[int]] = {}
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        prefix, _, leaf = name.rpartition(".")
+        if kind in ("ParallelLMHead", "VocabParallelEmbedding"):
+            out[f"{name}.weight"] = [int(module.org_vocab_size), int(module.embedding_dim)]
+        elif (
+            hasattr(module, "input_size_per_partition") and getattr(module, "quant_method", None) is not None
+        ):
+            parts = packed.get(leaf)
+            sizes = list(module.output_sizes) if parts else [module.output_size_per_partition]
+            names = [f"{prefix}.{part}" if prefix else part for part in parts] if parts else [name]
+            for part, size in zip(names, sizes, strict=True):
+                out[f"{part}.weight"] = [int(size), int(module.input_size_per_partition)]
+                if getattr(module, "bias", None) is not None:
+                    out[f"{part}.bias"] = [int(size)]
+        else:
+            for pname, param in module.named_parameters(recurse=False):
+                out[f"{name}.{pname}" if name else pname] = [int(d) for d in param.shape]
     return out
