@@ -48,12 +48,13 @@ from appliance.chat.formats import detect_format
 from appliance.chat.tokenizer import Tokenizer
 from appliance.config import ApplianceConfig, umask_bits
 from appliance.engines.base import Engine
-from appliance.engines.factory import create_engine
-from appliance.engines.fleet import EngineFleet
+from appliance.engines.factory import create_fleet
+from appliance.engines.remote import RemoteReplicas, remote_replicas
 from appliance.operations import preflight
 from appliance.operations.collector import freeze_startup_objects
 from appliance.operations.health import Health
 from appliance.placement.plan import describe
+from appliance.proxy import engines_admin
 from appliance.proxy.calls import CallService
 from appliance.proxy.control import RUN_STATE
 from appliance.proxy.gate import ServingGate
@@ -144,6 +145,8 @@ class Appliance:
     training: TrainingService
     #: The board external runners claim rollouts from (None: the appliance runs its own agents).
     runners: RunnerBoard | None
+    #: The engine fleet's remote replicas (vLLM servers on other machines).
+    replicas: RemoteReplicas
     model_name: str
     admin_token: str
     health: Health
@@ -222,12 +225,8 @@ class Appliance:
         on_gpus = plan is not None and plan.device == "cuda"
         # On GPUs the plan says where each vLLM replica and each trainer rank goes, and how much
         # of each GPU vLLM takes.
-        self.engine = create_engine(
-            config,
-            model_dir,
-            plan.replicas if on_gpus and plan else None,
-            plan.gpu_memory_utilization if on_gpus and plan else None,
-        )
+        gpus = (plan.replicas, plan.gpu_memory_utilization) if on_gpus and plan else (None, None)
+        self.engine = fleet = create_fleet(config, model_dir, *gpus)  # remote replicas may join it
         await self.engine.start()
         self._stack.push_async_callback(self.engine.close)
         # Collocated on GPUs, the trainer is built and restored while the engine sleeps, and
@@ -249,12 +248,9 @@ class Appliance:
         proxy = config.proxy
         gate = ServingGate(hold_timeout_s=proxy.hold_timeout_s)
         self.admin_token = proxy.admin_token or _admin_token(config.data_dir / "admin_token")
+        # The fleet forgets which replica served a rollout once it ends.
         self.registry = RolloutRegistry(
-            tokenizer,
-            detect_format(model_dir),
-            max_rollouts=proxy.max_rollouts,
-            # A fleet forgets which replica served a rollout once it ends.
-            on_unregister=self.engine.release if isinstance(self.engine, EngineFleet) else None,
+            tokenizer, detect_format(model_dir), max_rollouts=proxy.max_rollouts, on_unregister=fleet.release
         )
         calls = CallService(
             engine=self.engine,
@@ -272,6 +268,8 @@ class Appliance:
         self.runners = attach_runners(adapter, self.registry, config.harness, live=lambda: self.live)
         if self.runners is not None:
             proxy_app[RUNNERS] = self.runners
+        self.replicas = remote_replicas(config, fleet, self.store, self.model_name, model_dir)
+        engines_admin.attach(proxy_app, self.replicas)  # GET, POST, DELETE /admin/engines
         self.proxy = ProxyServer(
             proxy_app, proxy.host, proxy.port, shutdown_timeout_s=min(2.0, config.stop_timeout_s / 4)
         )
@@ -282,6 +280,10 @@ class Appliance:
             raise preflight.bind_error(proxy.host, proxy.port, exc) from None
         if proxy.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("the proxy listens on %s: any host that can reach it can call the model", proxy.host)
+        self._stack.push_async_callback(self.replicas.close)
+        await self.replicas.start(
+            list(state.replicas.values()), config.engine.remote
+        )  # their versions caught up
 
         await self.store.append(
             [

@@ -458,3 +458,43 @@ class ControlRequested(Event):
 
     action: str
     source: str = "admin"
+
+
+# --- remote engine replicas ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRegistered(Event):
+    """A vLLM server the appliance did not launch joined the engine fleet (``[engine] remote``
+    or ``POST /admin/engines``) after its model was checked against the run's. A start
+    re-attaches every replica registered and not removed since."""
+
+    #: The replica's id in the fleet (``GET /admin/engines``, ``DELETE /admin/engines/{id}``).
+    replica: str
+    url: str
+    #: The run's model it serves (the appliance's name for it).
+    model: str
+    #: The policy version it said it served when it registered (-1: it could not say, so it
+    #: takes the run's current one before serving).
+    policy_version: int = -1
+    #: The longest prompt + completion it serves, in tokens.
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineLost(Event):
+    """A remote replica left the fleet: it stopped answering (``reason`` says how), or an
+    operator removed it (``removed``: a later start does not re-attach it)."""
+
+    replica: str
+    reason: str
+    removed: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineCaughtUp(Event):
+    """A remote replica took the run's policy version ``policy_version`` (after it joined, or
+    after it fell behind): from here on it gets new rollouts."""
+
+    replica: str
+    policy_version: int

@@ -37,6 +37,9 @@ from store.events import (
     CallRewardReported,
     CheckpointSaved,
     ControlRequested,
+    EngineCaughtUp,
+    EngineLost,
+    EngineRegistered,
     EvaluationCompleted,
     Event,
     JsonObject,
@@ -132,6 +135,21 @@ class RolloutView:
 
 
 @dataclass
+class ReplicaView:
+    """A remote engine replica as the log knows it (``EngineRegistered`` and what followed)."""
+
+    replica: str
+    url: str
+    model: str
+    #: The policy version it serves as far as the log knows (-1: not known yet).
+    policy_version: int
+    #: "registered" (it joined and takes the run's version), "caught up" or "lost".
+    state: str = "registered"
+    #: Why it was lost, in one line ("" unless lost).
+    reason: str = ""
+
+
+@dataclass
 class RunState:
     """The whole run: policy version, training progress and every rollout, in creation order."""
 
@@ -173,6 +191,9 @@ class RunState:
     #: Trips in a row: trips that no finished training rollout separates (0 after one finished,
     #: and at each start: a run the breaker stopped resumes with its full count of trips).
     breaker_trips: int = 0
+    #: Remote engine replicas registered and not removed, by id, in registration order (a
+    #: start re-attaches them).
+    replicas: dict[str, ReplicaView] = field(default_factory=dict)
 
     @classmethod
     def from_events(cls, events: Iterable[Event | StoredEvent]) -> RunState:
@@ -272,6 +293,20 @@ class RunState:
             case ApplianceStopped():
                 if event.command == "up":
                     self.last_stop = event
+            case EngineRegistered():
+                self.replicas.pop(event.replica, None)  # registered again: now the newest
+                self.replicas[event.replica] = ReplicaView(
+                    event.replica, event.url, event.model, event.policy_version
+                )
+            case EngineCaughtUp():
+                if replica := self.replicas.get(event.replica):
+                    replica.policy_version, replica.state = event.policy_version, "caught up"
+                    replica.reason = ""
+            case EngineLost():
+                if event.removed:
+                    self.replicas.pop(event.replica, None)
+                elif replica := self.replicas.get(event.replica):
+                    replica.state, replica.reason = "lost", one_line(event.reason)
             case _:
                 pass  # types this fold does not track
 

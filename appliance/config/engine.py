@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from appliance.config.checks import at_least, one_of, seconds
 from contracts.errors import ConfigError
@@ -50,6 +51,14 @@ class EngineConfig:
     #: or ``unix:/path/to/socket`` for one started with ``--uds``) instead of launching one; None
     #: launches and supervises its own.
     vllm_url: str | None = None
+    #: vLLM servers on other machines that join the engine fleet (``http://host:port``, each
+    #: started by ``lightning-appliance engine-host`` or ``vllm serve`` with the worker
+    #: extension); more join at run time through ``POST /admin/engines``. They serve beside
+    #: the local engine, never sleep, and take each new policy version.
+    remote: tuple[str, ...] = ()
+    #: Seconds a remote replica may take to take a weight update (or a catch-up call); past it
+    #: the update goes on without it, and it serves no new rollouts until it catches up.
+    remote_deadline_s: float = 60.0
 
     def __post_init__(self) -> None:
         one_of("engine", self.kind, ("auto", *ENGINES))
@@ -63,8 +72,24 @@ class EngineConfig:
             raise ConfigError(f"vllm_port must be a port number (0: a Unix socket); got {self.vllm_port}")
         at_least("vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib, 1)
         seconds("vllm_startup_timeout_s", self.vllm_startup_timeout_s)
+        seconds("remote_deadline_s", self.remote_deadline_s)
+        for url in self.remote:
+            remote_url(url)
         if self.vllm_url and self.engine_replicas > 1:
             raise ConfigError(
                 f"vllm_url attaches to one running server, but engine_replicas is {self.engine_replicas}: "
                 "drop vllm_url (the appliance launches a server per replica) or use --engine-replicas 1"
             )
+
+
+def remote_url(url: str) -> str:
+    """``url`` without a trailing slash, if it is a remote replica's ``http(s)://host:port``;
+    a ``ConfigError`` naming it otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ConfigError(f"a remote engine must be an http://host:port URL; got {url!r}")
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        raise ConfigError(f"a remote engine must be an http://host:port URL; got {url!r}") from None
+    return url.strip().rstrip("/")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from appliance.config import ENGINES, ApplianceConfig
 from appliance.engines.base import Engine
@@ -48,6 +49,41 @@ def create_engine(
         return _replica(config, model_dir, None, replica_gpus, gpu_memory_utilization)
     return EngineFleet(
         [_replica(config, model_dir, i, replica_gpus, gpu_memory_utilization) for i in range(replicas)]
+    )
+
+
+def create_fleet(
+    config: ApplianceConfig,
+    model_dir: Path,
+    replica_gpus: Sequence[Sequence[int]] | None = None,
+    gpu_memory_utilization: float | None = None,
+) -> EngineFleet:
+    """``create_engine``'s engine as a fleet (of one, where it is one engine), which remote
+    replicas may join at run time: a replica may serve up to the run's staleness bound behind
+    (``eta`` in async mode, else 0), and a remote one gets ``remote_deadline_s`` per update."""
+    config = config.with_resolved_device()
+    engine = create_engine(config, model_dir, replica_gpus, gpu_memory_utilization)
+    fleet = engine if isinstance(engine, EngineFleet) else EngineFleet([engine])
+    fleet.max_staleness = config.scheduler.eta if config.scheduler.mode == "async" else 0
+    fleet.remote_deadline_s = config.engine.remote_deadline_s
+    return fleet
+
+
+def remote_engine(
+    config: ApplianceConfig, model_dir: Path, url: str, served_name: str, policy_version: int, **options: Any
+) -> VLLMEngine:
+    """The engine of a remote replica: attached to the vLLM server at ``url`` (which serves the
+    run's model as ``served_name``), sampling as the local engines do; ``options`` go to
+    ``VLLMEngine`` (how it takes weights)."""
+    return VLLMEngine(
+        model_dir,
+        base_url=url,
+        served_model_name=served_name,
+        policy_version=policy_version,
+        dtype=config.engine_dtype(),
+        log_path=config.data_dir / "logs" / "vllm-remote.log",
+        lora_rank=config.trainer.lora_rank,
+        **options,
     )
 
 

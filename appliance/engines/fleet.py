@@ -1,111 +1,79 @@
-"""The engine fleet: one ``Engine`` over K replica engines, so the appliance serves from several.
+"""The engine fleet: one ``Engine`` over replica engines, so the appliance serves from several.
 
-Owns three things and nothing else. Routing: every call of a rollout goes to the replica its
-first call went to (``GenerateRequest.affinity``, the rollout id: that replica's prefix cache
-holds the rollout's earlier turns), a new rollout to the least loaded live replica (fewest
-requests in flight, then fewest rollouts assigned), a call without a key to the least loaded.
-Failover: a replica that cannot serve gets no new rollouts, and a rollout whose replica failed
-moves. Fan-out: weights, sleep and wake go to every replica at once, a bucketed push through a
-tee (one reader of the trainer's stream, one stream per replica). The replicas themselves, their
-processes and restarts (``VLLMEngine`` restarts its server and re-pushes file-held weights), where
-they run (``appliance.engines.factory``) and when rollouts end (the controller calls ``release``
-through the rollout registry) are not the fleet's.
+Owns routing, failover, the fleet's membership and the fan-out, and nothing else. Routing: every
+call of a rollout goes to the replica its first call went to (``GenerateRequest.affinity``, the
+rollout id: that replica's prefix cache holds the rollout's earlier turns), a new rollout to the
+least loaded live replica (fewest requests in flight, then fewest rollouts assigned), a call
+without a key to the least loaded. Failover: a replica that cannot serve gets no new rollouts,
+and a rollout whose replica failed moves; a call that fails before its replica handed over any
+token is tried once more on another replica, one that fails after is ended naming the replica.
+Membership: replicas the appliance launched (``local``, numbered "0", "1", ...) come with the
+fleet; remote ones (vLLM servers on other machines, ``appliance.engines.remote``) are added and
+removed at run time (``add``, ``remove``). Fan-out: weights, sleep and wake go to every replica at
+once, a bucketed push through a tee (``appliance.engines.fleet_push``). The replicas themselves,
+their processes and restarts, where they run (``appliance.engines.factory``), how a remote one
+is checked, caught up and found lost (``appliance.engines.remote``), and when rollouts end (the
+controller calls ``release`` through the rollout registry) are not the fleet's.
 
 A replica is *live* when it is up (no ``down_reason``: not closed, not restarting, not given
-up), awake, does not need weights, serves the fleet's policy version, and has not failed a call
-in the last ``failure_cooldown_s``. Only live replicas get new rollouts (when none is live, those
-only cooling down still do); a rollout pinned to a replica that is no longer live moves at its
-next call. A call that fails on its replica with ``EngineUnavailable`` fails as it would on one
-engine (the proxy answers a retryable 503), its rollout loses the replica, and the replica cools
-down; its next call goes elsewhere (a cold prefix cache there: only slower).
+up), awake, does not need weights, is not behind, serves a version at most ``max_staleness``
+versions older than the fleet's, and has not failed a call in the last ``failure_cooldown_s``.
+Only live replicas get new rollouts (when none is live, those only cooling down still do); a
+rollout pinned to a replica that is no longer live moves at its next call (a cold prefix cache
+there: only slower).
 
-Weights: every replica gets every push. The trainer's bucket stream can be read once, and each
-bucket lives in a file the next bucket overwrites (``trainer.buckets``), so the tee
-offers a bucket to every replica and reads the next only once each has asked for it (or closed
-its stream, or ended). A replica that fails does not hold up the others: its stream is dropped
-and the push goes on without it. Afterwards the fleet serves ``version`` if any replica took it;
-a replica that did not is stale: it gets no calls, and ``needs_weights`` is True while it is up,
-so the scheduler pushes the published version to all again. Failures of replicas that are down
-(a vLLM server dying under the push) are logged and left out; any other failure is raised once
-every replica has finished. Sleep and wake go to every replica, down ones included (a
-restarting ``VLLMEngine`` keeps the state and restarts asleep).
+Remote replicas are split placement: they never sleep or wake (sleep and wake skip them) and
+serve beside the local ones. Each weight update reaches a remote replica within
+``remote_deadline_s`` or goes on without it; a remote replica that failed or missed an update
+is *behind*: it gets no new rollouts until it catches up (``catch_up``, given by whoever adds
+remote replicas, called with the fleet's version; without one, ``needs_weights`` asks the
+scheduler to push the published version to all), and a failure of a remote replica never
+fails the update. Local replicas keep the rule of one machine: every replica gets every push,
+a failure of one that is up is raised once every replica has finished, one that is down is
+left out; afterwards the fleet serves ``version`` if any replica took it, and a local replica
+that did not gets no calls while ``needs_weights`` asks for a push to all.
 
-Invariant: ``policy_version`` is the fleet's version, which every replica that gets calls serves
-(all replicas hold it after a push that raised nothing), so a token's recorded version is the
-one that sampled it. Not thread-safe: the event loop's only.
+Invariant: every token's recorded version is the one that sampled it (``GenerateResult``'s,
+from the replica that served it), at most ``max_staleness`` behind the fleet's
+``policy_version`` (0: every replica that gets calls serves the fleet's version). Not
+thread-safe: the event loop's only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import torch
-
-from appliance.engines.base import Engine, GenerateRequest, GenerateResult, WeightGroupMember
+from appliance.engines.base import Engine, GenerateRequest, GenerateResult
+from appliance.engines.fleet_replica import CatchUp, Replica, ReplicaStatus, Supervised, down_reason
+from appliance.engines.fleet_weights import FleetWeights
 from contracts.errors import EngineUnavailable
-from trainer.buckets import WeightBucket, close_stream
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
+
+__all__ = ["MAX_AFFINITIES", "EngineFleet", "ReplicaStatus", "Supervised", "down_reason"]
 
 #: Affinities kept at most (least recently used first out); ``release`` normally forgets them
 #: when their rollout ends, the bound only guards against keys nobody releases.
 MAX_AFFINITIES = 65536
 
 
-@runtime_checkable
-class Supervised(Protocol):
-    """An engine that says when it cannot serve whatever it is asked (``TorchEngine``,
-    ``VLLMEngine``); a replica without it counts as up."""
-
-    @property
-    def down_reason(self) -> str | None:
-        """Why the engine cannot serve now (closed, not started, restarting, gave up); None
-        while it is up. Sleep and ``needs_weights`` are reported apart."""
-        ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReplicaStatus:
-    """One replica as the fleet sees it now."""
-
-    index: int
-    #: "live", "cooling down", "stale", "needs weights", "asleep", or why it is down.
-    state: str
-    policy_version: int
-    inflight: int
-    rollouts: int
-
-
-@dataclass(slots=True, eq=False)
-class _Replica:
-    index: int
-    engine: Engine
-    #: Requests the fleet has sent it that have not returned.
-    inflight: int = 0
-    #: Rollouts (affinities) assigned to it.
-    rollouts: int = 0
-    #: ``time.monotonic()`` of its last call that failed with ``EngineUnavailable``.
-    failed_at: float | None = None
-
-
-def down_reason(engine: Engine) -> str | None:
-    return engine.down_reason if isinstance(engine, Supervised) else None
-
-
-class EngineFleet:
-    """An ``Engine`` over ``replicas`` (started, closed, pushed and put to sleep together).
+class EngineFleet(FleetWeights):
+    """An ``Engine`` over ``replicas`` (started, closed, pushed and put to sleep together), to
+    which remote replicas may be added.
 
     The replicas must serve the same model at the same ``policy_version``. ``failure_cooldown_s``
     is how long a replica whose call failed gets no new rollouts; ``max_affinities`` bounds the
-    rollouts remembered (least recently used out).
+    rollouts remembered (least recently used out); ``max_staleness`` is how many versions behind
+    the fleet's a replica may serve and still get rollouts (the run's staleness bound);
+    ``remote_deadline_s`` bounds a remote replica's part of a weight update or a catch-up;
+    ``catch_up`` brings a remote replica that is behind to the fleet's version; ``on_caught_up``
+    (its id and version) and ``on_failed`` (its id and the error) tell whoever added it.
     """
 
     def __init__(
@@ -114,6 +82,8 @@ class EngineFleet:
         *,
         failure_cooldown_s: float = 5.0,
         max_affinities: int = MAX_AFFINITIES,
+        max_staleness: int = 0,
+        remote_deadline_s: float = 60.0,
     ) -> None:
         if not replicas:
             raise ValueError("an engine fleet needs at least one replica")
@@ -122,12 +92,17 @@ class EngineFleet:
             raise ValueError(f"the replicas serve different policy versions {sorted(versions)}")
         if max_affinities < 1:
             raise ValueError(f"max_affinities must be at least 1, got {max_affinities}")
-        self._replicas = [_Replica(i, engine) for i, engine in enumerate(replicas)]
+        self._replicas = [Replica(str(i), engine) for i, engine in enumerate(replicas)]
         self._version = versions.pop()
         self._cooldown_s = failure_cooldown_s
         self._max_affinities = max_affinities
-        #: Affinity key -> replica index, least recently used first.
-        self._affinity: OrderedDict[str, int] = OrderedDict()
+        self.max_staleness = max_staleness
+        self.remote_deadline_s = remote_deadline_s
+        self.catch_up: CatchUp | None = None
+        self.on_caught_up: Callable[[str, int], None] | None = None
+        self.on_failed: Callable[[str, BaseException], None] | None = None
+        #: Affinity key -> its replica, least recently used first.
+        self._affinity: OrderedDict[str, Replica] = OrderedDict()
         self._started = False
         self._closed = False
 
@@ -147,58 +122,75 @@ class EngineFleet:
 
     @property
     def needs_weights(self) -> bool:
-        """A replica is up but lacks the fleet's weights (it lost a bucketed version, or missed
-        a push while it was down or failed): the scheduler then pushes to all."""
+        """A local replica is up but lacks the fleet's weights (it lost a bucketed version, or
+        missed a push while it was down or failed), or, where no ``catch_up`` is given, a
+        remote one that is up is behind and has not failed lately: the scheduler then pushes to
+        all."""
         if self._closed:
             return False
-        return any(
-            replica.engine.needs_weights
-            or (
-                down_reason(replica.engine) is None
-                and not replica.engine.is_sleeping
-                and replica.engine.policy_version != self._version
+        now = time.monotonic()
+        return any(self._lacks_weights(replica, now) for replica in self._replicas)
+
+    def _lacks_weights(self, replica: Replica, now: float) -> bool:
+        engine = replica.engine
+        if not replica.remote:
+            return engine.needs_weights or (
+                down_reason(engine) is None
+                and not engine.is_sleeping
+                and engine.policy_version != self._version
             )
-            for replica in self._replicas
-        )
+        recent = replica.failed_at is not None and now - replica.failed_at < self._cooldown_s
+        return self.catch_up is None and down_reason(engine) is None and not recent and self._behind(replica)
+
+    def _behind(self, replica: Replica) -> bool:
+        lag = self._version - replica.engine.policy_version
+        return replica.behind or replica.engine.needs_weights or not 0 <= lag <= self.max_staleness
 
     @property
     def is_sleeping(self) -> bool:
-        """Whether the replicas that are up sleep (all of them, when none is up)."""
-        up = [r for r in self._replicas if down_reason(r.engine) is None] or self._replicas
+        """Whether the local replicas that are up sleep (all of them, when none is up)."""
+        local = [r for r in self._replicas if not r.remote]
+        up = [r for r in local if down_reason(r.engine) is None] or local
         return any(replica.engine.is_sleeping for replica in up)
 
     def replica_of(self, affinity: str) -> int | None:
         """The index of the replica ``affinity``'s calls go to, if it has one."""
-        return self._affinity.get(affinity)
+        replica = self._affinity.get(affinity)
+        return None if replica is None else self._replicas.index(replica)
 
     def status(self) -> tuple[ReplicaStatus, ...]:
         now = time.monotonic()
         return tuple(
             ReplicaStatus(
-                index=r.index,
+                index=i,
                 state=self._state(r, now),
                 policy_version=r.engine.policy_version,
                 inflight=r.inflight,
                 rollouts=r.rollouts,
+                id=r.id,
+                url=r.url,
+                remote=r.remote,
             )
-            for r in self._replicas
+            for i, r in enumerate(self._replicas)
         )
 
-    def _state(self, replica: _Replica, now: float) -> str:
+    def _state(self, replica: Replica, now: float) -> str:
         engine = replica.engine
         if (reason := down_reason(engine)) is not None:
             return reason
-        if engine.is_sleeping:
+        if engine.is_sleeping and not replica.remote:
             return "asleep"
         if engine.needs_weights:
             return "needs weights"
-        if engine.policy_version != self._version:
+        if replica.behind:
+            return "behind"
+        if not 0 <= self._version - engine.policy_version <= self.max_staleness:
             return "stale"
         if replica.failed_at is not None and now - replica.failed_at < self._cooldown_s:
             return "cooling down"
         return "live"
 
-    # -- lifecycle --------------------------------------------------------------------------
+    # -- lifecycle and membership ---------------------------------------------------------------
 
     async def start(self) -> None:
         """Start every replica at once; if one fails, close them all and raise its error."""
@@ -216,6 +208,9 @@ class EngineFleet:
         if self._closed:
             return
         self._closed = True
+        for replica in self._replicas:
+            if replica.catching_up is not None:
+                replica.catching_up.cancel()
         results = await asyncio.gather(*(r.engine.close() for r in self._replicas), return_exceptions=True)
         self._affinity.clear()
         for replica in self._replicas:
@@ -230,65 +225,129 @@ class EngineFleet:
         if not self._started:
             raise EngineUnavailable("the engine fleet has not been started")
 
+    def add(self, engine: Engine, *, replica_id: str, url: str) -> None:
+        """Add a started remote replica ``engine`` as ``replica_id``; it is behind (no rollouts)
+        until it catches up to the fleet's version."""
+        self._ensure_open()
+        if any(r.id == replica_id for r in self._replicas):
+            raise ValueError(f"the fleet has a replica {replica_id!r} already")
+        replica = Replica(replica_id, engine, remote=True, url=url, behind=True)
+        self._replicas.append(replica)
+        log.info("engine fleet: replica %s (%s) joined", replica_id, url)
+        self._start_catch_up(replica)
+
+    def remove(self, replica_id: str) -> Engine:
+        """Take the remote replica ``replica_id`` out of the fleet (its rollouts move at their
+        next call; its calls under way end as they end); returns its engine, for the caller to
+        close."""
+        replica = self._find(replica_id)
+        if not replica.remote:
+            raise ValueError(f"replica {replica_id} was launched by the appliance; only remote ones leave")
+        self._replicas.remove(replica)
+        if replica.catching_up is not None:
+            replica.catching_up.cancel()
+        for affinity in [a for a, r in self._affinity.items() if r is replica]:
+            del self._affinity[affinity]
+        log.info("engine fleet: replica %s (%s) left", replica_id, replica.url)
+        return replica.engine
+
+    def _find(self, replica_id: str) -> Replica:
+        for replica in self._replicas:
+            if replica.id == replica_id:
+                return replica
+        raise KeyError(replica_id)
+
+    def engine_of(self, replica_id: str) -> Engine:
+        """The engine of replica ``replica_id`` (``KeyError`` if the fleet has none such)."""
+        return self._find(replica_id).engine
+
     # -- routing ----------------------------------------------------------------------------
 
     def release(self, affinity: str) -> None:
         """Forget ``affinity`` (its rollout ended): it no longer counts on its replica."""
-        index = self._affinity.pop(affinity, None)
-        if index is not None:
-            self._replicas[index].rollouts -= 1
+        replica = self._affinity.pop(affinity, None)
+        if replica is not None:
+            replica.rollouts -= 1
 
-    def _assign(self, affinity: str, replica: _Replica) -> None:
+    def _assign(self, affinity: str, replica: Replica) -> None:
         self.release(affinity)
-        self._affinity[affinity] = replica.index
+        self._affinity[affinity] = replica
         replica.rollouts += 1
         while len(self._affinity) > self._max_affinities:
-            _, index = self._affinity.popitem(last=False)
-            self._replicas[index].rollouts -= 1
+            _, oldest = self._affinity.popitem(last=False)
+            oldest.rollouts -= 1
 
-    def _route(self, affinity: str | None) -> _Replica:
+    def _route(self, affinity: str | None, tried: Sequence[Replica] = ()) -> Replica:
         """The replica for a call: its rollout's while that one is live, else the least loaded
-        live one (which the rollout is then assigned to)."""
+        live one (which the rollout is then assigned to); never one of ``tried``."""
         now = time.monotonic()
-        states = {r.index: self._state(r, now) for r in self._replicas}
-        candidates = [r for r in self._replicas if states[r.index] == "live"] or [
-            r for r in self._replicas if states[r.index] == "cooling down"
+        states = {id(r): self._state(r, now) for r in self._replicas}
+        open_ = [r for r in self._replicas if r not in tried]
+        candidates = [r for r in open_ if states[id(r)] == "live"] or [
+            r for r in open_ if states[id(r)] == "cooling down"
         ]
         if not candidates:
             if all(state == "asleep" for state in states.values()):
                 raise EngineUnavailable("the engine fleet is asleep (the machine is training); retry shortly")
-            reasons = "; ".join(f"replica {i}: {state}" for i, state in states.items())
+            reasons = "; ".join(f"replica {r.id}: {states[id(r)]}" for r in self._replicas)
             raise EngineUnavailable(f"no engine replica can serve now ({reasons}); retry shortly")
         pinned = self._affinity.get(affinity) if affinity is not None else None
-        if affinity is not None and pinned is not None and self._replicas[pinned] in candidates:
+        if affinity is not None and pinned is not None and pinned in candidates:
             self._affinity.move_to_end(affinity)
-            return self._replicas[pinned]
-        chosen = min(candidates, key=lambda r: (r.inflight, r.rollouts, r.index))
+            return pinned
+        chosen = min(candidates, key=lambda r: (r.inflight, r.rollouts, self._replicas.index(r)))
         if affinity is not None:
             if pinned is not None:
+                state = states.get(id(pinned), "removed")
                 log.info(
-                    "engine fleet: rollout %s moves from replica %d (%s) to %d",
+                    "engine fleet: rollout %s moves from replica %s (%s) to %s",
                     affinity,
-                    pinned,
-                    states[pinned],
-                    chosen.index,
+                    pinned.id,
+                    state,
+                    chosen.id,
                 )
             self._assign(affinity, chosen)
         return chosen
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate on the rollout's replica; if it fails before it handed over a token, once
+        more on another replica. One that fails after handing tokens over ends the call with an
+        ``EngineUnavailable`` naming the replica."""
         self._ensure_open()
-        replica = self._route(request.affinity)
+        tried: list[Replica] = []
+        while True:
+            replica = self._route(request.affinity, tried)
+            handed = _Handed(request)
+            try:
+                return await self._generate_on(replica, handed.request)
+            except EngineUnavailable as exc:
+                if self._closed:
+                    raise
+                if handed.tokens:
+                    where = f"replica {replica.id}" + (f" ({replica.url})" if replica.url else "")
+                    raise EngineUnavailable(
+                        f"engine {where} failed after it sampled {handed.tokens} tokens of this call: {exc}"
+                    ) from exc
+                tried.append(replica)
+                if len(self._replicas) <= len(tried) or len(tried) > 1:
+                    raise
+                log.info(
+                    "engine fleet: a call failed on replica %s before any token (%s); trying another",
+                    replica.id,
+                    exc,
+                )
+
+    async def _generate_on(self, replica: Replica, request: GenerateRequest) -> GenerateResult:
         started = time.monotonic()
         replica.inflight += 1
         try:
             result = await replica.engine.generate(request)
-        except EngineUnavailable:
+        except EngineUnavailable as exc:
             if not self._closed:
                 # Down, restarting, or broken: no new rollouts for a while, and this one moves.
-                replica.failed_at = time.monotonic()
-                if request.affinity is not None and self._affinity.get(request.affinity) == replica.index:
+                if request.affinity is not None and self._affinity.get(request.affinity) is replica:
                     self.release(request.affinity)
+                self._failed(replica, exc)
             raise
         finally:
             replica.inflight -= 1
@@ -296,186 +355,27 @@ class EngineFleet:
             replica.failed_at = None  # it served a call that came after its failure
         return result
 
-    # -- weights, sleep, wake: every replica ---------------------------------------------------
 
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Every replica loads ``state_dict`` (at once); serve ``version`` from now on. Runs in
-        its own task: if the caller is cancelled, it still completes."""
-        self._ensure_open()
+class _Handed:
+    """A request whose token callbacks count what the engine handed over (``tokens``): a call
+    that failed before any can be tried again elsewhere."""
 
-        async def load() -> None:
-            results = await asyncio.gather(
-                *(r.engine.load_weights(state_dict, version) for r in self._replicas), return_exceptions=True
-            )
-            self._settle("load_weights", results, version)
+    def __init__(self, request: GenerateRequest) -> None:
+        self.tokens = 0
+        on_token, on_tokens = request.on_token, request.on_tokens
+        changes: dict[str, Any] = {}
+        if on_token is not None:
 
-        await asyncio.shield(asyncio.ensure_future(load()))
+            def one(token: int, logprob: float) -> None:
+                self.tokens += 1
+                on_token(token, logprob)
 
-    async def load_weight_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
-        """Every replica loads the stream (see the module docstring: one reader, a stream per
-        replica, the next bucket read once every replica is done with this one); serve
-        ``version`` from now on. The stream is closed when the push ends; the push runs in its
-        own task and completes if the caller is cancelled."""
-        try:
-            self._ensure_open()
-        except BaseException:
-            await close_stream(buckets)
-            raise
-        await asyncio.shield(asyncio.ensure_future(self._push_buckets(buckets, version)))
+            changes["on_token"] = one
+        if on_tokens is not None:
 
-    async def _push_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
-        changed = asyncio.Event()
-        feeds = [_Feed(changed) for _ in self._replicas]
-        streams = [feed.stream() for feed in feeds]
-        loads = [
-            asyncio.ensure_future(r.engine.load_weight_buckets(stream, version))
-            for r, stream in zip(self._replicas, streams, strict=True)
-        ]
-        for load in loads:
-            load.add_done_callback(lambda _: changed.set())
-        source = aiter(buckets)
-        source_error: Exception | None = None
-        ended = False  # the last bucket (or the end of the stream) was offered
-        try:
-            while any(not load.done() for load in loads):
-                try:
-                    bucket: WeightBucket | None = await anext(source)
-                except StopAsyncIteration:
-                    bucket = None
-                except Exception as exc:
-                    source_error = exc
-                    break
-                for feed, load in zip(feeds, loads, strict=True):
-                    if not load.done():
-                        feed.offer(bucket)
-                # The next bucket overwrites this one: wait until no replica still reads it.
-                while True:
-                    changed.clear()
-                    if all(feed.done or load.done() for feed, load in zip(feeds, loads, strict=True)):
-                        break
-                    await changed.wait()
-                if bucket is None or bucket.last:
-                    ended = True
-                    break
-        finally:
-            # A replica that asks for more gets the end of the stream after the last bucket, and
-            # an error when the push stopped short (the source failed, or this task was
-            # cancelled); then every load ends and every stream is closed.
-            for feed, load in zip(feeds, loads, strict=True):
-                if not load.done():
-                    reason = source_error if source_error is not None else "cancelled"
-                    stopped = EngineUnavailable(f"the fleet's weight push stopped ({reason})")
-                    feed.offer(None if ended else stopped)
-            await asyncio.wait(loads)
-            for stream in streams:
-                with contextlib.suppress(Exception):
-                    await stream.aclose()
-            await close_stream(buckets)
-        results: list[object] = [
-            load.exception() if not load.cancelled() else asyncio.CancelledError() for load in loads
-        ]
-        if source_error is not None:
-            raise source_error
-        self._settle("load_weight_buckets", results, version)
+            def several(tokens: Sequence[int], logprobs: Sequence[float]) -> None:
+                self.tokens += len(tokens)
+                on_tokens(tokens, logprobs)
 
-    @property
-    def in_weight_group(self) -> bool:
-        """Every replica's workers are in the weight group (``WeightGroupMember``)."""
-        return all(
-            isinstance(r.engine, WeightGroupMember) and r.engine.in_weight_group for r in self._replicas
-        )
-
-    @property
-    def weight_group_members(self) -> int:
-        return sum(
-            r.engine.weight_group_members for r in self._replicas if isinstance(r.engine, WeightGroupMember)
-        )
-
-    async def join_weight_group(self, spec: Mapping[str, Any], rank_offset: int = 1) -> None:
-        """Every replica joins the group at once, replica i's workers at the ranks after replica
-        i - 1's (the group forms only when all have joined)."""
-        members = [r.engine for r in self._replicas if isinstance(r.engine, WeightGroupMember)]
-        if len(members) != len(self._replicas):
-            raise EngineUnavailable("a replica of this fleet cannot join a weight group (only vLLM's can)")
-        offsets = [rank_offset]
-        for engine in members[:-1]:
-            offsets.append(offsets[-1] + engine.weight_group_members)
-        await asyncio.gather(*(e.join_weight_group(spec, o) for e, o in zip(members, offsets, strict=True)))
-
-    async def sleep(self, level: int = 1) -> None:
-        """Every replica sleeps (at once); see ``Engine.sleep``."""
-        self._ensure_open()
-        await self._fan_out("sleep", lambda engine: engine.sleep(level))
-
-    async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
-        """Every replica wakes (at once); failures seen before are forgotten."""
-        self._ensure_open()
-        await self._fan_out("wake", lambda engine: engine.wake(tags))
-        for replica in self._replicas:
-            replica.failed_at = None
-
-    async def _fan_out(self, what: str, call: Callable[[Engine], Awaitable[_T]]) -> None:
-        results = await asyncio.gather(*(call(r.engine) for r in self._replicas), return_exceptions=True)
-        self._settle(what, results)
-
-    def _settle(self, what: str, results: Sequence[object], version: int | None = None) -> None:
-        """After ``what`` ran on every replica (``results`` in replica order: an exception or
-        not): take ``version`` if any replica did, leave out failures of replicas that are down
-        (when some replica succeeded), raise the first other failure."""
-        outcomes = list(zip(self._replicas, results, strict=True))
-        failed = [(r, e) for r, e in outcomes if isinstance(e, BaseException)]
-        succeeded = [r for r, e in outcomes if not isinstance(e, BaseException)]
-        if version is not None and succeeded:
-            self._version = version
-            for replica in succeeded:
-                replica.failed_at = None
-        fatal: list[BaseException] = []
-        for replica, error in failed:
-            reason = down_reason(replica.engine)
-            if succeeded and isinstance(error, EngineUnavailable) and reason is not None:
-                log.warning("engine fleet: %s left out replica %d (down: %s)", what, replica.index, reason)
-            else:
-                log.warning("engine fleet: %s failed on replica %d: %r", what, replica.index, error)
-                fatal.append(error)
-        if fatal:
-            raise fatal[0]
-
-
-class _Feed:
-    """One replica's stream of a push: the buckets the fleet offers, one at a time."""
-
-    def __init__(self, changed: asyncio.Event) -> None:
-        self._changed = changed
-        self._offered = asyncio.Event()
-        self._item: WeightBucket | Exception | None = None
-        #: True when the replica is done with the last bucket offered (it asked for the next
-        #: one, or its stream is closed).
-        self.done = True
-        self._closed = False
-
-    def offer(self, item: WeightBucket | Exception | None) -> None:
-        """The next bucket; None ends the stream, an exception is raised in the replica."""
-        if self._closed:
-            return
-        self._item, self.done = item, False
-        self._offered.set()
-
-    def _release(self) -> None:
-        self.done = True
-        self._changed.set()
-
-    async def stream(self) -> AsyncGenerator[WeightBucket, None]:
-        try:
-            while True:
-                await self._offered.wait()
-                self._offered.clear()
-                item = self._item
-                if item is None:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                self._release()  # asked for the next one: done with this one
-        finally:
-            self._closed = True
-            self._release()
+            changes["on_tokens"] = several
+        self.request = dataclasses.replace(request, **changes) if changes else request

@@ -164,7 +164,7 @@ async def test_an_engine_that_lost_its_weights_gets_them_pushed_again(
         async with asyncio.timeout(120):  # without the new push no rollout could ever finish
             assert await app.run() == "reached step 1"
         assert not app.engine.needs_weights and app.engine.policy_version == 1
-        engine: Any = app.engine
+        engine: Any = app.engine.replicas[0]  # the fleet's only replica
         served = engine._model.state_dict()
         for name, tensor in app.training.trainer.state_dict_for_engine().items():
             assert torch.equal(served[name], tensor), name
@@ -232,6 +232,6 @@ async def test_collocated_on_gpus_the_trainer_loads_while_the_engine_sleeps(
         "__init__",
         "load",
         "offload",
-        "wake",
+        "wake ('weights', 'kv_cache')",  # through the engine fleet, which names the tags
         "push 1",
     ]

@@ -240,14 +240,19 @@ async def test_a_replica_whose_calls_fail_gets_no_new_rollouts_and_its_rollouts_
         assert (fleet.replica_of("r0"), fleet.replica_of("r1")) == (0, 1)
 
         replicas[1].broken = True
-        with pytest.raises(EngineUnavailable):  # the retryable 503 a call gets on one engine
+        # It failed before handing over a token: the fleet tries the call once more elsewhere.
+        await call(fleet, "r1")
+        assert fleet.replica_of("r1") == 0
+        assert fleet.status()[1].state == "cooling down"
+        await call(fleet, "r2")  # a new rollout: replica 0 although it holds both others
+        assert fleet.replica_of("r2") == 0
+        assert replicas[0].calls == ["r0", "r1", "r2"]
+        # With no other replica to try, the call fails as it would on one engine (a retryable 503).
+        replicas[0].broken = True
+        with pytest.raises(EngineUnavailable):
             await call(fleet, "r1")
         assert fleet.replica_of("r1") is None
-        assert fleet.status()[1].state == "cooling down"
-        await call(fleet, "r1")  # the retry moves
-        await call(fleet, "r2")  # a new rollout: replica 0 although it holds both others
-        assert (fleet.replica_of("r1"), fleet.replica_of("r2")) == (0, 0)
-        assert replicas[0].calls == ["r0", "r1", "r2"]
+        replicas[0].broken = False
 
         # Back after the cool-down: new rollouts go to the replica with the fewest again.
         replicas[1].broken = False
@@ -506,7 +511,7 @@ async def test_an_appliance_step_through_a_fleet(
         return EngineFleet(built)
 
     # Replicas that record their calls (engine_replicas = 2 would build plain ones).
-    monkeypatch.setattr(app_module, "create_engine", two_replicas)
+    monkeypatch.setattr(app_module, "create_fleet", two_replicas)
     config = make_config(tmp_path, tiny_model_dir, max_steps=1, lr=1e-2)
     async with Appliance(config) as app:
         fleet = app.engine
