@@ -66,7 +66,6 @@ from appliance.engines.base import (
 from appliance.engines.http_stream import StreamPool
 from appliance.engines.sampling import TopLogprobs
 from appliance.engines.served import WAKE_TAGS, check_sleep_level, check_wake_tags
-from appliance.engines.vllm_buckets import VLLMBuckets
 from appliance.engines.vllm_client import (
     ParsedChoice,
     ServerClient,
@@ -88,24 +87,25 @@ from appliance.engines.vllm_process import (
     private_socket,
     split_server_url,
 )
+from appliance.engines.vllm_pull import PullSource, VLLMPull
 from appliance.engines.vllm_supervise import VLLMSupervisor
 from contracts.errors import ApplianceError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
 
-class VLLMEngine(VLLMBuckets, VLLMSupervisor):
+class VLLMEngine(VLLMPull, VLLMSupervisor):
     """An ``Engine`` backed by a vLLM server that this object launches, supervises and stops.
 
     ``python`` is the interpreter of vLLM's own virtualenv (``make vllm-cpu``); ``port`` 0 has the server
     listen on a Unix socket of its own (cheaper per call than TCP), another on that port; ``base_url``
-    instead attaches to a server already running on this host (``http://host:port`` or ``unix:/path``; no
-    launch, no supervision; weights still travel through ``/dev/shm``, and the server needs the worker
-    extension, as ``vllm_process.server_command`` sets it up). ``max_batch_size`` is vLLM's
-    ``--max-num-seqs``; ``dtype`` defaults to the checkpoint's own; ``log_path`` receives the server's
-    output; ``policy_version`` is the version of the weights in ``model_dir``; ``visible_devices`` (e.g.
-    "2,3") is the server's ``CUDA_VISIBLE_DEVICES`` (None: inherited); ``enforce_eager`` turns CUDA graphs
-    off (None: off on CPU only).
+    instead attaches to a running server (``http://host:port`` or ``unix:/path``; no launch, no supervision;
+    it needs the worker extension, as ``vllm_process.server_command`` sets it up), which gets its weights
+    through ``/dev/shm`` (on this host) or, given ``pull``, pulls them over HTTP (``vllm_pull``: from any
+    host). ``max_batch_size`` is vLLM's ``--max-num-seqs``; ``dtype`` defaults to the checkpoint's own;
+    ``log_path`` receives the server's output; ``policy_version`` is the version of the weights in
+    ``model_dir``; ``visible_devices`` (e.g. "2,3") is the server's ``CUDA_VISIBLE_DEVICES`` (None:
+    inherited); ``enforce_eager`` turns CUDA graphs off (None: off on CPU only).
     ``switch_times`` holds the seconds the last start, push, sleep, wake and restart took.
     """
 
@@ -133,8 +133,9 @@ class VLLMEngine(VLLMBuckets, VLLMSupervisor):
         lora_rank: int = 0,
         visible_devices: str | None = None,
         enforce_eager: bool | None = None,
+        pull: PullSource | None = None,
     ) -> None:
-        self._model_dir = Path(model_dir)
+        self._model_dir, self._pull = Path(model_dir), pull
         config = json.loads((self._model_dir / "config.json").read_text())
         self._vocab_size = int(config["vocab_size"])
         self._tied = bool(config.get("tie_word_embeddings", False))

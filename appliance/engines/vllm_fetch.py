@@ -8,7 +8,8 @@ connection error, a 5xx, a short body) and checked against its SHA-256, into a d
 has room for them. Loading them into the model is the worker extension's. Like it, this file
 imports nothing from the appliance and nothing outside the standard library: it is copied next
 to it into the server's ``PYTHONPATH`` (``vllm_process.install_worker_extension``), where it is
-the module ``appliance_vllm_fetch``.
+the module ``appliance_vllm_fetch``. Its errors name a file by its name, not its URL: vLLM
+replaces what looks like a path in a worker's error with "<path>".
 """
 
 from __future__ import annotations
@@ -84,14 +85,16 @@ def fetch_file(url: str, file: dict[str, Any], path: Path, spec: dict[str, Any])
                 raise ConnectionError(f"the body ended after {size} of {file['bytes']} bytes")
         except OSError as exc:  # HTTPError, URLError, ConnectionError, TimeoutError
             if attempt == retries or getattr(exc, "code", None) in FINAL_HTTP:
-                raise PullError(f"GET {url} failed ({attempt + 1} tries); the last: {exc}") from exc
+                raise PullError(
+                    f"file {file['name']} could not be fetched ({attempt + 1} tries): {exc}"
+                ) from exc
             time.sleep(backoff * 2**attempt)
             attempt += 1
             continue
         if digest.hexdigest() != file["sha256"]:
             raise PullError(
-                f"GET {url}: its SHA-256 {digest.hexdigest()} is not the manifest's {file['sha256']} "
-                "(the file changed or was corrupted); nothing was loaded"
+                f"file {file['name']}: its SHA-256 {digest.hexdigest()} is not the manifest's "
+                f"{file['sha256']} (the file changed or was corrupted); nothing was loaded"
             )
         return path
 

@@ -66,7 +66,7 @@ async def test_a_wrong_token_fails_at_once_and_a_changed_file_by_its_digest(tmp_
         raw[10] ^= 0xFF
         path.write_bytes(bytes(raw))
         with pytest.raises(
-            vllm_fetch.PullError, match=f"{manifest.files[3].name}: its SHA-256 .* is not the manifest's"
+            vllm_fetch.PullError, match=f"file {manifest.files[3].name}: its SHA-256 .* is not the manifest's"
         ):
             await fetch(base, manifest, tmp_path / "pulled", spec(url))
         with pytest.raises(vllm_fetch.PullError, match="404"):
