@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, Protocol
 
-from appliance.cli import backup, doctor, evaluate, export, plan, status, tasks, tui, up
+from appliance.cli import backup, doctor, engine_host, evaluate, export, plan, status, tasks, tui, up
 from appliance.cli.common import hard_exit
 from contracts.errors import ApplianceError, StopForced
 
@@ -57,6 +57,7 @@ COMMANDS: dict[str, Command] = {
     "doctor": doctor,
     "plan": plan,
     "tasks": tasks,
+    "engine-host": engine_host,
 }
 
 

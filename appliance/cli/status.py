@@ -111,6 +111,11 @@ def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
         None if stop is None else {"reason": stop.reason, "failed": stop.failed, "ts": stop.ts}
     )
     summary["chain"] = _chain_status(db)
+    # Remote engine replicas as the log knows them (``GET /admin/engines``: as the fleet does now).
+    summary["replicas"] = [
+        {"id": r.replica, "url": r.url, "version": r.policy_version, "state": r.state, "reason": r.reason}
+        for r in state.replicas.values()
+    ]
 
     def round_reasons(rollouts: Sequence[str]) -> list[dict[str, Any]]:
         views = [state.rollouts[r] for r in rollouts if r in state.rollouts]
@@ -252,6 +257,10 @@ def _print_status(summary: dict[str, Any]) -> None:
         label = "stopped (the run could not go on)" if stopped["failed"] else "stopped"
         print(f"{label}: {stopped['reason']}")
     print(f"checksum chain {summary['chain']}")
+    for replica in summary.get("replicas", []):
+        version = f"v{replica['version']}" if replica["version"] >= 0 else "v?"
+        reason = f" ({replica['reason']})" if replica["reason"] else ""
+        print(f"remote engine {replica['id']} {replica['url']}  {version}  {replica['state']}{reason}")
     if summary.get("agents"):
         print(summary["agents"])
     disk = summary["disk_bytes"]

@@ -104,6 +104,7 @@ VALUES: dict[str, str] = {
     "sandbox": "none",
     "host": "0.0.0.0",
     "vllm_url": "http://127.0.0.1:8000",
+    "remote": "http://10.0.0.2:8000,http://10.0.0.3:8000",
     "loggers": "console,tensorboard",
     "served_model_names": "gpt-4o-mini,claude-sonnet-4-5",
 }
