@@ -30,7 +30,7 @@ FINAL_HTTP = frozenset({400, 401, 403, 404, 410})
 #: Where pulled files wait to be loaded (else /dev/shm when it has room, else the temp dir).
 PULL_DIR_ENV = "APPLIANCE_PULL_DIR"
 #: Bytes read from the connection at a time.
-CHUNK = 1 << 20
+CHUNK = 4 << 20
 
 
 class PullError(RuntimeError):

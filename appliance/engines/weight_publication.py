@@ -100,7 +100,9 @@ def _owner_only_dir(path: Path) -> None:
 
 def write_bucket_file(bucket: WeightBucket, path: Path) -> PublishedFile:
     """Copy ``bucket``'s entries from its file into ``path`` (owner-only), each at its offset
-    with zeros between them, hashing the result as it is written."""
+    with zeros between them, hashing the result as it is written. Not synced to disk: the
+    digests, not the file system, say whether a file is whole (a version cut short by a crash
+    is refused at its pull, and the next push publishes again)."""
     digest = hashlib.sha256()
     end = bucket.end
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -108,7 +110,8 @@ def write_bucket_file(bucket: WeightBucket, path: Path) -> PublishedFile:
         if end:
             with (
                 Path(bucket.path).open("rb") as source,
-                mmap.mmap(source.fileno(), end, access=mmap.ACCESS_READ) as raw,
+                mmap.mmap(source.fileno(), end, access=mmap.ACCESS_READ) as mapped,
+                memoryview(mapped) as raw,
             ):
                 written = 0
                 for entry in sorted(bucket.entries, key=lambda e: e.offset):
@@ -118,15 +121,13 @@ def write_bucket_file(bucket: WeightBucket, path: Path) -> PublishedFile:
                     out.write(gap)
                     digest.update(gap)
                     for start in range(entry.offset, entry.offset + entry.nbytes, _CHUNK):
-                        chunk = raw[start : min(start + _CHUNK, entry.offset + entry.nbytes)]
-                        out.write(chunk)
-                        digest.update(chunk)
+                        with raw[start : min(start + _CHUNK, entry.offset + entry.nbytes)] as chunk:
+                            out.write(chunk)
+                            digest.update(chunk)
                     written = entry.offset + entry.nbytes
                 tail = bytes(end - written)
                 out.write(tail)
                 digest.update(tail)
-        out.flush()
-        os.fsync(out.fileno())
     return PublishedFile(path.name, end, digest.hexdigest(), bucket.entries)
 
 
