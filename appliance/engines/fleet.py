@@ -123,9 +123,9 @@ class EngineFleet(FleetWeights):
     @property
     def needs_weights(self) -> bool:
         """A local replica is up but lacks the fleet's weights (it lost a bucketed version, or
-        missed a push while it was down or failed), or, where no ``catch_up`` is given, a
-        remote one that is up is behind and has not failed lately: the scheduler then pushes to
-        all."""
+        missed a push while it was down or failed), or a remote one that is up is behind, has
+        not failed lately and no catch-up can bring it to the fleet's version (none is given, or
+        its catch-up found nothing published at it): the scheduler then pushes to all."""
         if self._closed:
             return False
         now = time.monotonic()
@@ -140,7 +140,8 @@ class EngineFleet(FleetWeights):
                 and engine.policy_version != self._version
             )
         recent = replica.failed_at is not None and now - replica.failed_at < self._cooldown_s
-        return self.catch_up is None and down_reason(engine) is None and not recent and self._behind(replica)
+        pushed = self.catch_up is None or replica.wants_push  # no catch-up can bring it there
+        return pushed and down_reason(engine) is None and not recent and self._behind(replica)
 
     def _behind(self, replica: Replica) -> bool:
         lag = self._version - replica.engine.policy_version

@@ -65,6 +65,9 @@ class Replica:
     behind: bool = False
     #: Its catch-up under way, if any.
     catching_up: asyncio.Task[None] | None = None
+    #: Its catch-up found nothing to take it to the fleet's version (nothing published at it):
+    #: it waits for the scheduler's next push to all (``needs_weights``).
+    wants_push: bool = False
 
 
 def down_reason(engine: Engine) -> str | None:

@@ -212,12 +212,16 @@ class FleetWeights:
             return
         if replica.engine.policy_version == self._version:
             self._caught_up(replica)
-        else:  # a newer version came meanwhile: take that one too
+        elif self._version != version:  # a newer version came meanwhile: take that one too
             replica.catching_up = None
             self._start_catch_up(replica)
+        else:  # nothing to catch up from (the version was never published): the next push
+            log.info("engine fleet: replica %s waits for a push of version %d", replica.id, version)
+            replica.wants_push = True
 
     def _caught_up(self, replica: Replica) -> None:
         was_behind, replica.behind, replica.failed_at = replica.behind, False, None
+        replica.wants_push = False
         if was_behind and replica in self._replicas and self.on_caught_up is not None:
             self.on_caught_up(replica.id, replica.engine.policy_version)
 

@@ -79,6 +79,27 @@ async def test_a_joining_replica_is_behind_until_it_catches_up_then_takes_rollou
     assert fleet.replica_of("d") == 1 and remote.calls == ["d"] and result.policy_version == 1
 
 
+async def test_a_catch_up_that_finds_nothing_published_asks_for_a_push_once(
+    fleet: EngineFleet, remote: Replica, tiny_model_dir: Path
+) -> None:
+    """A replica joining a run whose version was never published (the publication is empty:
+    no replica pulled before) is not caught up in a loop: it waits for the scheduler's push."""
+    state = perturbed_state(tiny_model_dir, 1)
+    await fleet.load_weights(state, 1)
+    tries: list[int] = []
+
+    async def nothing_published(engine: Engine, version: int) -> None:
+        tries.append(version)  # a pull that finds no version: the engine keeps its own
+
+    fleet.catch_up = nothing_published
+    fleet.add(remote, replica_id="rA", url="http://engine-a:8000")
+    await asyncio.sleep(0.2)
+    assert tries == [1] and states(fleet)["rA"] == "behind" and fleet.needs_weights
+    await fleet.load_weights(state, 1)  # the scheduler's push to all
+    assert states(fleet) == {"0": "live", "rA": "live"} and not fleet.needs_weights
+    assert_serves(remote, state)
+
+
 async def test_the_staleness_bound_applies_per_replica(
     fleet: EngineFleet, remote: Replica, tiny_model_dir: Path
 ) -> None:
