@@ -49,12 +49,12 @@ from appliance.chat.tokenizer import Tokenizer
 from appliance.config import ApplianceConfig, umask_bits
 from appliance.engines.base import Engine
 from appliance.engines.factory import create_fleet
-from appliance.engines.remote import RemoteReplicas, remote_replicas
+from appliance.engines.remote import RemoteReplicas, pull_source, remote_replicas
 from appliance.operations import preflight
 from appliance.operations.collector import freeze_startup_objects
 from appliance.operations.health import Health
 from appliance.placement.plan import describe
-from appliance.proxy import engines_admin
+from appliance.proxy import engines_admin, weights
 from appliance.proxy.calls import CallService
 from appliance.proxy.control import RUN_STATE
 from appliance.proxy.gate import ServingGate
@@ -268,7 +268,9 @@ class Appliance:
         self.runners = attach_runners(adapter, self.registry, config.harness, live=lambda: self.live)
         if self.runners is not None:
             proxy_app[RUNNERS] = self.runners
-        self.replicas = remote_replicas(config, fleet, self.store, self.model_name, model_dir)
+        publication, pull = pull_source(config, lambda: self.proxy.url, self.admin_token)
+        weights.serve(proxy_app, publication)  # GET /admin/weights/...: what remote replicas pull
+        self.replicas = remote_replicas(config, fleet, self.store, self.model_name, model_dir, pull)
         engines_admin.attach(proxy_app, self.replicas)  # GET, POST, DELETE /admin/engines
         self.proxy = ProxyServer(
             proxy_app, proxy.host, proxy.port, shutdown_timeout_s=min(2.0, config.stop_timeout_s / 4)

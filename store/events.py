@@ -474,11 +474,11 @@ class EngineRegistered(Event):
     url: str
     #: The run's model it serves (the appliance's name for it).
     model: str
-    #: The policy version it said it served when it registered (-1: it could not say, so it
-    #: takes the run's current one before serving).
+    #: The policy version it said it served (-1: unknown; it takes the run's before serving).
     policy_version: int = -1
-    #: The longest prompt + completion it serves, in tokens.
-    max_model_len: int = 0
+    max_model_len: int = 0  #: the longest prompt + completion it serves, in tokens
+    #: How it takes weights: "http" (pulls each published version) or "shm" ("": not said).
+    weights: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

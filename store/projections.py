@@ -147,6 +147,8 @@ class ReplicaView:
     state: str = "registered"
     #: Why it was lost, in one line ("" unless lost).
     reason: str = ""
+    #: How it takes new weights (``EngineRegistered.weights``).
+    weights: str = ""
 
 
 @dataclass
@@ -296,7 +298,7 @@ class RunState:
             case EngineRegistered():
                 self.replicas.pop(event.replica, None)  # registered again: now the newest
                 self.replicas[event.replica] = ReplicaView(
-                    event.replica, event.url, event.model, event.policy_version
+                    event.replica, event.url, event.model, event.policy_version, weights=event.weights
                 )
             case EngineCaughtUp():
                 if replica := self.replicas.get(event.replica):

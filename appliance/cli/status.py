@@ -113,7 +113,14 @@ def status_report(data_dir: Path, failures: int = 0) -> dict[str, Any]:
     summary["chain"] = _chain_status(db)
     # Remote engine replicas as the log knows them (``GET /admin/engines``: as the fleet does now).
     summary["replicas"] = [
-        {"id": r.replica, "url": r.url, "version": r.policy_version, "state": r.state, "reason": r.reason}
+        {
+            "id": r.replica,
+            "url": r.url,
+            "version": r.policy_version,
+            "state": r.state,
+            "reason": r.reason,
+            "weights": r.weights,
+        }
         for r in state.replicas.values()
     ]
 
@@ -260,7 +267,10 @@ def _print_status(summary: dict[str, Any]) -> None:
     for replica in summary.get("replicas", []):
         version = f"v{replica['version']}" if replica["version"] >= 0 else "v?"
         reason = f" ({replica['reason']})" if replica["reason"] else ""
-        print(f"remote engine {replica['id']} {replica['url']}  {version}  {replica['state']}{reason}")
+        weights = f"  weights by {replica['weights']}" if replica.get("weights") else ""
+        print(
+            f"remote engine {replica['id']} {replica['url']}  {version}  {replica['state']}{weights}{reason}"
+        )
     if summary.get("agents"):
         print(summary["agents"])
     disk = summary["disk_bytes"]

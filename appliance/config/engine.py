@@ -59,6 +59,13 @@ class EngineConfig:
     #: Seconds a remote replica may take to take a weight update (or a catch-up call); past it
     #: the update goes on without it, and it serves no new rollouts until it catches up.
     remote_deadline_s: float = 60.0
+    #: How remote replicas take new weights: "http" (each pulls the published version from the
+    #: appliance's ``/admin/weights`` routes, checked by SHA-256: any network that passes HTTP)
+    #: or "shm" (files in this host's ``/dev/shm``: replicas on this machine only).
+    remote_weights: str = "http"
+    #: The appliance's URL as remote replicas reach it, for their weight pulls (None: the
+    #: proxy's own URL, its host name where it listens on every address).
+    weights_url: str | None = None
 
     def __post_init__(self) -> None:
         one_of("engine", self.kind, ("auto", *ENGINES))
@@ -75,6 +82,9 @@ class EngineConfig:
         seconds("remote_deadline_s", self.remote_deadline_s)
         for url in self.remote:
             remote_url(url)
+        one_of("remote_weights", self.remote_weights, ("http", "shm"))
+        if self.weights_url is not None:
+            remote_url(self.weights_url)
         if self.vllm_url and self.engine_replicas > 1:
             raise ConfigError(
                 f"vllm_url attaches to one running server, but engine_replicas is {self.engine_replicas}: "

@@ -22,10 +22,12 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -35,6 +37,8 @@ from appliance.engines.base import Engine
 from appliance.engines.factory import remote_engine
 from appliance.engines.fleet import EngineFleet
 from appliance.engines.remote_check import check_remote
+from appliance.engines.vllm_pull import PullSource
+from appliance.engines.weight_publication import WeightPublication
 from contracts.errors import BadRequest, ConfigError, EngineUnavailable, NotFound
 from store.events import EngineCaughtUp, EngineLost, EngineRegistered, Event
 from store.eventstore import EventStore
@@ -151,9 +155,10 @@ class RemoteReplicas:
                 model=self._model,
                 policy_version=remote.policy_version,
                 max_model_len=remote.max_model_len,
+                weights=transport(engine),
             )
             await self._record(event)
-            self.known[rid] = ReplicaView(rid, url, self._model, remote.policy_version)
+            self.known[rid] = ReplicaView(rid, url, self._model, remote.policy_version, weights=event.weights)
             self._misses[rid] = 0
             self._fleet.add(engine, replica_id=rid, url=url)
             log.info(
@@ -203,6 +208,7 @@ class RemoteReplicas:
                     "policy_version": status.policy_version,
                     "inflight": status.inflight,
                     "rollouts": status.rollouts,
+                    "weights": transport(self._fleet.engine_of(rid)) if status.remote else "local",
                 }
         view = self.known[rid]
         state = "lost" if view.state == "lost" else "not attached"
@@ -273,6 +279,11 @@ class RemoteReplicas:
         await self._store.append([event])
 
 
+def transport(engine: Engine) -> str:
+    """How a remote replica's engine takes new weights: "http" (it pulls them) or "shm"."""
+    return str(getattr(engine, "weights_transport", "shm"))
+
+
 async def _pull_current(engine: Engine, version: int) -> None:
     """A replica's catch-up where engines pull: the newest published version (``version``, or
     newer by now), or nothing where none is published yet (it serves the checkpoint's)."""
@@ -288,17 +299,44 @@ def remote_replicas(
     store: EventStore,
     model: str,
     model_dir: Path,
-    pull: object | None = None,
+    pull: Callable[[], PullSource] | None = None,
 ) -> RemoteReplicas:
     """The run's remote replicas: each attached as the factory attaches one
-    (``factory.remote_engine``), pulling its weights from ``pull`` (a ``vllm_pull.PullSource``)
-    where given (then a catch-up is a pull of the newest version), else taking pushes through
-    shared memory."""
-    options: dict[str, Any] = {} if pull is None else {"pull": pull}
+    (``factory.remote_engine``), pulling its weights from ``pull()`` (a ``PullSource``, made when
+    the first replica attaches: the proxy's URL is known by then) where given (then a catch-up
+    is a pull of the newest version), else taking pushes through shared memory."""
 
     def make_engine(url: str, served_name: str, version: int) -> Engine:
+        options: dict[str, Any] = {} if pull is None else {"pull": pull()}
         return remote_engine(config, model_dir, url, served_name, version, **options)
 
     return RemoteReplicas(
         fleet, store, model=model, model_dir=model_dir, make_engine=make_engine, pulls=pull is not None
     )
+
+
+def pull_source(
+    config: ApplianceConfig, proxy_url: Callable[[], str], token: str
+) -> tuple[WeightPublication | None, Callable[[], PullSource] | None]:
+    """Where remote replicas pull their weights from (``[engine] remote_weights = "http"``): the
+    publication under ``<data_dir>/weights`` and a maker of the ``PullSource`` at
+    ``weights_url`` (else the proxy's URL, its host name where it listens on every address);
+    ``(None, None)`` where they take pushes through shared memory."""
+    if config.engine.remote_weights != "http":
+        return None, None
+    publication = WeightPublication(config.data_dir / "weights")
+
+    def source() -> PullSource:
+        given = config.engine.weights_url
+        url = remote_url(given) if given else reachable(proxy_url())
+        return PullSource(url=url, token=token, publication=publication)
+
+    return publication, source
+
+
+def reachable(url: str) -> str:
+    """``url`` with a wildcard host (``0.0.0.0``, ``::``) replaced by this machine's name."""
+    parts = urlsplit(url)
+    if parts.hostname not in ("0.0.0.0", "::"):
+        return url
+    return f"{parts.scheme}://{socket.getfqdn()}:{parts.port}"

@@ -105,6 +105,8 @@ VALUES: dict[str, str] = {
     "host": "0.0.0.0",
     "vllm_url": "http://127.0.0.1:8000",
     "remote": "http://10.0.0.2:8000,http://10.0.0.3:8000",
+    "remote_weights": "shm",
+    "weights_url": "http://10.0.0.1:8640",
     "loggers": "console,tensorboard",
     "served_model_names": "gpt-4o-mini,claude-sonnet-4-5",
 }

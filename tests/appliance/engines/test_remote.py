@@ -97,8 +97,10 @@ async def test_engines_routes_register_refuse_list_and_remove(tmp_path: Path, ti
         rid = replica_id(url)
         assert status == 201 and body["id"] == rid and body["url"] == url
         assert body["remote"] and body["state"] == "behind"  # it takes the run's version first
+        assert body["weights"] == "http"  # it pulls each version from the appliance (the default)
         (registered,) = await events_of(app, EngineRegistered)
         assert (registered.replica, registered.url, registered.max_model_len) == (rid, url, 1 << 20)
+        assert registered.weights == "http"
         status, again = await admin(app, "POST", "/admin/engines", {"url": url})
         assert status == 200 and again["id"] == rid
         status, listing = await admin(app, "GET", "/admin/engines")
@@ -133,7 +135,8 @@ async def test_a_restart_re_attaches_registered_replicas_and_records_the_missing
         async with Appliance(config) as app:
             listing = (await admin(app, "GET", "/admin/engines"))[1]["engines"]
             states = {e["url"]: e["state"] for e in listing if e["remote"]}
-            assert states[url_a] == "behind" and states[url_b] == "lost"
+            # a holds the run's version (0: the checkpoint, nothing published to pull): live.
+            assert states[url_a] == "live" and states[url_b] == "lost"
             (lost,) = await events_of(app, EngineLost)
             assert lost.replica == replica_id(url_b) and not lost.removed and url_b in lost.reason
             assert app.live.state.replicas[replica_id(url_b)].state == "lost"
@@ -176,3 +179,25 @@ def test_differences_name_each_weight_that_differs() -> None:
         "it has no b.weight",
         "it has c.weight, which the run's model has not",
     ]
+
+
+def test_remote_replicas_pull_from_the_proxy_or_weights_url_unless_told_shm(tmp_path: Path) -> None:
+    import socket
+
+    from appliance.config import load_config
+    from appliance.engines.remote import pull_source
+
+    def config(**env: str) -> Any:
+        return load_config(env={"APPLIANCE_DATA_DIR": str(tmp_path), **env}, resolved=False)
+
+    publication, source = pull_source(config(), lambda: "http://127.0.0.1:8640", "secret")
+    assert publication is not None and source is not None
+    assert publication.root == tmp_path / "weights" and (tmp_path / "weights").stat().st_mode & 0o077 == 0
+    made = source()
+    assert (made.url, made.token, made.publication) == ("http://127.0.0.1:8640", "secret", publication)
+    # A proxy listening on every address is reached by this machine's name.
+    _, source = pull_source(config(), lambda: "http://0.0.0.0:8640", "secret")
+    assert source is not None and source().url == f"http://{socket.getfqdn()}:8640"
+    _, source = pull_source(config(APPLIANCE_WEIGHTS_URL="http://10.0.0.1:8640/"), lambda: "x", "t")
+    assert source is not None and source().url == "http://10.0.0.1:8640"
+    assert pull_source(config(APPLIANCE_REMOTE_WEIGHTS="shm"), lambda: "x", "t") == (None, None)
