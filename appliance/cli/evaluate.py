@@ -2,7 +2,7 @@
 
 Owns ``eval``'s flags, the harness it plays (the run's, as its latest ``up`` recorded it:
 agent, adapter, tasks, model, seed and validation settings, under ``--config``, the environment
-and the flags, ``appliance.rollouts.evaluation.run_harness``), where its tasks come from (a
+and the flags, ``appliance.rollouts.recorded_run.run_harness``), where its tasks come from (a
 validation round's, every held-out task with ``--all``, or every task of ``--split train``),
 and the line (or ``--json``) it prints, naming the agent played. A round in which no rollout
 finished is said so, with the reasons, and exits 1 (``EXIT_NONE_FINISHED``).
@@ -74,7 +74,7 @@ def _eval_config(args: argparse.Namespace, *, resolved: bool = True) -> Applianc
     """The config of ``eval``'s flags (``config_from_flags``) over the run's recorded harness
     (``run_harness``: what the run's latest ``up`` played, unless the file, the environment or
     a flag says otherwise)."""
-    from appliance.rollouts.evaluation import run_harness, run_start
+    from appliance.rollouts.recorded_run import run_harness, run_start
 
     keys = ("data_dir", "model", "engine", "device", "port", "agent", "tasks", "sandbox")
     config = config_from_flags(args, keys, resolved=False)

@@ -10,7 +10,7 @@ standard deviation and the agent played (:func:`agent_label`). The rollouts are 
 purpose "evaluation", so no step ever trains on them and validation rounds do not count them.
 Nothing else of the run changes: no step, no push, no checkpoint.
 
-An evaluation plays the run's harness: :func:`run_harness` reads what the run's latest start
+An evaluation plays the run's harness: ``recorded_run.run_harness`` reads what the run's latest start
 (``up``'s ``ApplianceStarted``) recorded (the harness section: agent, adapter, tasks and how
 they are split and sandboxed; the model, the seed and the validation settings), which ``eval``
 puts under its config file, environment and flags.
@@ -18,15 +18,13 @@ puts under its config file, environment and flags.
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 import statistics
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-from appliance.config import ApplianceConfig, HarnessConfig, recorded_value
+from appliance.config import ApplianceConfig, HarnessConfig
 from appliance.rollouts.controller import RolloutController
 from appliance.rollouts.validation import (
     arithmetic_training_tasks,
@@ -38,45 +36,10 @@ from appliance.scheduler.live import LiveState
 from contracts.errors import ConfigError
 from harness_adapters.base import Task
 from harness_adapters.tasks import TaskSet
-from store.events import ApplianceStarted, EvaluationCompleted
+from store.events import EvaluationCompleted
 from store.eventstore import EventStore
-from store.reading import select_sync
-from store.schema import COLUMNS
 
 SPLITS = ("train", "validation")
-#: What an evaluation takes from the run it evaluates (user-facing names): how its agents run
-#: and on which tasks (the harness section), and what decides the tasks and their sampling.
-RUN_FIELDS = (
-    *(f.name for f in dataclasses.fields(HarnessConfig)),
-    "model",
-    "seed",
-    "validation_tasks",
-    "validation_temperature",
-    "validation_max_tokens",
-)
-
-
-def run_start(db_path: Path) -> ApplianceStarted | None:
-    """The run's latest start in the log at ``db_path`` (``up``'s, not an evaluation's); None
-    when there is no log or no such start."""
-    if not db_path.is_file():
-        return None
-    sql = f"SELECT {COLUMNS} FROM events WHERE type = ? ORDER BY position"
-    starts = [s.event for s in select_sync(db_path, sql, (ApplianceStarted.type,))]
-    return next((e for e in reversed(starts) if isinstance(e, ApplianceStarted) and e.command == "up"), None)
-
-
-def run_harness(recorded: Mapping[str, Any]) -> dict[str, Any]:
-    """The :data:`RUN_FIELDS` a run's recorded config (``ApplianceStarted.config``, nested or
-    flat) holds, by user-facing name; a field it does not hold is left out."""
-    harness = recorded.get("harness")
-    fields: dict[str, Any] = {}
-    for name in RUN_FIELDS:
-        value = recorded_value(recorded, name)
-        held = name in recorded or (isinstance(harness, Mapping) and name in harness)
-        if value is not None or held:
-            fields[name] = value
-    return fields
 
 
 def agent_label(harness: HarnessConfig) -> str:

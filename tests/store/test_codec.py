@@ -32,6 +32,9 @@ _SAMPLES: dict[str, Any] = {
     "tuple[str, ...]": ("r1", "r2"),
     "tuple[JsonObject, ...]": ({"type": "message", "id": "msg_1"},),
     "dict[str, float]": {"loss": 0.125, "kl": 0.0},
+    "bool": True,
+    "tuple[int, ...]": (3, 0, 2**31 - 1),
+    "tuple[float, ...]": (0.1, -1.0, 1e-300),
 }
 
 
@@ -250,13 +253,17 @@ _STORED_ORDER: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "trainer_ranks",
             "placement",
             "agents",
+            "command",
         ),
         (),
     ),
-    "ApplianceStopped": (("reason",), ()),
+    "ApplianceStopped": (("reason", "failed", "command"), ()),
     "CallRewardReported": (("rollout", "call_id", "reward", "source", "name"), ()),
     "CheckpointSaved": (("step", "policy_version", "path", "reason"), ()),
     "ControlRequested": (("action", "source"), ()),
+    "EngineCaughtUp": (("replica", "policy_version"), ()),
+    "EngineLost": (("replica", "reason", "removed"), ()),
+    "EngineRegistered": (("replica", "url", "model", "policy_version", "max_model_len", "weights"), ()),
     "EvaluationCompleted": (
         (
             "step",
@@ -268,6 +275,7 @@ _STORED_ORDER: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "reward_std",
             "failed",
             "sampling",
+            "agent",
         ),
         (),
     ),
@@ -306,7 +314,17 @@ _STORED_ORDER: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "RolloutFinished": (("rollout", "status", "error", "duration_s"), ()),
     "SwitchPhaseCompleted": (("step", "phase", "duration_s"), ()),
     "TrainStepCompleted": (
-        ("step", "rollouts", "samples", "tokens", "zero_variance_groups", "metrics", "duration_s"),
+        (
+            "step",
+            "rollouts",
+            "samples",
+            "tokens",
+            "zero_variance_groups",
+            "metrics",
+            "duration_s",
+            "sampled",
+            "rewards",
+        ),
         (),
     ),
     "TrainStepFailed": (("step", "groups", "error", "attempt"), ()),
@@ -327,7 +345,8 @@ def test_every_event_type_keeps_its_stored_order() -> None:
 
 def test_encoded_event_is_plain_columns() -> None:
     row = encode(events.ApplianceStopped(ts=2.0, reason="done"))
-    assert row == EncodedEvent("ApplianceStopped", 1, None, 2.0, '{"reason":"done"}', b"")
+    data = '{"reason":"done","failed":false,"command":"up"}'
+    assert row == EncodedEvent("ApplianceStopped", 1, None, 2.0, data, b"")
 
 
 @pytest.mark.parametrize(

@@ -158,6 +158,8 @@ def test_summary() -> None:
         "paused": False,
         "calls": 3,
         "tokens_sampled": 9,
+        "tokens_prompt": 6,  # each call's whole prompt (2 ids, 3 calls)
+        "tokens_trained": 0,  # its step recorded no trained figure
     }
     assert RunState().summary()["mean_reward"] is None
 
