@@ -249,6 +249,12 @@ class EngineUnavailable(ApplianceError, status=503, error_type="server_error", c
     retry_after_s = 1
 
 
+class ReplicaLost(EngineUnavailable, code="engine_replica_lost"):
+    """An engine replica was lost (it died, or was cut off) after it had sampled tokens of the
+    call: the call ends, and its rollout fails with this message as its reason (its tokens came
+    from a replica that cannot finish them)."""
+
+
 class NothingToClaim(ApplianceError, status=503, error_type="server_error", code="no_rollout_offered"):
     """No rollout was offered to external runners within a claim's wait (the scheduler is
     training, or the staleness bound or a pause holds new groups back); nothing was recorded

@@ -52,7 +52,7 @@ from typing import Any
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult
 from appliance.engines.fleet_replica import CatchUp, Replica, ReplicaStatus, Supervised, down_reason
 from appliance.engines.fleet_weights import FleetWeights
-from contracts.errors import EngineUnavailable
+from contracts.errors import EngineUnavailable, ReplicaLost
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +312,8 @@ class EngineFleet(FleetWeights):
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Generate on the rollout's replica; if it fails before it handed over a token, once
-        more on another replica. One that fails after handing tokens over ends the call with an
-        ``EngineUnavailable`` naming the replica."""
+        more on another replica. One that fails after handing tokens over ends the call with a
+        ``ReplicaLost`` naming the replica (its rollout then fails)."""
         self._ensure_open()
         tried: list[Replica] = []
         while True:
@@ -326,8 +326,9 @@ class EngineFleet(FleetWeights):
                     raise
                 if handed.tokens:
                     where = f"replica {replica.id}" + (f" ({replica.url})" if replica.url else "")
-                    raise EngineUnavailable(
-                        f"engine {where} failed after it sampled {handed.tokens} tokens of this call: {exc}"
+                    raise ReplicaLost(
+                        f"engine {where} was lost mid-call, after it sampled {handed.tokens} tokens "
+                        f"of this call: {exc}"
                     ) from exc
                 tried.append(replica)
                 if len(self._replicas) <= len(tried) or len(tried) > 1:

@@ -5,7 +5,8 @@ that fails after its headers in ``driver``) it is noted on the request (:func:`n
 outermost middleware (:func:`middleware`) records it once the answer is built, before a whole
 answer is sent, so a harness never sees a refusal the log does not hold. It also counts the
 refusal on the live rollout (``ActiveRollout.refused``), which the rollout controller reads when
-the agent ends (``appliance.rollouts.controller.calls_verdict``).
+the agent ends (``appliance.rollouts.controller.calls_verdict``), and a call an engine replica
+broke off mid-way (``ReplicaLost``) as the rollout's reason to fail (``ActiveRollout.lost``).
 
 Recorded: model calls (``MODEL_CALL_ROUTES``, POST) of a rollout whose key was accepted. Not
 recorded: the rollout-less ``/v1`` routes, a request refused before its rollout was known (a
@@ -22,7 +23,7 @@ from aiohttp import web
 
 from appliance.proxy.http import CALLS, PREFIXES, Handler, authorised_rollout
 from appliance.rollouts.registry import DEFAULT_ROLLOUT
-from contracts.errors import ApplianceError
+from contracts.errors import ApplianceError, ReplicaLost
 from store.events import LLMCallRefused
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
     active.refused += 1
     active.unavailable += error.status in RETRYABLE
     active.last_refusal = event.reason()
+    if isinstance(error, ReplicaLost) and not active.lost:
+        active.lost = event.message  # the rollout fails with it, whatever the agent does next
     try:
         await request.app[CALLS].store.append([event])
     except Exception:  # the answer still goes out; the count above still fails the rollout

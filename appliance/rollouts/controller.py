@@ -9,8 +9,9 @@ times out, or the appliance stops.
 An agent that ends without error has not necessarily produced something to train on: a rollout
 whose model calls the proxy all refused (``LLMCallRefused``: a prompt past the context, a
 malformed request), more than ``max_refused_fraction`` of them, or that made no model call at
-all is failed, with the refusal as its reason (:func:`calls_verdict`). Being failed, it is
-never trained and counts toward the circuit breaker.
+all is failed, with the refusal as its reason (:func:`calls_verdict`); so is one a call of
+which an engine replica broke off mid-way (lost after it had sampled tokens: ``ReplicaLost``).
+Being failed, it is never trained and counts toward the circuit breaker.
 """
 
 from __future__ import annotations
@@ -224,11 +225,15 @@ class RolloutController:
 
 def calls_verdict(active: ActiveRollout, max_refused_fraction: float) -> str:
     """Why a rollout whose agent ended must be failed for its model calls, as its reason's first
-    line; "" when its calls are fine. Failed: every call refused (``refused`` of them and none
-    recorded), more than ``max_refused_fraction`` of its calls refused, or no call at all. The
-    fraction leaves out the answers a client retries (429, 503: ``ActiveRollout.unavailable``),
-    so a harness that waited out a busy appliance and went on is not failed for it."""
+    line; "" when its calls are fine. Failed: a call broken off by an engine replica that was
+    lost after it had sampled tokens of it (``ActiveRollout.lost``, its reason), every call
+    refused (``refused`` of them and none recorded), more than ``max_refused_fraction`` of its
+    calls refused, or no call at all. The fraction leaves out the answers a client retries (429,
+    503: ``ActiveRollout.unavailable``), so a harness that waited out a busy appliance and went
+    on is not failed for it."""
     recorded, refused = active.calls, active.refused
+    if active.lost:
+        return active.lost
     if refused and not recorded:
         return f"every model call was refused: {refused} of {refused} ({active.last_refusal})"
     wrong = refused - active.unavailable

@@ -41,6 +41,9 @@ class ActiveRollout:
     #: ``hold_timeout_s``, the engine unavailable, too many calls queued): the availability of the
     #: appliance, not the call's fault, so ``max_refused_fraction`` leaves them out.
     unavailable: int = 0
+    #: Why a model call of it ended mid-way (an engine replica lost after it had sampled tokens
+    #: of the call, ``ReplicaLost``); the controller fails the rollout with it ("": none did).
+    lost: str = ""
     reward: float | None = None
     #: Evaluation sampling of a validation rollout: the temperature and completion length its
     #: calls are served with, whatever the client or the training rules ask (None: no override).

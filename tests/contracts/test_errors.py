@@ -93,6 +93,7 @@ WIRE = [
     (errors.ModelNotFound, 404, "invalid_request_error", "model_not_found"),
     (errors.Conflict, 409, "invalid_request_error", "conflict"),
     (errors.EngineUnavailable, 503, "server_error", "engine_unavailable"),
+    (errors.ReplicaLost, 503, "server_error", "engine_replica_lost"),
     (errors.StopForced, 503, "server_error", "stopped"),
     (errors.TrainingFailed, 500, "server_error", "training_failed"),
     (errors.StoreError, 503, "server_error", "store_unavailable"),

@@ -209,7 +209,7 @@ async def test_a_call_that_failed_before_any_token_is_served_elsewhere_one_after
     )
     fleet._assign("c", fleet._replicas[1])
     with pytest.raises(
-        EngineUnavailable, match=r"replica rA \(http://engine-a:8000\) failed after it sampled 3"
+        EngineUnavailable, match=r"replica rA \(http://engine-a:8000\) was lost mid-call, after it sampled 3"
     ):
         await fleet.generate(request)
     assert seen == [5, 6, 7]  # nothing sampled twice: the call ended where the replica did
