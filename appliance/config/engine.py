@@ -59,6 +59,11 @@ class EngineConfig:
     #: Seconds a remote replica may take to take a weight update (or a catch-up call); past it
     #: the update goes on without it, and it serves no new rollouts until it catches up.
     remote_deadline_s: float = 60.0
+    #: Seconds a call on a remote replica may wait for its next token (its first counted from
+    #: the call's start); past it the call is ended there, as it is at once when the replica's
+    #: ``/health`` probe fails: one with no token yet is served by another replica, one with
+    #: tokens fails (a replica cut off without a reset never answers again).
+    remote_stall_s: float = 30.0
     #: How remote replicas take new weights: "http" (each pulls the published version from the
     #: appliance's ``/admin/weights`` routes, checked by SHA-256: any network that passes HTTP)
     #: or "shm" (files in this host's ``/dev/shm``: replicas on this machine only).
@@ -80,6 +85,7 @@ class EngineConfig:
         at_least("vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib, 1)
         seconds("vllm_startup_timeout_s", self.vllm_startup_timeout_s)
         seconds("remote_deadline_s", self.remote_deadline_s)
+        seconds("remote_stall_s", self.remote_stall_s)
         for url in self.remote:
             remote_url(url)
         one_of("remote_weights", self.remote_weights, ("http", "shm"))

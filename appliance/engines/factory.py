@@ -60,12 +60,14 @@ def create_fleet(
 ) -> EngineFleet:
     """``create_engine``'s engine as a fleet (of one, where it is one engine), which remote
     replicas may join at run time: a replica may serve up to the run's staleness bound behind
-    (``eta`` in async mode, else 0), and a remote one gets ``remote_deadline_s`` per update."""
+    (``eta`` in async mode, else 0), and a remote one gets ``remote_deadline_s`` per update and
+    ``remote_stall_s`` per token of a call."""
     config = config.with_resolved_device()
     engine = create_engine(config, model_dir, replica_gpus, gpu_memory_utilization)
     fleet = engine if isinstance(engine, EngineFleet) else EngineFleet([engine])
     fleet.max_staleness = config.scheduler.eta if config.scheduler.mode == "async" else 0
     fleet.remote_deadline_s = config.engine.remote_deadline_s
+    fleet.remote_stall_s = config.engine.remote_stall_s
     return fleet
 
 

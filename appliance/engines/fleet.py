@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from appliance.engines.base import Engine, GenerateRequest, GenerateResult
+from appliance.engines.fleet_calls import bounded
 from appliance.engines.fleet_replica import CatchUp, Replica, ReplicaStatus, Supervised, down_reason
 from appliance.engines.fleet_weights import FleetWeights
 from contracts.errors import EngineUnavailable, ReplicaLost
@@ -71,7 +72,8 @@ class EngineFleet(FleetWeights):
     is how long a replica whose call failed gets no new rollouts; ``max_affinities`` bounds the
     rollouts remembered (least recently used out); ``max_staleness`` is how many versions behind
     the fleet's a replica may serve and still get rollouts (the run's staleness bound);
-    ``remote_deadline_s`` bounds a remote replica's part of a weight update or a catch-up;
+    ``remote_deadline_s`` bounds a remote replica's part of a weight update or a catch-up, and
+    ``remote_stall_s`` the wait for each token of a call on it (``appliance.engines.fleet_calls``);
     ``catch_up`` brings a remote replica that is behind to the fleet's version; ``on_caught_up``
     (its id and version) and ``on_failed`` (its id and the error) tell whoever added it.
     """
@@ -84,6 +86,7 @@ class EngineFleet(FleetWeights):
         max_affinities: int = MAX_AFFINITIES,
         max_staleness: int = 0,
         remote_deadline_s: float = 60.0,
+        remote_stall_s: float = 30.0,
     ) -> None:
         if not replicas:
             raise ValueError("an engine fleet needs at least one replica")
@@ -98,6 +101,7 @@ class EngineFleet(FleetWeights):
         self._max_affinities = max_affinities
         self.max_staleness = max_staleness
         self.remote_deadline_s = remote_deadline_s
+        self.remote_stall_s = remote_stall_s
         self.catch_up: CatchUp | None = None
         self.on_caught_up: Callable[[str, int], None] | None = None
         self.on_failed: Callable[[str, BaseException], None] | None = None
@@ -320,7 +324,7 @@ class EngineFleet(FleetWeights):
             replica = self._route(request.affinity, tried)
             handed = _Handed(request)
             try:
-                return await self._generate_on(replica, handed.request)
+                return await self._generate_on(replica, handed)
             except EngineUnavailable as exc:
                 if self._closed:
                     raise
@@ -339,11 +343,29 @@ class EngineFleet(FleetWeights):
                     exc,
                 )
 
-    async def _generate_on(self, replica: Replica, request: GenerateRequest) -> GenerateResult:
+    def end_calls(self, replica_id: str, reason: str) -> None:
+        """End the calls in flight on remote replica ``replica_id`` with ``reason`` (its health
+        probe failed, it was lost): each is served elsewhere, or ended with ``ReplicaLost`` if
+        it had tokens. None such: nothing to end."""
+        replica = next((r for r in self._replicas if r.id == replica_id), None)
+        if replica is not None and replica.ended is not None:
+            replica.ended.set_result(reason)
+            replica.ended = None
+
+    async def _generate_on(self, replica: Replica, handed: _Handed) -> GenerateResult:
         started = time.monotonic()
+        request = handed.request
         replica.inflight += 1
         try:
-            result = await replica.engine.generate(request)
+            if replica.remote:
+                if replica.ended is None:
+                    replica.ended = asyncio.get_running_loop().create_future()
+                generation = replica.engine.generate(request)
+                result = await bounded(
+                    generation, stall_s=self.remote_stall_s, progress=handed.last, ended=replica.ended
+                )
+            else:
+                result = await replica.engine.generate(request)
         except EngineUnavailable as exc:
             if not self._closed:
                 # Down, restarting, or broken: no new rollouts for a while, and this one moves.
@@ -359,17 +381,19 @@ class EngineFleet(FleetWeights):
 
 
 class _Handed:
-    """A request whose token callbacks count what the engine handed over (``tokens``): a call
-    that failed before any can be tried again elsewhere."""
+    """A request whose token callbacks count what the engine handed over (``tokens``: a call
+    that failed before any can be tried again elsewhere) and when it last did (``last_at``)."""
 
     def __init__(self, request: GenerateRequest) -> None:
         self.tokens = 0
+        self.last_at = time.monotonic()
         on_token, on_tokens = request.on_token, request.on_tokens
         changes: dict[str, Any] = {}
         if on_token is not None:
 
             def one(token: int, logprob: float) -> None:
                 self.tokens += 1
+                self.last_at = time.monotonic()
                 on_token(token, logprob)
 
             changes["on_token"] = one
@@ -377,7 +401,12 @@ class _Handed:
 
             def several(tokens: Sequence[int], logprobs: Sequence[float]) -> None:
                 self.tokens += len(tokens)
+                self.last_at = time.monotonic()
                 on_tokens(tokens, logprobs)
 
             changes["on_tokens"] = several
         self.request = dataclasses.replace(request, **changes) if changes else request
+
+    def last(self) -> float:
+        """The ``time.monotonic()`` of the last token handed over (of the start, before one)."""
+        return self.last_at

@@ -68,6 +68,9 @@ class Replica:
     #: Its catch-up found nothing to take it to the fleet's version (nothing published at it):
     #: it waits for the scheduler's next push to all (``needs_weights``).
     wants_push: bool = False
+    #: Resolved with why, to end a remote replica's calls in flight (``EngineFleet.end_calls``);
+    #: made by its first call, and anew once resolved.
+    ended: asyncio.Future[str] | None = None
 
 
 def down_reason(engine: Engine) -> str | None:

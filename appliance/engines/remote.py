@@ -6,10 +6,11 @@ added to the fleet, behind until it holds the run's policy version), its catch-u
 ``pull_current``, a pull of the newest published version over HTTP, where the engines pull;
 else the scheduler's push to all, through the fleet's ``needs_weights``) and ``EngineCaughtUp``,
 finding it lost (a failed call or update, or a missed ``/health`` on the watch every
-``watch_interval_s``: two misses in a row) and ``EngineLost``, removing it (``EngineLost`` with
-``removed``), and at a start re-attaching those the log holds and ``[engine] remote`` names. The
-routing and fan-out are the fleet's (``appliance.engines.fleet``), the HTTP routes
-``appliance.proxy.engines_admin``.
+``watch_interval_s``: two misses in a row) and ``EngineLost``, ending its calls in flight at its
+first missed ``/health`` (``EngineFleet.end_calls``; a call that stalls is the fleet's to end),
+removing it (``EngineLost`` with ``removed``), and at a start re-attaching those the log holds
+and ``[engine] remote`` names. The routing and fan-out are the fleet's
+(``appliance.engines.fleet``), the HTTP routes ``appliance.proxy.engines_admin``.
 
 Invariant: the fleet holds a remote replica only after its ``EngineRegistered`` is durable, and
 every replica that leaves it is recorded (``EngineLost``), so a restarted appliance finds the
@@ -191,6 +192,7 @@ class RemoteReplicas:
             return
         view.state, view.reason = "lost", reason
         log.warning("remote engine %s (%s) lost: %s", rid, view.url, reason)
+        self._fleet.end_calls(rid, reason)
         await self._leave(rid)
         await self._record(EngineLost(ts=time.time(), replica=rid, reason=reason))
 
@@ -234,6 +236,7 @@ class RemoteReplicas:
             problem = await self._health(rid)
             if problem is None:
                 return
+            self._fleet.end_calls(rid, f"its /health probe failed ({problem})")
             if attempt == 0:
                 await asyncio.sleep(1.0)
         await self.lose(rid, f"{why}; then /health did not answer ({problem})")
@@ -265,6 +268,8 @@ class RemoteReplicas:
             if not status.remote:
                 continue
             problem = await self._health(status.id)
+            if problem is not None:  # its calls may hang as its probe did: they end now
+                self._fleet.end_calls(status.id, f"its /health probe failed ({problem})")
             misses = self._misses[status.id] = 0 if problem is None else self._misses.get(status.id, 0) + 1
             if misses >= 2:
                 await self.lose(status.id, f"/health did not answer twice in a row ({problem})")
