@@ -4,8 +4,12 @@ Owns the download half of ``ApplianceWorkerExtension.appliance_pull_weights``
 (``appliance.engines.vllm_worker``): the files of a version published by
 ``appliance.engines.weight_publication`` and served by ``appliance.proxy.weights``, fetched with
 ``urllib`` a few at a time, each retried with doubling backoff on what a retry can change (a
-connection error, a 5xx, a short body) and checked against its SHA-256, into a directory that
-has room for them. Loading them into the model is the worker extension's. Like it, this file
+connection error, a 5xx, a short body) and checked against its SHA-256 as it arrives, into a
+directory that has room for them. A version still being written is followed as it grows
+(``fetch_streamed``: the route that lists each file once it is whole), each file fetched as
+soon as it is listed, so the appliance writes file i+1 while file i comes over and is hashed
+here; the pull is done only once the listing said the version is complete and every file
+arrived with its digest. Loading them into the model is the worker extension's. Like it, this file
 imports nothing from the appliance and nothing outside the standard library: it is copied next
 to it into the server's ``PYTHONPATH`` (``vllm_process.install_worker_extension``), where it is
 the module ``appliance_vllm_fetch``. Its errors name a file by its name, not its URL: vLLM
@@ -21,7 +25,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +76,17 @@ def fetch_file(url: str, file: dict[str, Any], path: Path, spec: dict[str, Any])
     attempt = 0
     while True:
         digest, size = hashlib.sha256(), 0
+        buffer = memoryview(bytearray(CHUNK))  # one buffer, read into again and again
         try:
             with (
                 urllib.request.urlopen(_request(url, spec), timeout=timeout) as answer,
-                path.open("wb") as out,
+                path.open("wb", buffering=0) as out,
             ):
-                while chunk := answer.read(CHUNK):
+                while read := answer.readinto(buffer):
+                    chunk = buffer[:read]
                     out.write(chunk)
                     digest.update(chunk)
-                    size += len(chunk)
+                    size += read
             if size != int(file["bytes"]):
                 raise ConnectionError(f"the body ended after {size} of {file['bytes']} bytes")
         except OSError as exc:  # HTTPError, URLError, ConnectionError, TimeoutError
@@ -97,6 +103,76 @@ def fetch_file(url: str, file: dict[str, Any], path: Path, spec: dict[str, Any])
                 f"{file['sha256']} (the file changed or was corrupted); nothing was loaded"
             )
         return path
+
+
+def fetch_streamed(
+    base: str, directory: Path, spec: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[Path]]:
+    """Every file of a version (``<base>/<name>``), each fetched (``threads`` at a time) as
+    soon as ``<base>/files`` lists it, into ``directory``; returns the files (the listing's
+    entries, in load order) and their paths once the listing ended complete and every file
+    arrived checked. A listing that ends in an error or is cut short (retried like a file,
+    resuming after the files it had listed) raises once the downloads under way have ended."""
+    retries, backoff = int(spec.get("retries", 4)), float(spec.get("backoff_s", 0.5))
+    timeout = float(spec.get("timeout_s", 60))
+    threads = max(1, int(spec.get("threads", 4)))
+    files: list[dict[str, Any]] = []
+    downloads: list[Future[Path]] = []
+    with ThreadPoolExecutor(threads, thread_name_prefix="appliance-pull") as pool:
+        try:
+            attempt = 0
+            while True:
+                try:
+                    end = _follow(base, spec, timeout, files, downloads, pool, directory)
+                    break
+                except OSError as exc:
+                    if attempt == retries or getattr(exc, "code", None) in FINAL_HTTP:
+                        raise PullError(
+                            f"the listing of {base}/files failed ({attempt + 1} tries): {exc}"
+                        ) from exc
+                    time.sleep(backoff * 2**attempt)
+                    attempt += 1
+            if "error" in end:
+                raise PullError(
+                    f"the appliance could not publish the version: {end['error']}; nothing was loaded"
+                )
+            if int(end["files"]) != len(files):
+                raise PullError(f"the listing ended with {end['files']} files, {len(files)} listed")
+            return files, [download.result() for download in downloads]
+        except BaseException:
+            for download in downloads:
+                download.cancel()
+            raise
+
+
+def _follow(
+    base: str,
+    spec: dict[str, Any],
+    timeout: float,
+    files: list[dict[str, Any]],
+    downloads: list[Future[Path]],
+    pool: ThreadPoolExecutor,
+    directory: Path,
+) -> dict[str, Any]:
+    """Read the listing at ``<base>/files``, starting the download of each file not had yet;
+    returns its last line (how the version's write ended); a cut-off body raises
+    ``ConnectionError``."""
+    with urllib.request.urlopen(_request(f"{base}/files", spec), timeout=timeout) as answer:
+        for raw in answer:
+            line = json.loads(raw)
+            if "name" not in line:
+                return dict(line)
+            names = {f["name"] for f in files}
+            if line["name"] not in names:
+                files.append(line)
+                path = directory / Path(line["name"]).name
+                downloads.append(pool.submit(fetch_file, f"{base}/{line['name']}", line, path, spec))
+            if any(d.done() and d.exception() is not None for d in downloads):
+                break  # a file failed: no use waiting for the rest of the listing
+    failed = next((d for d in downloads if d.done() and d.exception() is not None), None)
+    if failed is not None:
+        failed.result()  # raises its PullError (not an OSError: no retry)
+    raise ConnectionError("the listing ended before it said whether the version is complete")
 
 
 def fetch_files(base: str, files: list[dict[str, Any]], directory: Path, spec: dict[str, Any]) -> list[Path]:

@@ -8,15 +8,20 @@ size, its SHA-256 and its tensor entries (``[name, dtype, shape, offset, nbytes]
 worker's ``_appliance_load`` takes), under ``<root>/v<version>/``, owner-only. It also owns
 which versions are kept, and sharing one write among several consumers of the same push (the
 fleet's tee gives every replica a stream: the first to ask writes, the others drain theirs and
-wait for it). Serving the files is ``appliance.proxy.weights``; asking a server to pull them is
+wait for it), and showing a version while it is written: each file is listed (``files_of``) and
+served (``file_path``) as soon as it is whole and hashed, so a server pulls file i while file
+i+1 is written. Serving the files is ``appliance.proxy.weights``; asking a server to pull them is
 ``appliance.engines.vllm_pull``; the download itself runs in vLLM's worker (``vllm_worker``).
 
 Invariants: a version directory exists only once complete (written under ``.tmp-*`` and
-renamed; a write that fails leaves nothing); ``current`` is the newest complete version; the
-newest ``keep`` versions stay, and so does any version pinned (``pinned``: a pull in progress),
-so a reader never loses a file under it. A version published again with the same bytes keeps
-its directory; with other bytes it is replaced (a reader of the old one then sees a digest
-mismatch, never a mix it could load).
+renamed on the event loop's thread, so a path looked up and opened there is never renamed in
+between; a write that fails leaves nothing); a file is listed only once all its bytes are
+written and its digest known, and a version's readers learn whether its write completed or
+failed (``PublicationFailed``), never an end they could take for complete; ``current`` is the
+newest complete version; the newest ``keep`` versions stay, and so does any version pinned
+(``pinned``: a pull in progress), so a reader never loses a file under it. A version published
+again with the same bytes keeps its directory; with other bytes it is replaced (a reader of the
+old one then sees a digest mismatch, never a mix it could load).
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +99,27 @@ class Manifest:
         return cls(int(data["version"]), tuple(PublishedFile.from_json(f) for f in data["files"]))
 
 
+class PublicationFailed(RuntimeError):
+    """The write of a version its reader was following failed (nothing of it is published)."""
+
+
+@dataclass(slots=True)
+class _Progress:
+    """A version being written: its temporary directory, the files whole so far, and how the
+    write ended (``done``, or ``error``); ``changed`` is set (and replaced) at every change."""
+
+    directory: Path | None = None
+    files: list[PublishedFile] = field(default_factory=list)
+    done: bool = False
+    error: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def tell(self) -> None:
+        """Wake the readers waiting for a change (they wait on the event they saw)."""
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+
 def _owner_only_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     path.chmod(0o700)
@@ -100,35 +127,50 @@ def _owner_only_dir(path: Path) -> None:
 
 def write_bucket_file(bucket: WeightBucket, path: Path) -> PublishedFile:
     """Copy ``bucket``'s entries from its file into ``path`` (owner-only), each at its offset
-    with zeros between them, hashing the result as it is written. Not synced to disk: the
-    digests, not the file system, say whether a file is whole (a version cut short by a crash
-    is refused at its pull, and the next push publishes again)."""
-    digest = hashlib.sha256()
+    with zeros between them (the file is sized first, so the gaps are never written), while a
+    second thread hashes the same bytes: the copy and the SHA-256 each read the bucket once, at
+    the same time. Not synced to disk: the digests, not the file system, say whether a file is
+    whole (a version cut short by a crash is refused at its pull, and the next push publishes
+    again)."""
     end = bucket.end
+    spans = sorted(((e.offset, e.nbytes) for e in bucket.entries if e.nbytes), key=lambda span: span[0])
+    digest = hashlib.sha256()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
+    try:
+        os.ftruncate(fd, end)
         if end:
             with (
                 Path(bucket.path).open("rb") as source,
                 mmap.mmap(source.fileno(), end, access=mmap.ACCESS_READ) as mapped,
                 memoryview(mapped) as raw,
             ):
-                written = 0
-                for entry in sorted(bucket.entries, key=lambda e: e.offset):
-                    if entry.nbytes == 0:
-                        continue
-                    gap = bytes(entry.offset - written)
-                    out.write(gap)
-                    digest.update(gap)
-                    for start in range(entry.offset, entry.offset + entry.nbytes, _CHUNK):
-                        with raw[start : min(start + _CHUNK, entry.offset + entry.nbytes)] as chunk:
-                            out.write(chunk)
-                            digest.update(chunk)
-                    written = entry.offset + entry.nbytes
-                tail = bytes(end - written)
-                out.write(tail)
-                digest.update(tail)
+                # hashlib lets go of the GIL for large updates: the hash runs beside the copy.
+                hashing = threading.Thread(target=_hash_spans, args=(digest, raw, spans, end), daemon=True)
+                hashing.start()
+                try:
+                    for offset, nbytes in spans:
+                        for start in range(offset, offset + nbytes, _CHUNK):
+                            with raw[start : min(start + _CHUNK, offset + nbytes)] as chunk:
+                                done = 0
+                                while done < len(chunk):
+                                    done += os.pwrite(fd, chunk[done:], start + done)
+                finally:
+                    hashing.join()
+    finally:
+        os.close(fd)
     return PublishedFile(path.name, end, digest.hexdigest(), bucket.entries)
+
+
+def _hash_spans(digest: Any, raw: memoryview, spans: list[tuple[int, int]], end: int) -> None:
+    """Feed ``digest`` the bytes ``[0, end)`` of ``raw`` with everything outside ``spans`` zero."""
+    written = 0
+    for offset, nbytes in spans:
+        digest.update(bytes(offset - written))
+        for start in range(offset, offset + nbytes, _CHUNK):
+            with raw[start : min(start + _CHUNK, offset + nbytes)] as chunk:
+                digest.update(chunk)
+        written = offset + nbytes
+    digest.update(bytes(end - written))
 
 
 class WeightPublication:
@@ -152,6 +194,8 @@ class WeightPublication:
                     self._manifests[int(match[1])] = manifest
         #: Versions being written now: what their other consumers wait for.
         self._writing: dict[int, asyncio.Future[Manifest]] = {}
+        #: What their readers see of them: the files whole so far.
+        self._progress: dict[int, _Progress] = {}
         self._pins: Counter[int] = Counter()
         #: Seconds the last write took (consuming the stream included).
         self.last_write_s = 0.0
@@ -168,13 +212,52 @@ class WeightPublication:
     def manifest(self, version: int) -> Manifest | None:
         return self._manifests.get(version)
 
+    def writing(self, version: int) -> bool:
+        """Whether ``version`` is being written now (its files can be followed: ``files_of``)."""
+        return version in self._progress
+
+    def known(self, version: int) -> bool:
+        """Whether ``version`` is published or being written."""
+        return version in self._manifests or version in self._progress
+
     def file_path(self, version: int, name: str) -> Path | None:
         """The path of file ``name`` of ``version``: only a name its manifest lists (so no name
-        from a request reaches the file system unchecked); None for any other."""
+        from a request reaches the file system unchecked), or, while the version is written,
+        a file already whole; None for any other (a file still being written included). The
+        path stays valid until the event loop runs on: open it before awaiting anything."""
+        progress = self._progress.get(version)
+        directory = progress.directory if progress is not None else None
+        if progress is not None and directory is not None and any(f.name == name for f in progress.files):
+            return directory / name
         manifest = self._manifests.get(version)
         if manifest is None or manifest.file(name) is None:
             return None
         return self.root / f"v{version}" / name
+
+    async def files_of(self, version: int) -> AsyncIterator[PublishedFile]:
+        """The files of ``version`` in load order, each as soon as it is whole: all at once for
+        a published version, one by one as they are written for a version being written (its
+        end awaited). Raises ``KeyError`` for a version neither, and ``PublicationFailed`` when
+        the write it follows fails (after the files it listed: none of them may be loaded)."""
+        progress = self._progress.get(version)
+        if progress is None:
+            manifest = self._manifests.get(version)
+            if manifest is None:
+                raise KeyError(version)
+            for file in manifest.files:
+                yield file
+            return
+        listed = 0
+        while True:
+            changed = progress.changed
+            while listed < len(progress.files):
+                listed += 1
+                yield progress.files[listed - 1]
+            if progress.error is not None:
+                raise PublicationFailed(progress.error)
+            if progress.done:
+                return
+            await changed.wait()
 
     @contextlib.contextmanager
     def pinned(self, version: int) -> Iterator[None]:
@@ -193,36 +276,79 @@ class WeightPublication:
         closed when this returns. If ``version`` is being written by another consumer of the
         same push already, this stream is drained (so a tee feeding both moves on) and that
         write's manifest returned (its error raised)."""
+        return await self.begin(buckets, version)
+
+    def begin(self, buckets: AsyncIterator[WeightBucket], version: int) -> asyncio.Task[Manifest]:
+        """``publish`` as a task; the version is announced (``writing``, ``files_of``) by the
+        time this returns, so a reader can follow it at once. Call it in the event loop."""
         writing = self._writing.get(version)
         if writing is not None:
-            try:
-                async for _ in buckets:
-                    pass
-            finally:
-                await close_stream(buckets)
-            return await asyncio.shield(writing)
+            return asyncio.ensure_future(self._drain(buckets, writing))
         future: asyncio.Future[Manifest] = asyncio.get_running_loop().create_future()
         self._writing[version] = future
+        progress = self._progress[version] = _Progress()
+        task = asyncio.ensure_future(self._publish(buckets, version, future, progress))
+        task.add_done_callback(lambda _: self._forget(version, future, progress))
+        return task
+
+    @staticmethod
+    async def _drain(buckets: AsyncIterator[WeightBucket], writing: asyncio.Future[Manifest]) -> Manifest:
         try:
-            manifest = await self._write(buckets, version)
+            async for _ in buckets:
+                pass
+        finally:
+            await close_stream(buckets)
+        return await asyncio.shield(writing)
+
+    async def _publish(
+        self,
+        buckets: AsyncIterator[WeightBucket],
+        version: int,
+        future: asyncio.Future[Manifest],
+        progress: _Progress,
+    ) -> Manifest:
+        try:
+            manifest = await self._write(buckets, version, progress)
         except BaseException as exc:
-            future.set_exception(
-                exc if isinstance(exc, Exception) else RuntimeError("the write was cancelled")
-            )
-            future.exception()  # retrieved: the waiters, if any, get it too
+            self._fail(version, future, progress, exc)
             raise
         finally:
-            del self._writing[version]
             await close_stream(buckets)
+        progress.done = True
+        progress.tell()
         future.set_result(manifest)
         return manifest
 
-    async def _write(self, buckets: AsyncIterator[WeightBucket], version: int) -> Manifest:
+    def _fail(
+        self, version: int, future: asyncio.Future[Manifest], progress: _Progress, exc: BaseException
+    ) -> None:
+        """The write of ``version`` ended without a manifest: its readers and waiters told."""
+        progress.error = f"writing weights v{version} failed: {type(exc).__name__}: {exc}"
+        progress.tell()
+        if not future.done():
+            cause = exc if isinstance(exc, Exception) else RuntimeError("the write was cancelled")
+            future.set_exception(cause)
+            future.exception()  # retrieved: the waiters, if any, get it too
+        self._forget(version, future, progress)
+
+    def _forget(self, version: int, future: asyncio.Future[Manifest], progress: _Progress) -> None:
+        """No longer announce this write of ``version`` (a task cancelled before its first step
+        never ran ``_publish``: its readers are told here)."""
+        if self._writing.get(version) is future:
+            del self._writing[version]
+            del self._progress[version]
+        if not future.done():
+            self._fail(version, future, progress, asyncio.CancelledError())
+
+    async def _write(
+        self, buckets: AsyncIterator[WeightBucket], version: int, progress: _Progress
+    ) -> Manifest:
         loop = asyncio.get_running_loop()
         started = loop.time()
         temporary = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=".tmp-", dir=self.root))
+        progress.directory = temporary
         try:
-            files: list[PublishedFile] = []
+            files = progress.files
             async for bucket in buckets:
                 if bucket.via_group:
                     raise ValueError(
@@ -230,47 +356,59 @@ class WeightPublication:
                     )
                 path = temporary / FILE_NAME.format(index=len(files))
                 files.append(await asyncio.to_thread(write_bucket_file, bucket, path))
+                progress.tell()
                 if bucket.last:
                     break
             else:
                 raise ValueError("the weight buckets ended before their last bucket")
             manifest = Manifest(version, tuple(files))
-            await asyncio.to_thread(self._complete, temporary, manifest)
+            await asyncio.to_thread(self._write_manifest, temporary, manifest)
+            retired = self._swap_in(temporary, manifest)  # on this thread: see ``file_path``
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, temporary, True)
             raise
+        progress.directory = self.root / f"v{version}"  # the same files, where they are now
         self._manifests[version] = manifest
+        await asyncio.to_thread(self._settle, retired)
         self._prune()
         self.last_write_s = loop.time() - started
         log.info("published weights v%d: %d files, %d bytes", version, len(files), manifest.bytes)
         return manifest
 
-    def _complete(self, temporary: Path, manifest: Manifest) -> None:
-        """Write the manifest into ``temporary`` and make it the version's directory (kept as
-        it is if the version is already published with the same bytes)."""
+    @staticmethod
+    def _write_manifest(temporary: Path, manifest: Manifest) -> None:
         fd = os.open(temporary / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             json.dump(manifest.to_json(), out)
             out.flush()
             os.fsync(out.fileno())
         temporary.chmod(0o700)
+
+    def _swap_in(self, temporary: Path, manifest: Manifest) -> Path | None:
+        """Make ``temporary`` the version's directory (if the version is already published with
+        the same bytes, the directory stays and ``temporary`` goes); returns the directory left
+        to remove. Renames only: run on the event loop's thread, between two of its steps."""
         final = self.root / f"v{manifest.version}"
+        retired: Path | None = None
         if final.exists():
             if self._manifests.get(manifest.version) == manifest:
-                shutil.rmtree(temporary, ignore_errors=True)
-                return
-            retired = Path(tempfile.mkdtemp(prefix=".tmp-retired-", dir=self.root))
-            final.rename(retired / final.name)
-            temporary.rename(final)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            temporary.rename(final)
-        with contextlib.suppress(OSError):  # the rename made durable where the file system can
+                return temporary
+            retired = temporary.with_name(f".tmp-retired{temporary.name}")
+            final.rename(retired)
+        temporary.rename(final)
+        return retired
+
+    def _settle(self, retired: Path | None) -> None:
+        """After ``_swap_in``: the rename made durable where the file system can, and what it
+        left removed."""
+        with contextlib.suppress(OSError):
             dir_fd = os.open(self.root, os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+        if retired is not None:
+            shutil.rmtree(retired, ignore_errors=True)
 
     def _prune(self) -> None:
         """Remove complete versions older than the newest ``keep`` that nobody has pinned."""

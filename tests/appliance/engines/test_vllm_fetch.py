@@ -5,8 +5,11 @@ retried through a server that fails, refused on a wrong token or a digest that d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import os
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +17,10 @@ import pytest
 import torch
 from aiohttp import web
 
-from appliance.engines import vllm_fetch
-from appliance.engines.weight_publication import Manifest, WeightPublication
+from appliance.engines import vllm_fetch, weight_publication
+from appliance.engines.weight_publication import Manifest, PublishedFile, WeightPublication
 from tests.appliance.proxy.weights_app import TOKEN, weights_server
-from trainer.buckets import pack_buckets, stream_buckets
+from trainer.buckets import WeightBucket, pack_buckets, stream_buckets
 
 
 async def published(root: Path) -> tuple[WeightPublication, Manifest]:
@@ -125,3 +128,89 @@ def test_the_files_wait_where_there_is_room(tmp_path: Path, monkeypatch: pytest.
         vllm_fetch.pull_root(1 << 62)
     monkeypatch.delenv(vllm_fetch.PULL_DIR_ENV)
     assert vllm_fetch.pull_root(10) in ("/dev/shm", tempfile.gettempdir())
+
+
+def paced(gate: asyncio.Queue[None], fail_at: int | None = None) -> AsyncIterator[WeightBucket]:
+    """Six 32 KiB tensors, each bucket after the first handed over once ``gate`` has a token
+    (raising at bucket ``fail_at``)."""
+    tensors = {f"layer{i}.weight": torch.randn(128, 64) for i in range(6)}
+
+    async def buckets() -> AsyncIterator[WeightBucket]:
+        async for bucket in stream_buckets(pack_buckets(tensors.items(), bucket_bytes=1 << 15)):
+            if bucket.index:
+                await gate.get()
+            if bucket.index == fail_at:
+                raise RuntimeError("the trainer failed")
+            yield bucket
+
+    return buckets()
+
+
+async def feed(gate: asyncio.Queue[None], directory: Path, count: int) -> None:
+    """A token to ``gate`` each time a file has arrived in ``directory`` (the pull then waits
+    for the next one to be written: the two overlap, file by file)."""
+    given = 0
+    for _ in range(2000):  # 10 s at most
+        if len(await asyncio.to_thread(os.listdir, directory)) > given:
+            gate.put_nowait(None)
+            given += 1
+        if given == count:
+            return
+        await asyncio.sleep(0.005)
+
+
+async def test_a_version_being_written_is_fetched_file_by_file(tmp_path: Path) -> None:
+    """The pull follows the version's listing: each file is downloaded while the next is not
+    written yet (the write waits for it), and the pull ends only once the version is complete."""
+    publication = WeightPublication(tmp_path / "published")
+    gate: asyncio.Queue[None] = asyncio.Queue()
+    (tmp_path / "pulled").mkdir()
+    writing = publication.begin(paced(gate), 2)
+    async with weights_server(publication) as url:
+        feeding = asyncio.ensure_future(feed(gate, tmp_path / "pulled", 5))
+        files, paths = await asyncio.to_thread(
+            vllm_fetch.fetch_streamed, f"{url}/admin/weights/v2", tmp_path / "pulled", spec(url)
+        )
+        await feeding
+    manifest = await writing
+    assert files == [file.to_json() for file in manifest.files] and len(files) == 6
+    for path, file in zip(paths, manifest.files, strict=True):
+        assert path.name == file.name
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == file.sha256
+
+
+async def test_a_followed_pull_refuses_a_failed_write_and_a_digest_that_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    publication = WeightPublication(tmp_path / "published")
+    gate: asyncio.Queue[None] = asyncio.Queue()
+    (tmp_path / "pulled").mkdir()
+    base_of = "{}/admin/weights/v{}".format
+    async with weights_server(publication) as url:
+        writing = publication.begin(paced(gate, fail_at=3), 2)
+        for _ in range(3):
+            gate.put_nowait(None)
+        with pytest.raises(vllm_fetch.PullError, match=r"could not publish the version.*trainer failed"):
+            await asyncio.to_thread(
+                vllm_fetch.fetch_streamed, base_of(url, 2), tmp_path / "pulled", spec(url)
+            )
+        with pytest.raises(RuntimeError, match="trainer failed"):
+            await writing
+        # The third file is listed with a digest its bytes do not have.
+        write = weight_publication.write_bucket_file
+
+        def wrong(bucket: WeightBucket, path: Path) -> PublishedFile:
+            file = write(bucket, path)
+            return dataclasses.replace(file, sha256="0" * 64) if bucket.index == 2 else file
+
+        monkeypatch.setattr(weight_publication, "write_bucket_file", wrong)
+        writing = publication.begin(paced(gate), 3)
+        for _ in range(5):
+            gate.put_nowait(None)
+        with pytest.raises(
+            vllm_fetch.PullError, match=r"file bucket-00002\.bin: its SHA-256 .* is not the manifest's"
+        ):
+            await asyncio.to_thread(
+                vllm_fetch.fetch_streamed, base_of(url, 3), tmp_path / "pulled", spec(url)
+            )
+        await writing

@@ -10,13 +10,14 @@ import json
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from appliance.engines.fleet import EngineFleet
 from appliance.engines.torch_engine import TorchEngine
-from appliance.engines.weight_publication import MANIFEST, Manifest, WeightPublication
+from appliance.engines.weight_publication import MANIFEST, Manifest, PublicationFailed, WeightPublication
 from tests.appliance.engines.test_fleet import Replica
 from trainer.buckets import WeightBucket, dtype_of, pack_buckets, stream_buckets
 from trainer.policy import PolicyTrainer
@@ -168,11 +169,11 @@ async def test_the_replicas_of_a_fleet_share_one_write_of_a_push(
     writes: list[int] = []
     write = publication._write
 
-    async def counted(buckets: AsyncIterator[WeightBucket], version: int) -> Manifest:
+    async def counted(buckets: AsyncIterator[WeightBucket], version: int, *rest: Any) -> Manifest:
         writes.append(version)
-        return await write(buckets, version)
+        return await write(buckets, version, *rest)
 
-    publication._write = counted  # type: ignore[method-assign]
+    publication._write = counted  # type: ignore[method-assign, assignment]
     local = TorchEngine(tiny_model_dir)
     replicas = [Publishing(TorchEngine(tiny_model_dir), publication) for _ in range(2)]
     fleet = EngineFleet([local, *replicas])
@@ -192,3 +193,67 @@ async def test_the_replicas_of_a_fleet_share_one_write_of_a_push(
     state = trainer.model.state_dict()
     back = read_back(publication, replicas[0].manifests[0])
     assert {name: torch.equal(back[name], state[name]) for name in back} == dict.fromkeys(back, True)
+
+
+def paced(tensors: dict[str, torch.Tensor], gate: asyncio.Queue[None]) -> AsyncIterator[WeightBucket]:
+    """``push(tensors)``, each bucket after the first handed over only once ``gate`` has a token."""
+
+    async def buckets() -> AsyncIterator[WeightBucket]:
+        async for bucket in push(tensors):
+            if bucket.index:
+                await gate.get()
+            yield bucket
+
+    return buckets()
+
+
+async def collect(publication: WeightPublication, version: int) -> list[str]:
+    return [file.name async for file in publication.files_of(version)]
+
+
+async def test_a_version_is_followed_file_by_file_while_it_is_written(tmp_path: Path) -> None:
+    """A reader that follows a version gets each file once it is whole, and the path of a file
+    not yet whole is refused; readers that come late (mid-write, after) get the whole version."""
+    publication = WeightPublication(tmp_path)
+    gate: asyncio.Queue[None] = asyncio.Queue()
+    writing = publication.begin(paced(weights(0), gate), 4)
+    assert publication.writing(4) and publication.known(4) and publication.manifest(4) is None
+    follower = publication.files_of(4)
+    first = await anext(follower)
+    assert first.name == "bucket-00000.bin"
+    path = publication.file_path(4, first.name)
+    assert path is not None and hashlib.sha256(path.read_bytes()).hexdigest() == first.sha256
+    assert publication.file_path(4, "bucket-00001.bin") is None  # not written yet: not served
+    late = asyncio.ensure_future(collect(publication, 4))
+    gate.put_nowait(None)
+    second = await anext(follower)
+    assert second.name == "bucket-00001.bin" and publication.file_path(4, second.name) is not None
+    for _ in range(20):
+        gate.put_nowait(None)
+    rest = [file.name async for file in follower]
+    manifest = await writing
+    names = [file.name for file in manifest.files]
+    assert [first.name, second.name, *rest] == names == await late
+    assert await collect(publication, 4) == names  # after the write: the published version
+    assert not publication.writing(4) and publication.file_path(4, names[-1]) == tmp_path / "v4" / names[-1]
+    with pytest.raises(KeyError):
+        await collect(publication, 5)
+
+
+async def test_a_follower_of_a_write_that_fails_is_told_so(tmp_path: Path) -> None:
+    publication = WeightPublication(tmp_path)
+
+    async def failing() -> AsyncIterator[WeightBucket]:
+        async for bucket in push(weights(1)):
+            if bucket.index == 2:
+                raise RuntimeError("the trainer failed")
+            yield bucket
+
+    follower = asyncio.ensure_future(collect(publication, 2))
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        await publication.publish(failing(), 2)
+    with pytest.raises(
+        PublicationFailed, match="writing weights v2 failed: RuntimeError: the trainer failed"
+    ):
+        await follower
+    assert not publication.known(2) and listed(tmp_path) == []
