@@ -34,6 +34,7 @@ import aiohttp
 
 from appliance.config import ApplianceConfig
 from appliance.config.engine import remote_url
+from appliance.engines.adapter_publication import AdapterPublication, adapters_beside
 from appliance.engines.base import Engine
 from appliance.engines.factory import remote_engine
 from appliance.engines.fleet import EngineFleet
@@ -83,6 +84,8 @@ class RemoteReplicas:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._session: aiohttp.ClientSession | None = None
         self._watch: asyncio.Task[None] | None = None
+        #: The LoRA adapters published for the replicas that pull (None: they take pushes).
+        self.adapters: AdapterPublication | None = None
         fleet.on_failed = self._on_failed
         fleet.on_caught_up = self._on_caught_up
         if pulls:
@@ -315,9 +318,12 @@ def remote_replicas(
         options: dict[str, Any] = {} if pull is None else {"pull": pull()}
         return remote_engine(config, model_dir, url, served_name, version, **options)
 
-    return RemoteReplicas(
+    replicas = RemoteReplicas(
         fleet, store, model=model, model_dir=model_dir, make_engine=make_engine, pulls=pull is not None
     )
+    if pull is not None:  # where the engines publish a LoRA run's adapters (``vllm_pull_adapter``)
+        replicas.adapters = AdapterPublication(adapters_beside(config.data_dir / "weights"))
+    return replicas
 
 
 def pull_source(

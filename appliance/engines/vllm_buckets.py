@@ -87,19 +87,7 @@ class VLLMBuckets(VLLMWeights):
         loaded by the server on top of ``model_dir``'s weights (reloaded first if a whole-weights
         push replaced them). A push that fails leaves the previous adapter serving; a server that
         dies meanwhile gets the new one after its restart."""
-        if self._settings.lora_rank == 0:
-            raise BadRequest("this vLLM engine serves no LoRA adapters (it was started with lora_rank 0)")
-        weights = await lora.collect_adapter(buckets)
-        most = lora.vllm_max_lora_rank(self._settings.lora_rank)
-        if weights.adapter.rank > most:
-            raise BadRequest(f"a LoRA adapter of rank {weights.adapter.rank} exceeds the server's {most}")
-        shapes = await asyncio.to_thread(self._checkpoint_shapes)
-        linear = {
-            name.removesuffix(".weight"): (shape[0], shape[1])
-            for name, shape in shapes.items()
-            if name.endswith(".weight") and len(shape) == 2
-        }
-        lora.check_adapter(weights, linear)
+        weights = await self._checked_adapter(buckets)
         directory = self._push_directory()
         await asyncio.to_thread(lora.write_peft_adapter, directory, weights)
         if self._weights_dir is not None or self._weights_gone:  # the base must come back first
@@ -116,6 +104,24 @@ class VLLMBuckets(VLLMWeights):
         self._policy_version = version
         if previous is not None:
             await asyncio.to_thread(shutil.rmtree, previous, True)
+
+    async def _checked_adapter(self, buckets: AsyncIterator[WeightBucket]) -> lora.AdapterWeights:
+        """A LoRA adapter push, read whole and checked against the served model and the
+        server's LoRA rank."""
+        if self._settings.lora_rank == 0:
+            raise BadRequest("this vLLM engine serves no LoRA adapters (it was started with lora_rank 0)")
+        weights = await lora.collect_adapter(buckets)
+        most = lora.vllm_max_lora_rank(self._settings.lora_rank)
+        if weights.adapter.rank > most:
+            raise BadRequest(f"a LoRA adapter of rank {weights.adapter.rank} exceeds the server's {most}")
+        shapes = await asyncio.to_thread(self._checkpoint_shapes)
+        linear = {
+            name.removesuffix(".weight"): (shape[0], shape[1])
+            for name, shape in shapes.items()
+            if name.endswith(".weight") and len(shape) == 2
+        }
+        lora.check_adapter(weights, linear)
+        return weights
 
     async def _send_buckets(
         self, buckets: AsyncIterator[WeightBucket], expected: dict[str, tuple[int, ...]]

@@ -199,11 +199,13 @@ def server_env(settings: ServerSettings, extension_dir: Path) -> dict[str, str]:
 
 def install_worker_extension() -> Path:
     """A fresh directory holding ``vllm_worker.py`` as the module ``WORKER_MODULE`` and the HTTP
-    download it uses (``vllm_fetch.py``), alone (the appliance's packages must not be importable
-    in vLLM's interpreter)."""
+    downloads it uses (``vllm_fetch.py``, ``vllm_adapter_fetch.py``), alone (the appliance's
+    packages must not be importable in vLLM's interpreter)."""
     directory = Path(tempfile.mkdtemp(prefix="appliance-vllm-ext-"))
     shutil.copyfile(Path(__file__).with_name("vllm_worker.py"), directory / f"{WORKER_MODULE}.py")
     shutil.copyfile(Path(__file__).with_name("vllm_fetch.py"), directory / "appliance_vllm_fetch.py")
+    adapters = Path(__file__).with_name("vllm_adapter_fetch.py")
+    shutil.copyfile(adapters, directory / "appliance_vllm_adapter_fetch.py")
     return directory
 
 

@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.engines.vllm_buckets import VLLMBuckets
+from appliance.engines.vllm_pull_adapter import VLLMPullAdapter
 from appliance.engines.weight_checks import check_bucket
 from appliance.engines.weight_publication import Manifest, WeightPublication
 from contracts.errors import ApplianceError, BadRequest, EngineUnavailable
@@ -51,7 +51,7 @@ class PullSource:
     timeout_s: float = 60.0
 
 
-class VLLMPull(VLLMBuckets):
+class VLLMPull(VLLMPullAdapter):
     """``VLLMEngine``'s pulls over HTTP (a part of the engine, not an engine); with no
     ``PullSource`` (``_pull`` None) a push goes through shared memory as before."""
 
@@ -66,7 +66,8 @@ class VLLMPull(VLLMBuckets):
 
     async def load_weight_buckets(self, buckets: AsyncIterator[WeightBucket], version: int) -> None:
         """Whole weights through the publication and a pull when pulling (see the module
-        docstring; a LoRA adapter or a weight-group push is refused); else as ``VLLMBuckets``."""
+        docstring; a LoRA adapter alone through ``vllm_pull_adapter``; a weight-group push is
+        refused); else as ``VLLMBuckets``."""
         if self._pull is None:
             await super().load_weight_buckets(buckets, version)
             return
@@ -83,10 +84,16 @@ class VLLMPull(VLLMBuckets):
         started = time.monotonic()
         try:
             first, stream = await peek(buckets)
-            if first is not None and (first.adapter is not None or first.via_group):
+            if first is not None and first.adapter is not None:  # a LoRA run: the adapter alone
+                try:
+                    await self._pull_adapter(pull, stream, version)
+                finally:
+                    await close_stream(buckets)
+                return
+            if first is not None and first.via_group:
                 raise BadRequest(
-                    "a vLLM engine that pulls its weights over HTTP takes whole weights in files: "
-                    "not a LoRA adapter, nor a push over a weight group"
+                    "a vLLM engine that pulls its weights over HTTP takes whole weights in files "
+                    "or a LoRA adapter, not a push over a weight group"
                 )
             shapes = await asyncio.to_thread(self._checkpoint_shapes)
             manifest = await pull.publication.publish(self._checked_stream(stream, shapes), version)

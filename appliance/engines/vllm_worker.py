@@ -93,6 +93,15 @@ def _fetch() -> Any:
         return importlib.import_module("appliance.engines.vllm_fetch")
 
 
+def _adapter_fetch() -> Any:
+    """``vllm_adapter_fetch``: beside this file in the server, in its package where the appliance
+    runs."""
+    try:
+        return importlib.import_module("appliance_vllm_adapter_fetch")
+    except ModuleNotFoundError:
+        return importlib.import_module("appliance.engines.vllm_adapter_fetch")
+
+
 class ApplianceWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -274,6 +283,11 @@ class ApplianceWorkerExtension:
         done = time.monotonic()
         times = {"download_s": fetched - started, "load_s": done - fetched, "seconds": done - started}
         return {"version": int(spec["version"]), "bytes": total, "files": len(files), **times}
+
+    def appliance_pull_adapter(self, spec_json: str) -> dict[str, Any]:
+        """Download a published LoRA adapter into a directory of this server's own (its path,
+        bytes and seconds), which the appliance then loads through ``/v1/load_lora_adapter``."""
+        return dict(_adapter_fetch().pull_adapter(self, spec_json))
 
     def appliance_pull_touched(self) -> bool:
         """Whether the last pull began loading and did not complete (the model may hold a mix)."""

@@ -13,6 +13,9 @@ Owns three routes (admin token; without it a 401 as every admin route):
   one line.
 * ``DELETE /admin/engines/{id}``: takes a remote replica out for good (``200``); ``404`` for an
   id the run does not know, ``409`` for a replica the appliance launched.
+* ``GET /admin/adapters/v<N>/<file>``: a file of LoRA adapter version N, as remote replicas
+  pulling over HTTP fetch it (``appliance.engines.adapter_publication``); ``404`` for a file or
+  version not published (only the names an adapter has are looked up).
 
 The replicas themselves are ``appliance.engines.remote``'s; this module only speaks HTTP.
 """
@@ -23,7 +26,7 @@ from aiohttp import web
 
 from appliance.engines.remote import RemoteReplicas
 from appliance.proxy.http import check_admin, json_body
-from contracts.errors import BadRequest, Conflict
+from contracts.errors import BadRequest, Conflict, NotFound
 
 #: The run's remote replicas, set by the appliance; absent in bare proxies.
 REPLICAS = web.AppKey("replicas", RemoteReplicas)
@@ -60,9 +63,19 @@ async def remove_engine(request: web.Request) -> web.Response:
     return web.json_response(await replicas.remove(rid))
 
 
+async def adapter_file(request: web.Request) -> web.FileResponse:
+    adapters = _replicas(request).adapters
+    version = request.match_info["version"]
+    path = None if adapters is None else adapters.path(int(version), request.match_info["name"])
+    if path is None:
+        raise NotFound(f"no published LoRA adapter file {request.match_info['name']!r} of v{version}")
+    return web.FileResponse(path)
+
+
 def attach(app: web.Application, replicas: RemoteReplicas) -> None:
     """Serve ``replicas`` on ``app``'s admin routes."""
     app[REPLICAS] = replicas
     app.router.add_get("/admin/engines", list_engines)
     app.router.add_post("/admin/engines", register_engine)
     app.router.add_delete("/admin/engines/{id}", remove_engine)
+    app.router.add_get(r"/admin/adapters/v{version:\d+}/{name}", adapter_file)
