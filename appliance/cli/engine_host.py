@@ -64,6 +64,12 @@ def add_parser(sub: Any) -> None:
     host.add_argument("--max-model-len", type=int, default=None)
     host.add_argument("--max-batch-size", type=int, default=16)
     host.add_argument("--tensor-parallel-size", type=int, default=1)
+    host.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="the run's [trainer] lora_rank, for a LoRA run (it then serves the adapters it pulls)",
+    )
     host.add_argument("--data-dir", type=Path, default=Path("engine-data"), help="the server's log and model")
     host.add_argument("--startup-timeout", type=float, default=600.0)
 
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_batch_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora_rank=args.lora_rank,
         extra_args=("--logprobs-mode", args.logprobs_mode),
     )
     print(
