@@ -6,7 +6,8 @@ rollout id: that replica's prefix cache holds the rollout's earlier turns), a ne
 least loaded live replica (fewest requests in flight, then fewest rollouts assigned), a call
 without a key to the least loaded. Failover: a replica that cannot serve gets no new rollouts,
 and a rollout whose replica failed moves; a call that fails before its replica handed over any
-token is tried once more on another replica, one that fails after is ended naming the replica.
+token is tried once more on another replica, one that fails after is ended naming the replica
+(a remote one: ``ReplicaLost``, which fails the call's rollout).
 Membership: replicas the appliance launched (``local``, numbered "0", "1", ...) come with the
 fleet; remote ones (vLLM servers on other machines, ``appliance.engines.remote``) are added and
 removed at run time (``add``, ``remove``). Fan-out: weights, sleep and wake go to every replica at
@@ -316,8 +317,9 @@ class EngineFleet(FleetWeights):
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Generate on the rollout's replica; if it fails before it handed over a token, once
-        more on another replica. One that fails after handing tokens over ends the call with a
-        ``ReplicaLost`` naming the replica (its rollout then fails)."""
+        more on another replica. A remote one that fails after handing tokens over ends the call
+        with a ``ReplicaLost`` naming the replica (its rollout then fails), a local one with an
+        ``EngineUnavailable`` naming it (its supervisor restarts it; the call may be retried)."""
         self._ensure_open()
         tried: list[Replica] = []
         while True:
@@ -328,10 +330,14 @@ class EngineFleet(FleetWeights):
             except EngineUnavailable as exc:
                 if self._closed:
                     raise
-                if handed.tokens:
-                    where = f"replica {replica.id}" + (f" ({replica.url})" if replica.url else "")
+                if handed.tokens and replica.remote:
                     raise ReplicaLost(
-                        f"engine {where} was lost mid-call, after it sampled {handed.tokens} tokens "
+                        f"engine replica {replica.id} ({replica.url}) was lost mid-call, after it "
+                        f"sampled {handed.tokens} tokens of this call: {exc}"
+                    ) from exc
+                if handed.tokens:  # a local one: restarted by its supervisor, the call may be retried
+                    raise EngineUnavailable(
+                        f"engine replica {replica.id} failed after it sampled {handed.tokens} tokens "
                         f"of this call: {exc}"
                     ) from exc
                 tried.append(replica)
