@@ -250,9 +250,9 @@ class EngineUnavailable(ApplianceError, status=503, error_type="server_error", c
 
 
 class ReplicaLost(EngineUnavailable, code="engine_replica_lost"):
-    """An engine replica was lost (it died, or was cut off) after it had sampled tokens of the
-    call: the call ends, and its rollout fails with this message as its reason (its tokens came
-    from a replica that cannot finish them)."""
+    """A remote engine replica was lost (it died, or was cut off) after it had sampled tokens of
+    the call: the call ends, and its rollout fails with this message as its reason (its tokens
+    came from a replica that cannot finish them)."""
 
 
 class NothingToClaim(ApplianceError, status=503, error_type="server_error", code="no_rollout_offered"):
