@@ -294,11 +294,15 @@ def transport(engine: Engine) -> str:
 
 async def _pull_current(engine: Engine, version: int) -> None:
     """A replica's catch-up where engines pull: the newest published version (``version``, or
-    newer by now), or nothing where none is published yet (it serves the checkpoint's)."""
+    newer by now), else a LoRA run's adapter of ``version``, or nothing where none is published
+    yet (it serves the checkpoint's)."""
     pull = getattr(engine, "pull_current", None)
     if pull is None:
         raise EngineUnavailable("this replica cannot pull its weights; it takes the next push")
     await pull()
+    adapter = getattr(engine, "pull_current_adapter", None)
+    if engine.policy_version != version and adapter is not None:
+        await adapter(version)  # a LoRA run publishes adapters, not whole weights
 
 
 def remote_replicas(

@@ -7,8 +7,10 @@ whole weights' publication), downloaded by the server's worker into a directory 
 loaded from there through ``/v1/load_lora_adapter``, as a local push's files are. The files are
 the adapter alone: a 7B model's rank-16 adapter is about 40 MB where its weights are 14 GB.
 
-A pull that fails leaves the previous adapter serving. The directory named to vLLM is the
-server's, on its own machine: the worker keeps its newest two and removes older ones itself.
+A pull that fails leaves the previous adapter serving. A replica that joins a LoRA run late, or
+comes back, catches up by pulling the adapter of the fleet's version (``pull_current_adapter``).
+The directory named to vLLM is the server's, on its own machine: the worker keeps its newest two
+and removes older ones itself.
 Whole weights by HTTP pull are ``appliance.engines.vllm_pull``'s.
 """
 
@@ -53,6 +55,9 @@ class AdapterSource(Protocol):
 class VLLMPullAdapter(VLLMBuckets):
     """``VLLMEngine``'s adapter pulls (a part of the engine, not an engine)."""
 
+    #: Where the server pulls from (None: it takes pushes through shared memory).
+    _pull: Any
+
     #: What the last adapter pull reported (version, path, bytes, seconds).
     last_adapter_pull: dict[str, Any] | None = None
 
@@ -65,6 +70,30 @@ class VLLMPullAdapter(VLLMBuckets):
         weights = await self._checked_adapter(buckets)
         publication = AdapterPublication(adapters_beside(pull.publication.root))
         manifest = await asyncio.to_thread(publication.publish, weights, version)
+        await self._serve_adapter(pull, manifest)
+        self.switch_times["push"] = time.monotonic() - started
+
+    async def pull_current_adapter(self, version: int) -> bool:
+        """A LoRA run's catch-up: have the server pull and serve adapter ``version`` if it is
+        published and not served yet; whether it serves it now (False: not published, or this
+        engine takes pushes through shared memory)."""
+        self._ensure_open()
+        pull = self._pull
+        if pull is None:
+            return False
+        if version == self._policy_version and not self._adapter_pending and self._adapter_dir is not None:
+            return True
+        publication = AdapterPublication(adapters_beside(pull.publication.root))
+        manifest = await asyncio.to_thread(publication.manifest, version)
+        if manifest is None:
+            return False
+        await self._serve_adapter(pull, manifest)
+        return True
+
+    async def _serve_adapter(self, pull: AdapterSource, manifest: dict[str, Any]) -> None:
+        """Have the server's worker fetch the published adapter ``manifest`` describes into a
+        directory of its own, and serve it from there."""
+        version = int(manifest["version"])
         spec = {
             "url": pull.url,
             "token": pull.token,
@@ -95,4 +124,3 @@ class VLLMPullAdapter(VLLMBuckets):
                 raise
             self._policy_version = version
         self.last_adapter_pull = {"version": version, **fetched}
-        self.switch_times["push"] = time.monotonic() - started

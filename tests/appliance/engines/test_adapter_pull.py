@@ -3,7 +3,8 @@
 alone, and fetched by the worker extension's download (``vllm_adapter_fetch``, run here as the
 server runs it) into a directory of its own with every digest checked; and the engine's side
 (``vllm_pull_adapter``: publish, the worker's RPC, ``/v1/load_lora_adapter`` given the server's
-own directory) against a vLLM-shaped server whose RPC runs that download."""
+own directory; a late replica's catch-up to the fleet's version) against a vLLM-shaped server
+whose RPC runs that download."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from aiohttp import web
 from transformers import AutoModelForCausalLM
 
 from appliance.app import Appliance
-from appliance.engines import lora
+from appliance.engines import lora, remote
 from appliance.engines.adapter_publication import FILES, AdapterPublication
 from appliance.engines.vllm_adapter_fetch import AdapterPullError, pull_adapter
 from appliance.engines.vllm_engine import VLLMEngine
@@ -158,6 +159,17 @@ async def test_an_engine_that_pulls_takes_a_lora_push_as_its_adapter_alone(
                         tmp_path / "run" / "adapters" / "v1" / name
                     ).read_bytes()
                 assert engine.last_adapter_pull is not None and engine.last_adapter_pull["version"] == 1
+
+                # A replica that joins late catches up by pulling the adapter of the fleet's version.
+                late = VLLMEngine(tiny_model_dir, base_url=url, lora_rank=4, pull=source)
+                await late.start()
+                try:
+                    assert not await late.pull_current_adapter(7)  # nothing published at 7
+                    await remote._pull_current(late, 1)
+                    assert late.policy_version == 1 and len(loads) == 2
+                    assert loads[1]["lora_path"] == worker._appliance_adapter_dirs[-1]
+                finally:
+                    await late.close()
             finally:
                 await engine.close()
     finally:
