@@ -1,19 +1,23 @@
 """Weight transfer into one real vLLM server by transport, side by side in one run: shared-memory
 files (``/dev/shm``, the server maps each bucket) against HTTP pull (the push published once,
-the server downloads it from the proxy's weight routes over loopback and checks every digest).
+the server downloads it from the proxy's weight routes over loopback and checks every digest),
+pipelined as the engine pulls (each file fetched while the next is written) and, for
+comparison, in sequence (the whole version published first, then pulled).
 
 One vLLM server (``.venv-vllm``, TCP on 127.0.0.1) and two engines on it: the one that launched
 it pushes through shared memory (``VLLMEngine.load_weight_buckets``, as the appliance does on
 one box), and one attached with a ``PullSource`` pushes by HTTP pull (``appliance.engines.
 vllm_pull``) from an aiohttp server holding ``appliance.proxy.weights`` (the admin token, a
 ``WeightPublication`` in a temporary directory). The trainer is the in-process
-``PolicyTrainer``; each push is its ``weight_buckets(bucket_bytes)`` under a new version.
+``PolicyTrainer``; each push is its ``weight_buckets(bucket_bytes)`` under a new version. The
+sequential row publishes the push (``WeightPublication.publish``) and then has the same engine
+pull the complete version (``pull_current``).
 
-After one unmeasured push of each, the two alternate (shm first) for ``--repeats`` rounds;
-a push's seconds are ``load_weight_buckets`` end to end (packing the buckets included, the same
-on both), reported as the median. For HTTP the parts are reported too: writing the publication
-(copy and SHA-256, while the trainer packs), the server's download (checks included) and its
-load. Last, the served weights' digests are checked against the trainer's.
+After one unmeasured push of each, the three take turns (shm, in sequence, pipelined) for
+``--repeats`` rounds; a push's seconds are end to end (packing the buckets included, the same on
+all), reported as the median. For HTTP the parts are reported too: writing the publication (copy and SHA-256,
+while the trainer packs), the server's download (checks included) and its load; pipelined, the
+first two overlap. Last, the served weights' digests are checked against the trainer's.
 
     .venv/bin/python scripts/bench_weight_transport.py [--model smollm2-135m|tiny|<dir>]
         [--bucket-mb 64] [--repeats 3] [--threads 4] [--data-dir appliance-data] [--quick]
@@ -109,6 +113,17 @@ async def push(
     return time.perf_counter() - started
 
 
+async def push_in_sequence(
+    engine: VLLMEngine, trainer: PolicyTrainer, bucket_bytes: int, version: int, runs: Runs
+) -> float:
+    """The push published whole, then pulled by the server: the pull before it was pipelined."""
+    assert engine._pull is not None
+    started = time.perf_counter()
+    await engine._pull.publication.publish(counted(trainer.weight_buckets(bucket_bytes), runs), version)
+    await engine.pull_current()
+    return time.perf_counter() - started
+
+
 def digests(trainer: PolicyTrainer) -> dict[str, str]:
     """What ``appliance_weight_digests`` computes, for the trainer's weights."""
     return {
@@ -123,7 +138,7 @@ async def served_digests(engine: VLLMEngine) -> dict[str, str]:
     return result
 
 
-async def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> tuple[Runs, Runs, bool]:
+async def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> tuple[Runs, Runs, Runs, bool]:
     bucket_bytes = int(args.bucket_mb * MIB)
     trainer = PolicyTrainer(model_dir)
     publication = WeightPublication(work / "published")
@@ -131,7 +146,7 @@ async def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> tupl
     launched = VLLMEngine(
         model_dir, python=python, port=free_port(), log_path=work / "vllm.log", max_batch_size=4
     )
-    shm, http = Runs(), Runs()
+    shm, http, sequential = Runs(), Runs(), Runs()
     await launched.start()
     try:
         async with weights_server(publication) as url:
@@ -142,11 +157,16 @@ async def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> tupl
                 print(f"vLLM server at {launched.base_url}; weights served at {url}", flush=True)
                 version = 0
                 for measured in [False] + [True] * args.repeats:
-                    for name, engine, runs in (("shm", launched, shm), ("http", attached, http)):
+                    for name, engine, runs in (
+                        ("shm", launched, shm),
+                        ("http in sequence", attached, sequential),
+                        ("http", attached, http),
+                    ):
                         version += 1
-                        seconds = await push(engine, trainer, bucket_bytes, version, runs)
+                        how = push_in_sequence if runs is sequential else push
+                        seconds = await how(engine, trainer, bucket_bytes, version, runs)
                         line = f"{'round' if measured else 'warm-up'} {name}: {seconds:.3f} s"
-                        if name == "http" and attached.last_pull is not None:
+                        if name.startswith("http") and attached.last_pull is not None:
                             done = attached.last_pull
                             part = (
                                 publication.last_write_s,
@@ -155,7 +175,7 @@ async def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> tupl
                             )
                             line += " (publish {:.3f} s, download {:.3f} s, load {:.3f} s)".format(*part)
                             if measured:
-                                http.parts.append(part)
+                                runs.parts.append(part)
                         print(line, flush=True)
                         if measured:
                             runs.seconds.append(seconds)
@@ -164,10 +184,10 @@ async def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> tupl
                 await attached.close()
     finally:
         await launched.close()
-    return shm, http, same
+    return shm, http, sequential, same
 
 
-def report(args: argparse.Namespace, model: str, shm: Runs, http: Runs, same: bool) -> None:
+def report(args: argparse.Namespace, model: str, shm: Runs, http: Runs, sequential: Runs, same: bool) -> None:
     base = statistics.median(shm.seconds)
     print(
         f"\nmodel {model}: {shm.bytes / MIB:.1f} MiB in {shm.buckets} buckets of at most {args.bucket_mb} MiB"
@@ -175,20 +195,22 @@ def report(args: argparse.Namespace, model: str, shm: Runs, http: Runs, same: bo
     print(f"rounds: {args.repeats} (median), HTTP threads: {args.threads}\n")
     print("| transport | bytes | buckets | seconds (median) | MiB/s | / shm |")
     print("|---|---|---|---|---|---|")
-    for name, runs in (("shm files", shm), ("HTTP pull", http)):
+    for name, runs in (("shm files", shm), ("HTTP pull", http), ("HTTP pull, in sequence", sequential)):
         seconds = statistics.median(runs.seconds)
         rate = runs.bytes / MIB / seconds
         row = f"| {name} | {runs.bytes} | {runs.buckets} | {seconds:.3f} | {rate:.0f} |"
         print(f"{row} **{seconds / base:.2f}x** |")
-    publish, download, load = (statistics.median(part) for part in zip(*http.parts, strict=True))
-    print(f"\nHTTP pull, its parts (median): publish {publish:.3f} s, download {download:.3f} s, ", end="")
-    print(f"load {load:.3f} s")
+    for name, runs in (("HTTP pull (publish and download overlap)", http), ("in sequence", sequential)):
+        publish, download, load = (statistics.median(part) for part in zip(*runs.parts, strict=True))
+        print(f"\n{name}, its parts (median): publish {publish:.3f} s, download {download:.3f} s, ", end="")
+        print(f"load {load:.3f} s")
     ratio = statistics.median(http.seconds) / base
     verdict = "met" if ratio <= TARGET_RATIO else "missed"
     print(f"target: HTTP pull within {TARGET_RATIO:.0f}x of shm: {ratio:.2f}x, {verdict}")
     print(f"served digests equal the trainer's after the last HTTP pull: {same}")
     # The arithmetic for a 7B bf16 model: the link's time at line rate, and the local parts
     # (publishing and loading) scaled by bytes from the rates measured here.
+    publish, download, load = (statistics.median(part) for part in zip(*sequential.parts, strict=True))
     scale = SEVEN_B_BYTES / http.bytes
     print(
         f"\n7B bf16 ({SEVEN_B_BYTES / 1e9:.0f} GB), scaled by bytes: publish ~{publish * scale:.0f} s, ",
@@ -221,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     resolved = resolve(args.model, ApplianceConfig(data_dir=args.data_dir).models_dir)
     with tempfile.TemporaryDirectory(prefix="bench-weight-transport-") as work:
-        shm, http, same = asyncio.run(measure(args, resolved.path, Path(work)))
-    report(args, resolved.name, shm, http, same)
+        shm, http, sequential, same = asyncio.run(measure(args, resolved.path, Path(work)))
+    report(args, resolved.name, shm, http, sequential, same)
     return 0 if same else 1
 
 

@@ -4,9 +4,12 @@ Owns the second transport of a weight push, for a vLLM server that need not shar
 (or ``/dev/shm``) with the appliance, on another machine say: the push's buckets are written
 once into the shared ``WeightPublication`` (``appliance.engines.weight_publication``; several
 engines share one, and the first to take a push writes it while the others wait), and the
-server is asked to pull that version (``/collective_rpc`` -> ``appliance_pull_weights``, which
-downloads the files from ``appliance.proxy.weights`` in parallel, checks each SHA-256 and only
-then loads them as buckets), then its prefix cache is reset. ``pull_current`` brings a server
+server is asked to pull that version as soon as its write begins (``/collective_rpc`` ->
+``appliance_pull_weights``, which follows the version's listing and downloads each file from
+``appliance.proxy.weights`` as soon as it is whole, in parallel, checking each SHA-256 as it
+arrives, and loads them as buckets only once the version is complete and every file checked),
+then its prefix cache is reset. Writing, downloading and hashing overlap; loading waits for
+them, which is what keeps a failed pull harmless. ``pull_current`` brings a server
 that joins late or comes back up to the newest published version. A pull that fails before
 the worker touched the model leaves the previous version serving; one that failed while
 loading is undone by pulling the previous version again where it is still published (else
@@ -17,8 +20,10 @@ and the weight group are ``appliance.engines.vllm_buckets``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -29,7 +34,7 @@ from appliance.engines.vllm_pull_adapter import VLLMPullAdapter
 from appliance.engines.weight_checks import check_bucket
 from appliance.engines.weight_publication import Manifest, WeightPublication
 from contracts.errors import ApplianceError, BadRequest, EngineUnavailable
-from trainer.buckets import WeightBucket, close_stream, peek
+from trainer.buckets import WeightBucket, close_stream, dtype_of, peek
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +86,10 @@ class VLLMPull(VLLMPullAdapter):
     async def _publish_and_pull(
         self, pull: PullSource, buckets: AsyncIterator[WeightBucket], version: int
     ) -> None:
+        """Publish the push and have the server pull it while it is written (its write's
+        failure is the error raised, the pull's only when the write succeeded)."""
         started = time.monotonic()
+        publication = pull.publication
         try:
             first, stream = await peek(buckets)
             if first is not None and first.adapter is not None:  # a LoRA run: the adapter alone
@@ -96,10 +104,25 @@ class VLLMPull(VLLMPullAdapter):
                     "or a LoRA adapter, not a push over a weight group"
                 )
             shapes = await asyncio.to_thread(self._checkpoint_shapes)
-            manifest = await pull.publication.publish(self._checked_stream(stream, shapes), version)
-        finally:
+            itemsize = dtype_of(first.entries[0].dtype).itemsize if first and first.entries else 4
+            expected = sum(math.prod(shape) for shape in shapes.values()) * itemsize
+            publishing = publication.begin(self._checked_stream(stream, shapes), version)
+        except BaseException:
             await close_stream(buckets)
-        await self._pull_version(manifest)
+            raise
+        try:
+            if publication.writing(version):  # announced by ``begin``: followed as it is written
+                await self._pull_version(version, None, expected)
+            else:
+                await self._pull_version(version, await publishing)
+        except BaseException as exc:
+            await asyncio.wait([publishing])
+            if not publishing.cancelled() and (failed := publishing.exception()) is not None:
+                raise failed from exc
+            raise
+        finally:
+            with contextlib.suppress(BaseException):
+                await publishing  # its error, if any, is raised above
         self.switch_times["push"] = time.monotonic() - started
 
     async def _checked_stream(
@@ -135,10 +158,12 @@ class VLLMPull(VLLMPullAdapter):
         if manifest is None:
             return None
         if force or manifest.version != self._policy_version or self._push_pending:
-            await asyncio.shield(asyncio.ensure_future(self._pull_version(manifest)))
+            await asyncio.shield(asyncio.ensure_future(self._pull_version(manifest.version, manifest)))
         return manifest.version
 
-    async def _pull_version(self, manifest: Manifest) -> None:
+    async def _pull_version(self, version: int, manifest: Manifest | None, expected: int = 0) -> None:
+        """Have the server pull ``version``: ``manifest``'s files, or (None) the files of a
+        version being written, followed as they are (``expected``: about its bytes)."""
         async with self._gate.exclusive():
             self._ensure_open()
             if self._down is not None:
@@ -150,7 +175,7 @@ class VLLMPull(VLLMPullAdapter):
             pending = self._push_pending
             self._push_pending = True
             try:
-                await self._pull_rpc(manifest)
+                await self._pull_rpc(version, manifest, expected)
             except BaseException:
                 if await self._pull_touched():
                     await self._undo_pull()
@@ -159,45 +184,51 @@ class VLLMPull(VLLMPullAdapter):
                 raise
             await self._drop_adapter()
             previous, self._weights_dir = self._weights_dir, None
-            self._weights_gone, self._policy_version = True, manifest.version
+            self._weights_gone, self._policy_version = True, version
             await self._reset_prefix_cache()  # a failure leaves ``_push_pending``: pulled again
             self._push_pending = False
             if previous is not None:
                 await asyncio.to_thread(shutil.rmtree, previous, True)
 
-    async def _pull_rpc(self, manifest: Manifest) -> None:
-        """Ask the server's workers to pull ``manifest``'s version (held in the publication
-        while they do); ``last_pull`` is what they report."""
+    async def _pull_rpc(self, version: int, manifest: Manifest | None, expected_bytes: int = 0) -> None:
+        """Ask the server's workers to pull ``version`` (held in the publication while they
+        do): ``manifest``'s files, or (None) those of the version being written, each as soon
+        as it is whole; ``last_pull`` is what they report."""
         pull = self._pull
         assert pull is not None
-        expected, _ = self._expected(await asyncio.to_thread(self._checkpoint_shapes))
-        files = []
-        for i, file in enumerate(manifest.files):
-            bucket = WeightBucket("", file.entries, i, last=i == len(manifest.files) - 1)
-            entries = self._checked_entries(bucket, expected, set())  # a tied LM head left out
-            files.append(
-                {
-                    **file.to_json(),
-                    "entries": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries],
-                }
-            )
+        spec: dict[str, Any] = {"follow": True, "bytes": expected_bytes}
+        if manifest is not None:
+            expected, _ = self._expected(await asyncio.to_thread(self._checkpoint_shapes))
+            files = []
+            for i, file in enumerate(manifest.files):
+                bucket = WeightBucket("", file.entries, i, last=i == len(manifest.files) - 1)
+                entries = self._checked_entries(bucket, expected, set())  # a tied LM head left out
+                files.append(
+                    {
+                        **file.to_json(),
+                        "entries": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries],
+                    }
+                )
+            spec = {"manifest": {"version": version, "files": files}}
         spec = {
+            **spec,
             "url": pull.url,
             "token": pull.token,
-            "version": manifest.version,
-            "manifest": {"version": manifest.version, "files": files},
+            "version": version,
+            # What a followed version's entries hold that the server does not load.
+            "skip": ["lm_head.weight"] if self._tied else [],
             "threads": pull.threads,
             "retries": pull.retries,
             "backoff_s": pull.backoff_s,
             "timeout_s": pull.timeout_s,
         }
         body = {"method": "appliance_pull_weights", "args": [json.dumps(spec)]}
-        with pull.publication.pinned(manifest.version):
+        with pull.publication.pinned(version):
             try:
                 answer = await self._client.call("POST", "/collective_rpc", body)
             except ApplianceError as exc:
                 raise EngineUnavailable(
-                    f"the vLLM server did not pull weights v{manifest.version} from {pull.url}: {exc.message}"
+                    f"the vLLM server did not pull weights v{version} from {pull.url}: {exc.message}"
                 ) from exc
         self.last_pull = dict(answer["results"][0])
 
@@ -239,7 +270,7 @@ class VLLMPull(VLLMPullAdapter):
         if pull is not None and ready and self._push_pending and self._weights_gone:
             manifest = pull.publication.manifest(self._policy_version)
             if manifest is not None:
-                await self._pull_rpc(manifest)
+                await self._pull_rpc(manifest.version, manifest)
                 await self._reset_prefix_cache()
                 self._push_pending = False
                 self._adapter_pending = self._adapter_dir is not None

@@ -253,27 +253,39 @@ class ApplianceWorkerExtension:
     def appliance_pull_weights(self, spec_json: str) -> dict[str, Any]:
         """Fetch a published version over HTTP and load it as a push of its buckets. ``spec_json``:
         ``{"url" (the appliance's), "token", "version", "manifest"? ({"files": [{"name", "bytes",
-        "sha256", "entries"}]}; else fetched), "threads"?, "retries"?, "backoff_s"?, "timeout_s"?,
-        "directory"?}``. Every file is downloaded (in parallel, retried) and checked against its
-        SHA-256 before the first is loaded: a file not had or a digest that differs raises with
-        the served weights untouched. Returns the version, bytes, files and seconds."""
+        "sha256", "entries"}]}), "follow"? (no manifest: the version is being written, each file
+        fetched as soon as it is listed), "skip"? (entry names not to load: a tied LM head),
+        "bytes"? (about what the version holds, where no manifest says), "threads"?,
+        "retries"?, "backoff_s"?, "timeout_s"?, "directory"?}``; with neither a manifest nor
+        ``follow`` the manifest is fetched. Every file is downloaded (in parallel, retried) and
+        checked against its SHA-256 before the first is loaded: a file not had, a digest that
+        differs or a version whose write failed raises with the served weights untouched.
+        Returns the version, bytes, files and seconds."""
         worker: Any = self
         spec = json.loads(spec_json)
         started = time.monotonic()
         setattr(worker, _PULL_TOUCHED, False)
         fetch = _fetch()
         base = f"{str(spec['url']).rstrip('/')}/admin/weights/v{int(spec['version'])}"
-        manifest = spec.get("manifest") or fetch.fetch_json(f"{base}/manifest", spec)
-        files: list[dict[str, Any]] = manifest["files"]
-        total = sum(int(f["bytes"]) for f in files)
-        root = fetch.pull_root(total, spec.get("directory"))
+        follow = bool(spec.get("follow")) and not spec.get("manifest")
+        manifest = None if follow else spec.get("manifest") or fetch.fetch_json(f"{base}/manifest", spec)
+        expected = (
+            int(spec.get("bytes", 0)) if manifest is None else sum(int(f["bytes"]) for f in manifest["files"])
+        )
+        root = fetch.pull_root(expected, spec.get("directory"))
         directory = Path(tempfile.mkdtemp(prefix="appliance-pull-", dir=root))
         try:
-            paths = fetch.fetch_files(base, files, directory, spec)
+            if manifest is None:
+                files, paths = fetch.fetch_streamed(base, directory, spec)
+            else:
+                files = manifest["files"]
+                paths = fetch.fetch_files(base, files, directory, spec)
+            total = sum(int(f["bytes"]) for f in files)
+            skip = set(spec.get("skip", ()))
             fetched = time.monotonic()
             setattr(worker, _PULL_TOUCHED, True)
             for i, (file, path) in enumerate(zip(files, paths, strict=True)):
-                entries = file["entries"]
+                entries = [e for e in file["entries"] if e[0] not in skip]
                 load = {"entries": entries, "first": i == 0, "last": i == len(files) - 1}
                 self._appliance_load(load, lambda p=str(path), e=entries: bucket_views(p, e))
                 path.unlink()
