@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -125,52 +124,64 @@ def _owner_only_dir(path: Path) -> None:
     path.chmod(0o700)
 
 
-def write_bucket_file(bucket: WeightBucket, path: Path) -> PublishedFile:
-    """Copy ``bucket``'s entries from its file into ``path`` (owner-only), each at its offset
-    with zeros between them (the file is sized first, so the gaps are never written), while a
-    second thread hashes the same bytes: the copy and the SHA-256 each read the bucket once, at
-    the same time. Not synced to disk: the digests, not the file system, say whether a file is
-    whole (a version cut short by a crash is refused at its pull, and the next push publishes
-    again)."""
+def copy_bucket(bucket: WeightBucket, path: Path) -> None:
+    """Copy ``bucket``'s entries from its file into ``path`` (owner-only), each at its offset with
+    zeros between them (the file is sized first, so the gaps are never written). Not synced to
+    disk: the digests, not the file system, say whether a file is whole (a version cut short by
+    a crash is refused at its pull, and the next push publishes again)."""
     end = bucket.end
     spans = sorted(((e.offset, e.nbytes) for e in bucket.entries if e.nbytes), key=lambda span: span[0])
-    digest = hashlib.sha256()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, end)
-        if end:
-            with (
-                Path(bucket.path).open("rb") as source,
-                mmap.mmap(source.fileno(), end, access=mmap.ACCESS_READ) as mapped,
-                memoryview(mapped) as raw,
-            ):
-                # hashlib lets go of the GIL for large updates: the hash runs beside the copy.
-                hashing = threading.Thread(target=_hash_spans, args=(digest, raw, spans, end), daemon=True)
-                hashing.start()
-                try:
-                    for offset, nbytes in spans:
-                        for start in range(offset, offset + nbytes, _CHUNK):
-                            with raw[start : min(start + _CHUNK, offset + nbytes)] as chunk:
-                                done = 0
-                                while done < len(chunk):
-                                    done += os.pwrite(fd, chunk[done:], start + done)
-                finally:
-                    hashing.join()
+        if not end:
+            return
+        with (
+            Path(bucket.path).open("rb") as source,
+            mmap.mmap(source.fileno(), end, access=mmap.ACCESS_READ) as mapped,
+            memoryview(mapped) as raw,
+        ):
+            for offset, nbytes in spans:
+                for start in range(offset, offset + nbytes, _CHUNK):
+                    with raw[start : min(start + _CHUNK, offset + nbytes)] as chunk:
+                        done = 0
+                        while done < len(chunk):
+                            done += os.pwrite(fd, chunk[done:], start + done)
     finally:
         os.close(fd)
-    return PublishedFile(path.name, end, digest.hexdigest(), bucket.entries)
 
 
-def _hash_spans(digest: Any, raw: memoryview, spans: list[tuple[int, int]], end: int) -> None:
-    """Feed ``digest`` the bytes ``[0, end)`` of ``raw`` with everything outside ``spans`` zero."""
-    written = 0
-    for offset, nbytes in spans:
-        digest.update(bytes(offset - written))
-        for start in range(offset, offset + nbytes, _CHUNK):
-            with raw[start : min(start + _CHUNK, offset + nbytes)] as chunk:
-                digest.update(chunk)
-        written = offset + nbytes
-    digest.update(bytes(end - written))
+def hash_bucket_file(path: Path, bucket: WeightBucket) -> PublishedFile:
+    """``path`` (a copy of ``bucket``: ``copy_bucket``) as a manifest lists it, its SHA-256 read
+    from the copy, so the bucket's own file is free again before the hash is done."""
+    digest = hashlib.sha256()
+    if bucket.end:
+        with (
+            path.open("rb") as source,
+            mmap.mmap(source.fileno(), bucket.end, access=mmap.ACCESS_READ) as mapped,
+            memoryview(mapped) as raw,
+        ):
+            for start in range(0, bucket.end, _CHUNK):
+                with raw[start : min(start + _CHUNK, bucket.end)] as chunk:
+                    digest.update(chunk)  # hashlib lets go of the GIL for large updates
+    return PublishedFile(path.name, bucket.end, digest.hexdigest(), bucket.entries)
+
+
+def write_bucket_file(bucket: WeightBucket, path: Path) -> PublishedFile:
+    """``copy_bucket`` and then ``hash_bucket_file``: one bucket published in one call."""
+    copy_bucket(bucket, path)
+    return hash_bucket_file(path, bucket)
+
+
+async def _listed(
+    previous: asyncio.Future[None] | None, path: Path, bucket: WeightBucket, progress: _Progress
+) -> None:
+    """Hash the copy at ``path`` and list it, after the file before it (``previous``)."""
+    file = await asyncio.to_thread(hash_bucket_file, path, bucket)
+    if previous is not None:
+        await previous
+    progress.files.append(file)
+    progress.tell()
 
 
 class WeightPublication:
@@ -347,24 +358,34 @@ class WeightPublication:
         started = loop.time()
         temporary = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=".tmp-", dir=self.root))
         progress.directory = temporary
+        listed: asyncio.Future[None] | None = None
         try:
             files = progress.files
+            # Each bucket is copied while the push waits; its hash is read from the copy while the
+            # next bucket is packed, and the file listed (in order) once it is known.
+            index = 0
             async for bucket in buckets:
                 if bucket.via_group:
                     raise ValueError(
                         "a push broadcast over a weight group cannot be published (no file holds it)"
                     )
-                path = temporary / FILE_NAME.format(index=len(files))
-                files.append(await asyncio.to_thread(write_bucket_file, bucket, path))
-                progress.tell()
+                path = temporary / FILE_NAME.format(index=index)
+                index += 1
+                await asyncio.to_thread(copy_bucket, bucket, path)
+                listed = asyncio.ensure_future(_listed(listed, path, bucket, progress))
                 if bucket.last:
                     break
             else:
                 raise ValueError("the weight buckets ended before their last bucket")
+            await listed
             manifest = Manifest(version, tuple(files))
             await asyncio.to_thread(self._write_manifest, temporary, manifest)
             retired = self._swap_in(temporary, manifest)  # on this thread: see ``file_path``
         except BaseException:
+            if listed is not None:  # the hashes under way end first (their errors are this one's)
+                await asyncio.wait([listed])
+                if not listed.cancelled():
+                    listed.exception()
             await asyncio.to_thread(shutil.rmtree, temporary, True)
             raise
         progress.directory = self.root / f"v{version}"  # the same files, where they are now

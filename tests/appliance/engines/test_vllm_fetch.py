@@ -197,13 +197,13 @@ async def test_a_followed_pull_refuses_a_failed_write_and_a_digest_that_differs(
         with pytest.raises(RuntimeError, match="trainer failed"):
             await writing
         # The third file is listed with a digest its bytes do not have.
-        write = weight_publication.write_bucket_file
+        hashed = weight_publication.hash_bucket_file
 
-        def wrong(bucket: WeightBucket, path: Path) -> PublishedFile:
-            file = write(bucket, path)
+        def wrong(path: Path, bucket: WeightBucket) -> PublishedFile:
+            file = hashed(path, bucket)
             return dataclasses.replace(file, sha256="0" * 64) if bucket.index == 2 else file
 
-        monkeypatch.setattr(weight_publication, "write_bucket_file", wrong)
+        monkeypatch.setattr(weight_publication, "hash_bucket_file", wrong)
         writing = publication.begin(paced(gate), 3)
         for _ in range(5):
             gate.put_nowait(None)

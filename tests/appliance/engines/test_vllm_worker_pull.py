@@ -109,13 +109,13 @@ async def test_a_digest_that_differs_fails_the_pull_before_anything_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     publication = WeightPublication(tmp_path / "published")
-    write = weight_publication.write_bucket_file
+    hashed = weight_publication.hash_bucket_file
 
-    def wrong(bucket: WeightBucket, path: Path) -> PublishedFile:
-        file = write(bucket, path)
+    def wrong(path: Path, bucket: WeightBucket) -> PublishedFile:
+        file = hashed(path, bucket)
         return dataclasses.replace(file, sha256="0" * 64) if bucket.index == 3 else file
 
-    monkeypatch.setattr(weight_publication, "write_bucket_file", wrong)
+    monkeypatch.setattr(weight_publication, "hash_bucket_file", wrong)
     gate: asyncio.Queue[None] = asyncio.Queue()
     worker = Recording(publication, 4)
     writing = publication.begin(paced(gate), 4)
