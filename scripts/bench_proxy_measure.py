@@ -288,15 +288,14 @@ def fleet_of(urls: Sequence[str]) -> Iterator[None]:
         yield
         return
     from appliance.config import ApplianceConfig
-    from appliance.engines.base import Engine
     from appliance.engines.factory import create_engine
     from appliance.engines.fleet import EngineFleet
 
-    def create(config: ApplianceConfig, model_dir: Path, *_: Any) -> Engine:
+    def create(config: ApplianceConfig, model_dir: Path, *_: Any) -> EngineFleet:
         engines = [dataclasses.replace(config.engine, vllm_url=url) for url in urls]
         return EngineFleet([create_engine(dataclasses.replace(config, engine=e), model_dir) for e in engines])
 
-    with mock.patch("appliance.app.create_engine", create):
+    with mock.patch("appliance.app.create_fleet", create):
         yield
 
 

@@ -64,7 +64,8 @@ async def replay(fixture: dict[str, Any], model_dir: Path, data_dir: Path) -> li
         app.engine.generate = generate  # type: ignore[method-assign]
         # The scripted sampling has no context limit; smolagents' system prompt alone is longer
         # than the tiny model's 2,048 positions.
-        app.engine._max_context = 32_768  # type: ignore[attr-defined]
+        for engine in app.engine.replicas:  # type: ignore[attr-defined]
+            engine._max_context = 32_768
         active = app.registry.register("replay", task_id="t", group="g", task={})
         base = f"{app.proxy_url}/rollouts/{active.rollout}/v1"
         async with AsyncOpenAI(base_url=base, api_key=active.token, max_retries=0) as oai:

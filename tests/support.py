@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from openai import AsyncOpenAI
 
@@ -28,6 +29,14 @@ def make_config(tmp_path: Path, model_dir: Path, **overrides: object) -> Applian
     }
     values.update(overrides)
     return load_config(overrides=values, env={})
+
+
+def local_engine(app: Appliance) -> Any:
+    """The appliance's one engine that it launched (its fleet's first replica: the fleet of one
+    that remote replicas may join)."""
+    (engine, *remote) = app.engine.replicas  # type: ignore[attr-defined]
+    assert not remote, "this appliance has more than its own engine"
+    return engine
 
 
 def register_rollout(app: Appliance, name: str = "r1") -> ActiveRollout:

@@ -50,7 +50,7 @@ from appliance.scheduler.switch import MAX_TRAIN_FAILURES
 from appliance.training.service import _Taken
 from contracts.errors import TrainingFailed
 from store.events import TrainStepCompleted, TrainStepFailed
-from tests.support import make_config, openai_client, recorded_calls, register_rollout
+from tests.support import local_engine, make_config, openai_client, recorded_calls, register_rollout
 from trainer.items import StepOutput
 
 USER: list[Any] = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -80,7 +80,7 @@ def assert_retryable_503(exc: openai.APIStatusError, message: str) -> None:
 async def test_an_engine_failure_mid_generation_is_a_retryable_503(
     app: Appliance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = app.engine
+    engine = local_engine(app)
     assert isinstance(engine, TorchEngine)
     real_step = engine._step
     failures: list[int] = []
@@ -255,7 +255,7 @@ async def test_weights_of_a_step_not_made_durable_never_reach_the_engine(
         assert training._undurable is None
         back = trainer.state_dict_for_engine()
         assert all(torch.equal(back[k], v) for k, v in published.items())
-        served = app.engine._model.state_dict()
+        served = local_engine(app)._model.state_dict()
         common = served.keys() & published.keys()
         assert common and all(torch.equal(served[k], published[k]) for k in common)
 

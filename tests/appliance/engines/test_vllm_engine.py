@@ -38,7 +38,7 @@ from tests.appliance.engines.contract import (
     unsampled_id,
 )
 from tests.appliance.engines.vllm_venv import VLLM_PYTHON, server_session, skip_without_vllm
-from tests.support import make_config
+from tests.support import local_engine, make_config
 from tests.trainer import helpers
 from trainer.buckets import WeightBucket, pack_buckets, stream_buckets
 from trainer.items import TrainItem
@@ -501,7 +501,7 @@ async def test_appliance_trains_through_vllm(tmp_path: Path, tiny_model_dir: Pat
         agent=f"{__name__}:varied_reward_agent",
     )
     async with Appliance(config) as app:
-        engine = app.engine
+        engine = local_engine(app)
         assert isinstance(engine, VLLMEngine)
         params = greedy(32, [-1])
         before = await generate(engine, PROMPTS[5], params)

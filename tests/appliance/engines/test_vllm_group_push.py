@@ -26,7 +26,7 @@ from contracts.errors import BadRequest, EngineUnavailable
 from store.eventstore import EventStore
 from tests.appliance.engines.test_vllm_engine import digests, relaunched, served_digests
 from tests.appliance.engines.vllm_venv import VLLM_PYTHON, skip_without_vllm
-from tests.support import make_config
+from tests.support import local_engine, make_config
 from tests.trainer import helpers
 from trainer.buckets import TensorEntry, WeightBucket, stream_buckets
 from trainer.items import TrainItem
@@ -194,7 +194,7 @@ async def test_an_appliance_in_split_placement_pushes_over_the_group(
     assert config.weight_group_backend() == "gloo"
     async with Appliance(config) as app:
         assert await app.run() == "reached step 2"
-        engine, training = app.engine, app.training
+        engine, training = local_engine(app), app.training
         assert isinstance(engine, VLLMEngine) and engine.in_weight_group
         assert training._groups == 1 and engine.policy_version == 2
         trainer = training.trainer

@@ -20,13 +20,13 @@ from harness_adapters.python import PythonAdapter
 from store.events import ApplianceStarted, TrainStepCompleted, TrainStepFailed
 from store.eventstore import EventStore
 from tests.appliance.test_checkpointing import varied_agent
-from tests.support import make_config
+from tests.support import local_engine, make_config
 from trainer.ranks import RankedTrainer
 
 
 def assert_engine_serves_the_trainer(app: Appliance) -> None:
     trainer = app.training.trainer
-    engine: Any = app.engine
+    engine: Any = local_engine(app)
     served = engine._model.state_dict()
     pushed = trainer.state_dict_for_engine()
     assert served.keys() == pushed.keys()
@@ -128,7 +128,7 @@ async def test_a_lora_run_pushes_adapters_the_engine_serves_on_its_base(
     # Rewards that differ within each group: every step has advantages, so the adapters move.
     async with Appliance(config, adapter=PythonAdapter(varied_agent)) as app:
         assert await app.run() == "reached step 2"
-        engine: Any = app.engine
+        engine: Any = local_engine(app)
         served = engine._model.state_dict()
         adapters = served_adapter(engine._model)
         merged = app.training.trainer.state_dict_for_engine()
