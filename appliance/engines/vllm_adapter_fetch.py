@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -29,6 +30,9 @@ FINAL_HTTP = frozenset({400, 401, 403, 404, 410})
 KEEP = 2
 #: The worker attribute listing the directories it fetched, oldest first.
 _FETCHED = "_appliance_adapter_dirs"
+#: The environment variable naming where the directories go (the server's own directory, which
+#: its launcher removes when it stops, so a killed server leaves none behind); unset: $TMPDIR.
+ROOT_ENV = "APPLIANCE_ADAPTER_DIR"
 
 
 class AdapterPullError(RuntimeError):
@@ -42,7 +46,10 @@ def pull_adapter(worker: Any, spec_json: str) -> dict[str, Any]:
     spec = json.loads(spec_json)
     started = time.monotonic()
     base = f"{str(spec['url']).rstrip('/')}/admin/adapters/v{int(spec['version'])}"
-    directory = Path(tempfile.mkdtemp(prefix="appliance-adapter-"))
+    root = os.environ.get(ROOT_ENV) or None
+    if root is not None:
+        Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="appliance-adapter-", dir=root))
     try:
         total = 0
         for file in spec["files"]:

@@ -194,6 +194,8 @@ def server_env(settings: ServerSettings, extension_dir: Path) -> dict[str, str]:
     # worker extension.
     env["PYTHONPATH"] = str(extension_dir)
     env.pop("VIRTUAL_ENV", None)
+    # Pulled LoRA adapters go in the server's own directory, removed when it stops.
+    env["APPLIANCE_ADAPTER_DIR"] = str(extension_dir / "adapters")
     return env
 
 

@@ -61,8 +61,10 @@ def test_an_adapter_version_is_published_whole_once_and_the_newest_stay(
 
 
 async def test_the_proxy_serves_an_adapter_that_the_worker_fetches_with_digests_checked(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    server_dir = tmp_path / "server" / "adapters"  # where a launched server's go (its own dir)
+    monkeypatch.setenv("APPLIANCE_ADAPTER_DIR", str(server_dir))
     async with Appliance(make_config(tmp_path, tiny_model_dir)) as app:
         adapters = app.replicas.adapters
         assert adapters is not None and adapters.root == tmp_path / "run" / "adapters"
@@ -87,6 +89,7 @@ async def test_the_proxy_serves_an_adapter_that_the_worker_fetches_with_digests_
         fetched = [await asyncio.to_thread(pull_adapter, worker, json.dumps(spec)) for _ in range(3)]
         paths = [Path(f["path"]) for f in fetched]
         assert not paths[0].exists() and all(p.is_dir() for p in paths[1:])  # the newest two stay
+        assert all(p.parent == server_dir for p in paths) and server_dir.stat().st_mode & 0o077 == 0
         for name in FILES:
             assert (paths[2] / name).read_bytes() == (adapters.root / "v4" / name).read_bytes()
         assert fetched[2]["bytes"] == sum(f["bytes"] for f in manifest["files"])
@@ -103,11 +106,12 @@ async def test_the_proxy_serves_an_adapter_that_the_worker_fetches_with_digests_
 
 
 async def test_an_engine_that_pulls_takes_a_lora_push_as_its_adapter_alone(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine's side against a vLLM-shaped server whose worker RPC runs the real download:
     the push is published, fetched into the server's own directory, and that directory is what
     ``/v1/load_lora_adapter`` is given; the version is served."""
+    monkeypatch.setenv("APPLIANCE_ADAPTER_DIR", str(tmp_path / "server" / "adapters"))
     loads: list[dict[str, Any]] = []
 
     async def models(request: web.Request) -> web.Response:

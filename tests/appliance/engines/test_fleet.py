@@ -445,6 +445,7 @@ def test_the_factory_builds_a_fleet_per_engine_replicas(tmp_path: Path, tiny_mod
     assert [s._log_path.name for s in servers] == ["vllm-0.log", "vllm-1.log", "vllm-2.log"]
     env = server_env(servers[1]._settings, tmp_path)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["APPLIANCE_ADAPTER_DIR"] == str(tmp_path / "adapters")  # removed with the server
 
     single = create_engine(config(engine="vllm", device="cpu"), tiny_model_dir)
     assert isinstance(single, VLLMEngine) and single._settings.visible_devices is None
