@@ -217,11 +217,11 @@ class VLLMBuckets(VLLMWeights):
                 f"timeout plus {GROUP_RPC_MARGIN_S:.0f} s): the group is left; the next push forms a new one"
             ) from exc
 
-    async def _undo_buckets(self) -> None:
-        """After a bucketed push failed half-way: end it in the server, and put the previous
-        version back if a file holds it. Best effort: whatever fails leaves ``_push_pending``
-        set, so nothing is served until a push completes."""
-        log.warning("a bucketed weight push failed half-way; putting version %d back", self._policy_version)
+    async def _undo_buckets(self, what: str = "a bucketed weight push failed half-way") -> None:
+        """After a bucketed push (or a pull, ``what``) failed half-way: end it in the server, and
+        put the previous version back (``_sync_weights``). Best effort: whatever fails leaves
+        ``_push_pending`` set, so nothing is served until a push completes."""
+        log.warning("%s; putting version %d back", what, self._policy_version)
         try:
             await self._client.call("POST", "/collective_rpc", {"method": "appliance_abort_buckets"})
             await self._sync_weights()

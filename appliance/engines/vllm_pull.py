@@ -250,17 +250,8 @@ class VLLMPull(VLLMPullAdapter):
 
     async def _undo_pull(self) -> None:
         """After a pull failed while loading: end it in the workers and put the served version
-        back (pulled again while published). Best effort: whatever fails leaves
-        ``_push_pending`` set, so nothing is served until a push completes."""
-        log.warning("a weight pull failed while loading; putting version %d back", self._policy_version)
-        try:
-            await self._client.call("POST", "/collective_rpc", {"method": "appliance_abort_buckets"})
-            await self._sync_weights()
-        except Exception as exc:
-            message = exc.message if isinstance(exc, ApplianceError) else f"{type(exc).__name__}: {exc}"
-            log.error(
-                "vLLM: the previous weights could not be put back (%s); serving waits for a push", message
-            )
+        back (pulled again while published; ``_undo_buckets``)."""
+        await self._undo_buckets("a weight pull failed while loading")
 
     async def _sync_weights(self) -> None:
         """``VLLMWeights._sync_weights``, and first, for a server that lost a pulled version
